@@ -1,0 +1,1 @@
+"""Triton kernels and their plain-torch references: the shared paged-attention core."""

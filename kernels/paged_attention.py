@@ -1,0 +1,107 @@
+"""Triton paged attention over a flattened variable-length batch (prefill chunks and decodes together).
+
+Cache layout: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; see reference.py
+for the batch layout. The reference implementation there is this kernel's oracle.
+
+Grid: (num_seqs, cdiv(max_query_len, BLOCK_Q), num_kv_heads). One program owns BLOCK_Q query
+tokens of one sequence and *all* the query heads that share one KV head (GQA group), so each K/V
+tile is loaded once for the whole group. Its tile of BLOCK_M = BLOCK_Q * GROUP_P rows is
+
+    row r  ->  query token  q_tile * BLOCK_Q + r // GROUP_P,   query head  kv_head * GROUP + r % GROUP_P
+
+(GROUP_P is the group size rounded up to a power of two; padded rows and tokens past the
+sequence's query length are masked). The program walks the sequence's keys BLOCK_N at a time,
+gathering each key's row through the block table (so BLOCK_N is independent of block_size), and
+keeps an online softmax (running max m, running sum l, float32 accumulator). It stops at the last
+key its last query may see: causal masking against the already-cached context is just
+key_pos <= ctx_len + query_index. Programs whose tile lies past their sequence's queries exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_ct, stride_ch, stride_bt,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+    HEAD_D: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_P)
+    tok = q_tile * BLOCK_Q + rows // GROUP_P
+    head = kv_head * GROUP + rows % GROUP_P
+    row_ok = (tok < q_len) & (rows % GROUP_P < GROUP)
+    d = tl.arange(0, HEAD_P)
+    d_ok = d < HEAD_D
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = ctx_len + tok
+
+    m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_P], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P, HEAD_P], dtype=tl.float32)
+    kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
+    for start in range(0, kv_end, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < kv_end
+        blk = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        kv_off = blk[:, None] * stride_cb + (k_pos % BLOCK_SIZE)[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as reference.paged_attention_reference; `max_query_len` sizes the grid."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and query.stride(2) == 1
+    group = num_heads // num_kv_heads
+    group_p = triton.next_power_of_2(group)
+    block_m = max(64 if max_query_len > 1 else 16, group_p)
+    block_q = block_m // group_p
+    if out is None:
+        out = torch.empty_like(query)
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    _paged_attention_kernel[grid](
+        out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_P=group_p, HEAD_D=head_dim,
+        HEAD_P=max(triton.next_power_of_2(head_dim), 16), BLOCK_Q=block_q, BLOCK_N=32,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+    return out

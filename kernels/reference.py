@@ -1,0 +1,55 @@
+"""Plain-torch paged attention and KV-cache write: the CPU backend's implementation and the test oracle.
+
+KV cache layout (shared with the Triton kernels), one pair per layer:
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot s  ->  block s // block_size, row s % block_size
+
+A step's batch is flattened: request i owns query rows [query_start_loc[i], query_start_loc[i+1])
+and its sequence is seq_lens[i] tokens long, the last query_len of which are this step's queries
+(positions seq_len - query_len .. seq_len - 1). Query t attends keys at positions <= its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """Store key/value [T, Hkv, D] into the cache slots slot_mapping [T] (int64; < 0 skips the token)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+
+
+def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """Causal attention of query [T, Hq, D] over the paged cache; returns [T, Hq, D] in query's dtype.
+
+    block_tables [B, max_blocks] int32, query_start_loc [B + 1] int32, seq_lens [B] int32.
+    Scores and softmax in float32.
+    """
+    out = torch.empty_like(query)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q = query[starts[i]:starts[i + 1]].float()
+        q_len = q.shape[0]
+        if q_len == 0:
+            continue
+        blocks = block_tables[i, :-(-seq_len // block_size)].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len].float()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out

@@ -1,0 +1,1 @@
+"""Built-in plugins, registered through the `llmserve` entry-point group like third-party ones."""

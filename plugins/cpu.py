@@ -1,0 +1,31 @@
+"""CPU backend: the plain-torch reference kernels."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from llmserve.attention import AttentionBackend, AttentionMetadata
+from llmserve.hookspecs import hookimpl
+from llmserve.kernels.reference import paged_attention_reference, write_kv_reference
+
+
+class CPUBackend(AttentionBackend):
+    name = "cpu"
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+
+    def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention_reference(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                         meta.seq_lens, scale)
+
+    def memory_available(self, device: torch.device) -> tuple[int, int]:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+@hookimpl
+def llmserve_select_backend(device: torch.device, config) -> AttentionBackend | None:
+    return CPUBackend() if device.type == "cpu" else None

@@ -1,0 +1,34 @@
+"""CUDA backend: the Triton paged-attention and KV-write kernels."""
+
+from __future__ import annotations
+
+import torch
+
+from llmserve.attention import AttentionBackend, AttentionMetadata
+from llmserve.hookspecs import hookimpl
+
+
+class CUDABackend(AttentionBackend):
+    name = "cuda"
+
+    def __init__(self) -> None:
+        # Imported here: Triton's CUDA driver is only needed when this backend is chosen.
+        from llmserve.kernels.cache_write import write_kv
+        from llmserve.kernels.paged_attention import paged_attention
+        self._write_kv = write_kv
+        self._paged_attention = paged_attention
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        self._write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._paged_attention(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                     meta.seq_lens, scale, meta.max_query_len)
+
+    def memory_available(self, device: torch.device) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(device)
+
+
+@hookimpl
+def llmserve_select_backend(device: torch.device, config) -> AttentionBackend | None:
+    return CUDABackend() if device.type == "cuda" else None

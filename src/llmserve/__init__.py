@@ -1,0 +1,10 @@
+"""llmserve: a high-throughput LLM inference engine."""
+
+from llmserve.config import EngineConfig
+from llmserve.entrypoints.llm import LLM
+from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

@@ -1,0 +1,232 @@
+"""Request actor: the engine's front door.
+
+Tokenizes and validates prompts, fans a request with n samples out into n sequences, turns the
+scheduler's per-step token updates into text (incremental detokenization, stop strings) and
+publishes each request's latest cumulative RequestOutput in its OutputSlot.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import anyio
+import structlog
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from llmserve.detokenizer import Detokenizer
+from llmserve.messages import EngineOutputs, FinishRequests, NewRequest, SequenceUpdate, TokenLogprobs
+from llmserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+log = structlog.get_logger("llmserve.request")
+
+
+class OutputSlot:
+    """Holds a request's newest RequestOutput (or error). Outputs are cumulative, so a slow reader
+    skips intermediate ones instead of making the engine buffer them: memory stays bounded."""
+
+    def __init__(self) -> None:
+        self._value: RequestOutput | BaseException | None = None
+        self._ready = anyio.Event()
+
+    def put(self, value: RequestOutput | BaseException) -> None:
+        self._value = value
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        value, self._value = self._value, None
+        self._ready = anyio.Event()
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+
+@dataclass(slots=True)
+class Submit:
+    req_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    slot: OutputSlot
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class Abort:
+    req_id: str
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    req_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    slot: OutputSlot
+    completions: list[CompletionOutput]
+    detoks: list[Detokenizer]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    children: list[str] = field(default_factory=list)
+
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+
+class RequestActor:
+    def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, seed: int,
+                 inbox: ObjectReceiveStream, to_scheduler: ObjectSendStream) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.inbox = inbox
+        self.to_scheduler = to_scheduler
+        self.rng = random.Random(seed)
+        self.requests: dict[str, _Request] = {}
+        self.child_of: dict[str, tuple[_Request, int]] = {}
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        async with self.inbox:
+            async for msg in self.inbox:
+                if isinstance(msg, EngineOutputs):
+                    await self._on_outputs(msg)
+                elif isinstance(msg, Submit):
+                    await self._on_submit(msg)
+                elif isinstance(msg, Abort):
+                    await self._abort(msg.req_id)
+
+    # ---- arrivals ------------------------------------------------------------------------------
+
+    def _tokenize(self, sub: Submit) -> tuple[str | None, list[int]]:
+        if isinstance(sub.prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids instead")
+            return sub.prompt, self.tokenizer.encode(sub.prompt)
+        ids = list(sub.prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
+        return None, ids
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens long; max_model_len is {self.max_model_len}, "
+                             f"so a prompt may have at most {self.max_model_len - 1} tokens")
+        bad = [t for t in [*(params.logit_bias or {}), *params.stop_token_ids] if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias/stop_token_ids: token ids must be < vocab size {self.vocab_size}, got {bad}")
+
+    async def _on_submit(self, sub: Submit) -> None:
+        if sub.req_id in self.requests:
+            sub.slot.put(ValueError(f"request_id {sub.req_id!r} is already in use"))
+            return
+        try:
+            prompt, ids = self._tokenize(sub)
+            self._validate(ids, sub.params)
+        except ValueError as exc:
+            sub.slot.put(exc)
+            return
+        p = sub.params
+        base_seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
+        req = _Request(sub.req_id, prompt, ids, p, sub.slot,
+                       [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None) for i in range(p.n)],
+                       [Detokenizer(self.tokenizer, ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output)
+                        for _ in range(p.n)],
+                       prompt_logprobs=[None] if p.prompt_logprobs is not None else None)
+        self.requests[sub.req_id] = req
+        now = time.monotonic()
+        for i in range(p.n):
+            child_id = sub.req_id if p.n == 1 else f"{sub.req_id}#{i}"
+            req.children.append(child_id)
+            self.child_of[child_id] = (req, i)
+            child_params = replace(p, n=1, seed=(base_seed + i) % 2**63)
+            await self.to_scheduler.send(NewRequest(child_id, ids, child_params, sub.priority, now))
+
+    async def _abort(self, req_id: str) -> None:
+        req = self.requests.get(req_id)
+        if req is None:
+            return
+        live = [c for c, comp in zip(req.children, req.completions) if comp.finish_reason is None]
+        for child in live:
+            req.completions[self.child_of[child][1]].finish_reason = "abort"
+        if live:
+            await self.to_scheduler.send(FinishRequests(live, "abort"))
+        self._publish(req)
+
+    # ---- per-step outputs -----------------------------------------------------------------------
+
+    async def _on_outputs(self, msg: EngineOutputs) -> None:
+        stopped: list[str] = []
+        touched: dict[str, _Request] = {}
+        for up in msg.updates:
+            entry = self.child_of.get(up.req_id)
+            if entry is None:
+                continue
+            req, i = entry
+            comp = req.completions[i]
+            if comp.finish_reason is not None:
+                continue  # already ended by a stop string or an abort
+            if up.error is not None:
+                comp.finish_reason = "abort"
+                req.slot.put(RuntimeError(f"engine step failed: {up.error}"))
+                self._forget(req)
+                continue
+            self._apply(req, i, up)
+            stop = req.detoks[i].add(up.new_token_ids, final=up.finish_reason is not None)
+            if stop is not None:
+                comp.finish_reason, comp.stop_reason = "stop", stop
+                if up.finish_reason is None:
+                    stopped.append(up.req_id)
+            touched[req.req_id] = req
+        if stopped:
+            await self.to_scheduler.send(FinishRequests(stopped, "stop"))
+        for req in touched.values():
+            self._publish(req)
+
+    def _apply(self, req: _Request, i: int, up: SequenceUpdate) -> None:
+        comp = req.completions[i]
+        comp.token_ids.extend(up.new_token_ids)
+        req.num_cached_tokens = max(req.num_cached_tokens, up.num_cached_tokens)
+        if comp.logprobs is not None:
+            for lp in up.logprobs:
+                comp.logprobs.append(self._position(lp))
+                comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + lp.logprob
+        if req.prompt_logprobs is not None and i == 0:
+            req.prompt_logprobs.extend(self._position(lp) for lp in up.prompt_logprobs)
+        if up.finish_reason is not None:
+            comp.finish_reason, comp.stop_reason = up.finish_reason, up.stop_reason
+
+    def _position(self, lp: TokenLogprobs) -> PositionLogprobs:
+        entry = {tid: Logprob(v, r + 1, self._piece(tid)) for r, (tid, v) in enumerate(zip(lp.top_ids, lp.top_logprobs))}
+        entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self._piece(lp.token_id))
+        return entry
+
+    def _piece(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _publish(self, req: _Request) -> None:
+        for comp, detok in zip(req.completions, req.detoks):
+            comp.text = detok.visible_text(comp.finish_reason is not None)
+        finished = req.finished()
+        req.slot.put(RequestOutput(
+            request_id=req.req_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
+            outputs=[_copy(c) for c in req.completions],
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+            finished=finished, num_cached_tokens=req.num_cached_tokens))
+        if finished:
+            self._forget(req)
+
+    def _forget(self, req: _Request) -> None:
+        self.requests.pop(req.req_id, None)
+        for child in req.children:
+            self.child_of.pop(child, None)
+
+
+def _copy(c: CompletionOutput) -> CompletionOutput:
+    return CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
+                            list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason)

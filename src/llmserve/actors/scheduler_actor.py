@@ -1,0 +1,90 @@
+"""Scheduler actor: owns the Scheduler (queues, token budgets); proposes a step whenever none is in
+flight, follows the KV manager's feedback, applies step results, and logs engine statistics."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import structlog
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from llmserve.core.scheduler import RequestStatus, Scheduler
+from llmserve.messages import FinishRequests, NewRequest, StepFeedback, StepResult
+
+log = structlog.get_logger("llmserve.engine")
+
+
+class EngineStats:
+    """Counters since start and the interval log line."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.kv_usage = 0.0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self._last = (time.monotonic(), 0, 0)
+
+    def maybe_log(self, scheduler: Scheduler) -> None:
+        now = time.monotonic()
+        t0, p0, g0 = self._last
+        if not self.interval_s or now - t0 < self.interval_s:
+            return
+        dt = now - t0
+        log.info("engine", running=scheduler.num_running, waiting=scheduler.num_waiting,
+                 kv_usage=round(self.kv_usage, 3),
+                 prefix_hit_rate=round(self.prefix_hits / self.prefix_queries, 3) if self.prefix_queries else 0.0,
+                 prompt_tok_s=round((scheduler.prompt_tokens - p0) / dt, 1),
+                 gen_tok_s=round((scheduler.generation_tokens - g0) / dt, 1),
+                 preemptions=scheduler.num_preemptions)
+        self._last = (now, scheduler.prompt_tokens, scheduler.generation_tokens)
+
+
+class SchedulerActor:
+    def __init__(self, scheduler: Scheduler, stats: EngineStats, *, inbox: ObjectReceiveStream,
+                 to_kv: ObjectSendStream, to_requests: ObjectSendStream) -> None:
+        self.scheduler = scheduler
+        self.stats = stats
+        self.inbox, self.to_kv, self.to_requests = inbox, to_kv, to_requests
+        self.in_flight = False
+        self.stalled = False  # the last step scheduled nothing: wait for news before trying again
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        async with self.inbox:
+            while True:
+                msg = await self.inbox.receive()
+                await self._handle(msg)
+                # Take everything already queued (a burst of arrivals joins one step).
+                while True:
+                    try:
+                        msg = self.inbox.receive_nowait()
+                    except anyio.WouldBlock:
+                        break
+                    await self._handle(msg)
+                if not self.in_flight and not self.stalled and self.scheduler.has_work():
+                    self.in_flight = True
+                    await self.to_kv.send(self.scheduler.schedule())
+                self.stats.maybe_log(self.scheduler)
+
+    async def _handle(self, msg: object) -> None:
+        s = self.scheduler
+        if isinstance(msg, NewRequest):
+            s.add(msg)
+            self.stalled = False
+        elif isinstance(msg, FinishRequests):
+            s.finish(msg.req_ids, RequestStatus.FINISHED_STOPPED if msg.reason == "stop"
+                     else RequestStatus.FINISHED_ABORTED)
+            self.stalled = False
+        elif isinstance(msg, StepFeedback):
+            s.on_feedback(msg)
+            self.stalled = not msg.scheduled and not s.running
+            self.stats.kv_usage = msg.kv_usage
+            self.stats.prefix_queries, self.stats.prefix_hits = msg.prefix_queries, msg.prefix_hits
+        elif isinstance(msg, StepResult):
+            self.in_flight = False
+            outputs = s.on_result(msg)
+            if outputs.updates:
+                await self.to_requests.send(outputs)
+        else:
+            raise TypeError(f"scheduler actor got unexpected message {type(msg).__name__}")

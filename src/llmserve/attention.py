@@ -1,0 +1,40 @@
+"""What a hardware backend provides to the model: the KV-cache write and paged attention.
+
+Backends are plugins (see hookspecs.py); the model calls them through this interface only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Device tensors describing one step's flattened batch (layout in kernels/reference.py)."""
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    max_query_len: int
+
+
+class AttentionBackend:
+    """Base class of hardware backends. Subclasses implement the two kernels for their device."""
+
+    name: str = "base"
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store key/value [T, Hkv, D] into the paged cache at slot_mapping [T]."""
+        raise NotImplementedError
+
+    def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal paged attention of query [T, Hq, D]; returns [T, Hq, D]."""
+        raise NotImplementedError
+
+    def memory_available(self, device: torch.device) -> tuple[int, int]:
+        """(free, total) bytes on the device."""
+        raise NotImplementedError

@@ -1,0 +1,146 @@
+"""Engine configuration: one tree of slotted dataclasses that validate themselves.
+
+`EngineConfig.from_toml(path)` reads the same keys that `config.example.toml` documents;
+`EngineConfig.from_kwargs(model=..., block_size=...)` is the flat form `LLM(...)` takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _check(ok: bool, section: str, name: str, limit: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{section}.{name} must be {limit}, got {value!r}")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model: str = ""
+    """Checkpoint directory: config.json, *.safetensors and tokenizer files."""
+    tokenizer: str | None = None
+    """Tokenizer directory; the checkpoint directory when unset."""
+    dtype: str = "auto"
+    """auto (the checkpoint's torch_dtype; float32 on CPU when that is half precision) | float32 | float16 | bfloat16."""
+    load_format: str = "auto"
+    """auto (safetensors) | dummy (random weights in the checkpoint's shapes; config.json alone suffices)."""
+    max_model_len: int | None = None
+    """Longest prompt + output, in tokens; max_position_embeddings when unset."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
+    seed: int = 0
+    """Seed for dummy weights and for requests that carry no seed of their own."""
+    quantization: str | None = None
+    """Name of a quantization method registered by a plugin; None for none."""
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in _DTYPES, "model", "dtype", f"one of {_DTYPES}", self.dtype)
+        _check(self.load_format in ("auto", "dummy"), "model", "load_format", "'auto' or 'dummy'", self.load_format)
+        _check(self.max_model_len is None or self.max_model_len >= 2, "model", "max_model_len", ">= 2", self.max_model_len)
+        _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"), "model", "device",
+               "'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    gpu_memory_utilization: float = 0.90
+    """Fraction of the GPU's memory the engine may use (weights, activations and KV cache)."""
+    num_blocks: int | None = None
+    """Fixed number of KV blocks; overrides sizing from memory (tests use it to force preemption)."""
+    cpu_kv_cache_gib: float = 1.0
+    """KV cache size on the CPU device."""
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "cache", "block_size", "a power of two in [1, 128]", self.block_size)
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "cache", "gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
+        _check(self.num_blocks is None or self.num_blocks >= 1, "cache", "num_blocks", ">= 1", self.num_blocks)
+        _check(self.cpu_kv_cache_gib > 0, "cache", "cpu_kv_cache_gib", "> 0", self.cpu_kv_cache_gib)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 8192
+    """Token budget of one step: decode tokens plus prefill chunks."""
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    policy: str = "fcfs"
+    """fcfs | priority (lower `priority` value runs first; ties by arrival)."""
+    log_interval_s: float = 5.0
+    """Seconds between engine statistics lines; 0 turns them off."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_batched_tokens >= 1, "scheduler", "max_num_batched_tokens", ">= 1", self.max_num_batched_tokens)
+        _check(self.max_num_seqs >= 1, "scheduler", "max_num_seqs", ">= 1", self.max_num_seqs)
+        _check(self.policy in ("fcfs", "priority"), "scheduler", "policy", "'fcfs' or 'priority'", self.policy)
+        _check(self.log_interval_s >= 0, "scheduler", "log_interval_s", ">= 0", self.log_interval_s)
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel_size == 1, "parallel", "tensor_parallel_size",
+               "1 (tensor parallelism is not implemented yet)", self.tensor_parallel_size)
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port <= 65535, "server", "port", "in [0, 65535]", self.port)
+
+
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+             "parallel": ParallelConfig, "server": ServerConfig}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, dict[str, Any]]) -> EngineConfig:
+        unknown = set(data) - set(_SECTIONS)
+        if unknown:
+            raise ValueError(f"unknown config section(s) {sorted(unknown)}; known: {sorted(_SECTIONS)}")
+        sections = {}
+        for name, klass in _SECTIONS.items():
+            values = data.get(name, {})
+            known = {f.name for f in dataclasses.fields(klass)}
+            bad = set(values) - known
+            if bad:
+                raise ValueError(f"unknown key(s) {sorted(bad)} in [{name}]; known: {sorted(known)}")
+            sections[name] = klass(**values)
+        return cls(**sections)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> EngineConfig:
+        with open(path, "rb") as f:
+            return cls.from_dict(tomllib.load(f))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Flat keyword form: each key goes to the one section that has a field of that name."""
+        data: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        for key, value in kwargs.items():
+            owners = [n for n, k in _SECTIONS.items() if key in {f.name for f in dataclasses.fields(k)}]
+            if not owners:
+                raise ValueError(f"unknown engine option {key!r}")
+            data[owners[0]][key] = value
+        return cls.from_dict(data)

@@ -1,0 +1,1 @@
+"""Pure scheduling and KV-cache logic: synchronous, no event loop, no device."""

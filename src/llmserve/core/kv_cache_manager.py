@@ -1,0 +1,239 @@
+"""KV-cache manager: block tables, prefix-cache lookups, and fitting a step proposal into the pool.
+
+A request's blocks cover its tokens in order; block i holds positions [i*B, (i+1)*B):
+
+    tokens      | t0 .. t15 | t16 .. t31 | t32 .. t40 ___ |
+    block_ids   |    b7     |    b2      |      b9        |   (B = 16)
+                 full, hashed  full, hashed  partial: not in the prefix cache yet
+
+A full block's hash chains its parent's hash with its own tokens, so equal hashes mean equal
+prefixes. Blocks are hashed as soon as a step is planned to fill them: a later request in the same
+step can already share them, since each layer writes the step's K/V before any attention reads.
+
+Plain synchronous code: no event loop, no device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llmserve.core.block_pool import BlockPool
+from llmserve.messages import NewSequence, StepFeedback, StepPlan, StepProposal, ScheduledRequest
+
+_ROOT_HASH = 0x5EED_C0DE
+
+
+def chain_hash(parent: int, tokens: list[int]) -> int:
+    return hash((parent, tuple(tokens)))
+
+
+@dataclass(slots=True, eq=False)
+class KVRequest:
+    req_id: str
+    token_ids: list[int]
+    priority_key: tuple
+    use_prefix_cache: bool
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_computed: int = 0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.requests: dict[str, KVRequest] = {}
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of those, tokens found in the cache
+
+    # ---- paired verbs ------------------------------------------------------------------------
+
+    def _blocks_needed(self, req: KVRequest, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
+
+    def find_cached_prefix(self, req: KVRequest) -> list[int]:
+        """Block ids of the longest cached prefix, leaving at least the last token to compute."""
+        if not (self.enable_prefix_caching and req.use_prefix_cache):
+            return []
+        B = self.block_size
+        hits: list[int] = []
+        parent = _ROOT_HASH
+        for i in range((len(req.token_ids) - 1) // B):
+            h = chain_hash(parent, req.token_ids[i * B:(i + 1) * B])
+            block_id = self.pool.lookup(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            req.block_hashes.append(h)
+            parent = h
+        return hits
+
+    def admit(self, req: KVRequest, num_tokens: int) -> int | None:
+        """Give a request with no blocks its cached prefix and blocks for up to `num_tokens` more.
+
+        Returns the tokens to compute this step, or None (and no change) if the pool is too small.
+        """
+        hits = self.find_cached_prefix(req)
+        num_computed = len(hits) * self.block_size
+        n = min(num_tokens, len(req.token_ids) - num_computed)
+        need_new = -(-(num_computed + n) // self.block_size) - len(hits)
+        if need_new + self.pool.num_evictable_among(hits) > self.pool.num_free:
+            req.block_hashes.clear()
+            return None
+        self.pool.touch(hits)
+        req.block_ids = hits + self.pool.allocate(need_new)
+        req.num_computed = num_computed
+        if req.use_prefix_cache:
+            self.prefix_queries += len(req.token_ids)
+            self.prefix_hits += num_computed
+        self._commit(req, n)
+        return n
+
+    def extend(self, req: KVRequest, num_tokens: int) -> int | None:
+        """Blocks for up to `num_tokens` more tokens of a running request; None if they don't fit."""
+        n = min(num_tokens, len(req.token_ids) - req.num_computed)
+        need = self._blocks_needed(req, req.num_computed + n)
+        if need:
+            new = self.pool.allocate(need)
+            if new is None:
+                return None
+            req.block_ids.extend(new)
+        self._commit(req, n)
+        return n
+
+    def _commit(self, req: KVRequest, n: int) -> None:
+        """Count the step's tokens as computed and hash the blocks they fill."""
+        req.num_computed += n
+        if not (self.enable_prefix_caching and req.use_prefix_cache):
+            return
+        B = self.block_size
+        parent = req.block_hashes[-1] if req.block_hashes else _ROOT_HASH
+        for i in range(len(req.block_hashes), req.num_computed // B):
+            parent = chain_hash(parent, req.token_ids[i * B:(i + 1) * B])
+            req.block_hashes.append(parent)
+            self.pool.cache(req.block_ids[i], parent)
+
+    def free(self, req_id: str) -> None:
+        req = self.requests.pop(req_id, None)
+        if req is not None:
+            self.pool.free(req.block_ids)
+
+    def preempt(self, req: KVRequest) -> None:
+        """Take a request's blocks back; it recomputes later (its full blocks stay cached)."""
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.block_hashes = []
+        req.num_computed = 0
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def process(self, proposal: StepProposal) -> tuple[StepPlan, StepFeedback]:
+        """Fit a proposal into the pool: the step's plan for the executor and feedback for the scheduler.
+
+        Entries are walked in policy order. When blocks run out for entry X, the lowest-priority
+        request holding blocks (largest priority key, necessarily not yet walked) is preempted and X
+        retried; if X is itself the lowest, X is preempted (if running) or left waiting, and so are
+        all entries after it (they are new requests by then).
+        """
+        for req_id in proposal.freed:
+            self.free(req_id)
+        for e in proposal.entries:
+            if e.admitted is not None:
+                self.requests[e.req_id] = KVRequest(e.req_id, list(e.new_token_ids), e.priority_key,
+                                                    e.admitted.use_prefix_cache)
+            else:
+                self.requests[e.req_id].token_ids.extend(e.new_token_ids)
+
+        scheduled: list[tuple[KVRequest, int, int]] = []  # (request, computed before, new tokens)
+        preempted: list[str] = []
+        not_admitted: list[str] = []
+        cached_tokens: dict[str, int] = {}
+        gone: set[str] = set()
+        stop_at = len(proposal.entries)
+        for idx, e in enumerate(proposal.entries):
+            if e.req_id in gone:
+                continue
+            req = self.requests[e.req_id]
+            while True:
+                n = self.admit(req, e.num_tokens) if e.admitted is not None else self.extend(req, e.num_tokens)
+                if n is not None:
+                    before = req.num_computed - n
+                    if e.admitted is not None:
+                        cached_tokens[e.req_id] = before
+                    scheduled.append((req, before, n))
+                    break
+                victim = max((r for r in self.requests.values() if r.block_ids), key=lambda r: r.priority_key,
+                             default=None)
+                if victim is not None and victim is not req and victim.priority_key > req.priority_key:
+                    self.preempt(victim)
+                    preempted.append(victim.req_id)
+                    gone.add(victim.req_id)
+                    continue
+                stop_at = idx
+                break
+            if stop_at != len(proposal.entries):
+                break
+        for e in proposal.entries[stop_at:]:
+            if e.req_id in gone:
+                continue
+            req = self.requests[e.req_id]
+            if e.admitted is not None:
+                not_admitted.append(e.req_id)
+                del self.requests[e.req_id]
+            else:
+                self.preempt(req)
+                preempted.append(e.req_id)
+        for req_id in preempted:
+            self.requests.pop(req_id, None)
+
+        plan = self._build_plan(proposal, scheduled)
+        feedback = StepFeedback(
+            step_id=proposal.step_id,
+            scheduled={r.req_id: (before, n) for r, before, n in scheduled},
+            preempted=preempted,
+            not_admitted=not_admitted,
+            cached_tokens=cached_tokens,
+            kv_usage=self.pool.usage(),
+            prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits,
+        )
+        return plan, feedback
+
+    def _build_plan(self, proposal: StepProposal, scheduled: list[tuple[KVRequest, int, int]]) -> StepPlan:
+        num_reqs = len(scheduled)
+        max_blocks = max((len(r.block_ids) for r, _, _ in scheduled), default=0)
+        block_tables = np.zeros((num_reqs, max(max_blocks, 1)), dtype=np.int32)
+        token_chunks = []
+        new_sequences = {}
+        admitted = {e.req_id: e.admitted for e in proposal.entries if e.admitted is not None}
+        for i, (req, before, n) in enumerate(scheduled):
+            block_tables[i, :len(req.block_ids)] = req.block_ids
+            token_chunks.append(req.token_ids[before:before + n])
+            adm = admitted.get(req.req_id)
+            if adm is not None:
+                new_sequences[req.req_id] = NewSequence(adm.params, req.token_ids[:adm.prompt_len],
+                                                        req.token_ids[adm.prompt_len:])
+        query_lens = np.array([n for _, _, n in scheduled], dtype=np.int32)
+        context_lens = np.array([before for _, before, _ in scheduled], dtype=np.int32)
+        totals = np.array([len(r.token_ids) for r, _, _ in scheduled], dtype=np.int32)
+        token_ids = (np.fromiter((t for chunk in token_chunks for t in chunk), dtype=np.int64,
+                                 count=int(query_lens.sum())) if num_reqs else np.zeros(0, np.int64))
+        return StepPlan(
+            step_id=proposal.step_id,
+            req_ids=[r.req_id for r, _, _ in scheduled],
+            token_ids=token_ids,
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=block_tables,
+            sample=(context_lens + query_lens) == totals,
+            new_sequences=new_sequences,
+            freed=list(proposal.freed),
+        )
+
+    # ---- accounting --------------------------------------------------------------------------
+
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free

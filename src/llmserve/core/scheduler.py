@@ -1,0 +1,207 @@
+"""Scheduling policy: who runs next step, and how many tokens each gets.
+
+Plain synchronous code: no event loop, no blocks, no device. The KV manager decides what fits.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from llmserve.messages import (Admission, EngineOutputs, NewRequest, ScheduledRequest, SequenceUpdate,
+                               StepFeedback, StepProposal, StepResult)
+from llmserve.sampling_params import SamplingParams
+
+
+class RequestStatus(IntEnum):
+    """Ordered: every status from FINISHED_STOPPED on is final."""
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    req_id: str
+    token_ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    key: tuple[int, float, int]
+    """Policy order: (priority, arrival, sequence number); smaller runs first."""
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed: int = 0
+    num_sent: int = 0
+    """Tokens the KV manager has been told about."""
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    pending_logprobs: list = field(default_factory=list)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+class Scheduler:
+    def __init__(self, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                 policy: str = "fcfs", eos_token_ids: frozenset[int] = frozenset(),
+                 enable_prefix_caching: bool = True) -> None:
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.eos_token_ids = eos_token_ids
+        self.enable_prefix_caching = enable_prefix_caching
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by key
+        self.running: list[Request] = []  # sorted by key
+        self._to_free: list[str] = []
+        self._seq = itertools.count()
+        self._step = itertools.count()
+        self.num_preemptions = 0
+        self.prompt_tokens = 0  # prompt tokens computed (recomputation after preemption included)
+        self.generation_tokens = 0  # tokens sampled
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add(self, new: NewRequest) -> None:
+        priority = new.priority if self.policy == "priority" else 0
+        req = Request(new.req_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.params,
+                      (priority, new.arrival, next(self._seq)))
+        self.requests[req.req_id] = req
+        bisect.insort(self.waiting, req, key=lambda r: r.key)
+
+    def finish(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """End requests from outside (abort, stop string); their blocks are freed next step."""
+        for req_id in req_ids:
+            req = self.requests.pop(req_id, None)
+            if req is None:
+                continue
+            (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+            req.status = status
+            self._to_free.append(req_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._to_free)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> StepProposal:
+        """Propose the next step.
+
+        Walk running and waiting requests together in policy order (FCFS: arrival; priority: the
+        request's priority, then arrival). Each gets min(tokens it still lacks, budget left) from
+        the step's token budget: 1 for a decoding request, a chunk of its prompt for one being
+        prefilled, so decodes and prefill chunks share one batch. A waiting request also needs a
+        free seat under max_num_seqs. Stop when the budget is spent. The KV manager then admits,
+        shrinks (prefix-cache hits) or preempts entries from the tail of this order to fit the pool.
+        """
+        budget = self.max_num_batched_tokens
+        seats = self.max_num_seqs - len(self.running)
+        entries: list[ScheduledRequest] = []
+        for req in heapq.merge(self.running, self.waiting, key=lambda r: r.key):
+            if budget == 0:
+                break
+            admitting = req.status != RequestStatus.RUNNING
+            if admitting:
+                if seats == 0:
+                    continue
+                seats -= 1
+                req.num_sent = 0
+            n = min(len(req.token_ids) - req.num_computed, budget)
+            admission = None
+            if admitting:
+                use_cache = self.enable_prefix_caching and req.params.prompt_logprobs is None
+                admission = Admission(req.prompt_len, req.params, use_cache)
+            entries.append(ScheduledRequest(req.req_id, n, req.token_ids[req.num_sent:], req.key, admission))
+            req.num_sent = len(req.token_ids)
+            budget -= n
+        freed, self._to_free = self._to_free, []
+        return StepProposal(next(self._step), entries, freed)
+
+    def on_feedback(self, fb: StepFeedback) -> None:
+        """Follow what the KV manager did with the proposal."""
+        for req_id, (before, n) in fb.scheduled.items():
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            req.num_computed = before + n
+            self.prompt_tokens += max(0, min(before + n, req.prompt_len) - before)
+            if req.status != RequestStatus.RUNNING:
+                self.waiting.remove(req)
+                req.status = RequestStatus.RUNNING
+                bisect.insort(self.running, req, key=lambda r: r.key)
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = fb.cached_tokens.get(req_id, 0)
+        for req_id in fb.preempted:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+                bisect.insort(self.waiting, req, key=lambda r: r.key)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed = 0
+            req.num_sent = 0
+            req.num_preemptions += 1
+            self.num_preemptions += 1
+        for req_id in fb.not_admitted:
+            req = self.requests.get(req_id)
+            if req is not None:
+                req.num_sent = 0
+
+    def on_result(self, result: StepResult) -> EngineOutputs:
+        """Append sampled tokens, apply token-level stop conditions, and report to the request actor."""
+        updates: list[SequenceUpdate] = []
+        if result.error is not None:
+            failed = [r for r in result.req_ids if r in self.requests]
+            self.finish(failed)
+            return EngineOutputs([SequenceUpdate(r, [], "abort", error=repr(result.error)) for r in failed])
+        for req_id, prompt_lps in result.prompt_logprobs.items():
+            if req_id in self.requests:
+                self.requests[req_id].pending_logprobs.extend(prompt_lps)
+        for req_id, token in zip(result.req_ids, result.token_ids):
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # finished or preempted while the step ran: its token is discarded
+            req.token_ids.append(token)
+            self.generation_tokens += 1
+            update = SequenceUpdate(req_id, [token], num_cached_tokens=req.num_cached_tokens)
+            if req_id in result.logprobs:
+                update.logprobs.append(result.logprobs[req_id])
+            if req.pending_logprobs:
+                update.prompt_logprobs, req.pending_logprobs = req.pending_logprobs, []
+            self._check_stop(req, token, update)
+            updates.append(update)
+        return EngineOutputs(updates)
+
+    def _check_stop(self, req: Request, token: int, update: SequenceUpdate) -> None:
+        p = req.params
+        past_min = req.num_output >= p.min_tokens
+        if past_min and not p.ignore_eos and token in self.eos_token_ids:
+            status, update.finish_reason = RequestStatus.FINISHED_STOPPED, "stop"
+        elif past_min and token in p.stop_token_ids:
+            status, update.finish_reason, update.stop_reason = RequestStatus.FINISHED_STOPPED, "stop", token
+        elif (p.max_tokens is not None and req.num_output >= p.max_tokens) or len(req.token_ids) >= self.max_model_len:
+            status, update.finish_reason = RequestStatus.FINISHED_LENGTH, "length"
+        else:
+            return
+        self.finish([req.req_id], status)
+
+    # ---- statistics ----------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

@@ -1,0 +1,171 @@
+"""The engine: builds the model runner and the pure logic, then runs the four actors in one anyio
+task group. Offline (`LLM`) and online (the server) both drive it through `generate` and `abort`.
+
+    API --Submit/Abort--> request actor --NewRequest/FinishRequests--> scheduler --StepProposal--> KV manager
+          <-- OutputSlot --        ^                                   ^   ^                          |
+                                   +------------ EngineOutputs --------+   +-- StepFeedback ----------+
+                                                                       +-- StepResult <-- executor <-- StepPlan
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import structlog
+import torch
+
+from llmserve.actors.executor_actor import ExecutorActor
+from llmserve.actors.kv_actor import KVActor
+from llmserve.actors.request_actor import Abort, OutputSlot, RequestActor, Submit
+from llmserve.actors.scheduler_actor import EngineStats, SchedulerActor
+from llmserve.config import EngineConfig
+from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.scheduler import Scheduler
+from llmserve.model.runner import ModelRunner
+from llmserve.model.spec import ModelSpec
+from llmserve.outputs import RequestOutput
+from llmserve.plugin_manager import Plugins
+from llmserve.sampling_params import SamplingParams
+
+log = structlog.get_logger("llmserve.engine")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("model.device is 'cuda' but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu" and spec.torch_dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return spec.torch_dtype
+
+
+def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+    limit = spec.max_position_embeddings
+    if spec.sliding_window is not None and spec.sliding_window < limit:
+        limit = spec.sliding_window  # beyond the window, full attention would differ from the model's
+    wanted = config.model.max_model_len
+    if wanted is not None and wanted > limit:
+        raise ValueError(f"model.max_model_len is {wanted} but the model supports at most {limit} positions")
+    return wanted or limit
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, plugins: Plugins | None = None) -> None:
+        self.config = config
+        self.plugins = plugins or Plugins()
+        m = config.model
+        if m.quantization is not None:
+            methods = self.plugins.quantization_methods()
+            if m.quantization not in methods:
+                raise ValueError(f"model.quantization {m.quantization!r} is not available; registered methods: "
+                                 f"{sorted(methods) or 'none'}")
+        self.spec = ModelSpec.from_dir(m.model)
+        self.device = resolve_device(m.device)
+        self.dtype = resolve_dtype(m.dtype, self.spec, self.device)
+        self.max_model_len = resolve_max_model_len(config, self.spec)
+        self.tokenizer = load_tokenizer(m.tokenizer or m.model)
+        self.backend = self.plugins.select_backend(self.device, config)
+        self.runner = ModelRunner(config, self.spec, self.backend, self.device, self.dtype, self.max_model_len)
+        num_blocks = self.runner.determine_num_blocks()
+        bs = config.cache.block_size
+        if num_blocks * bs < self.max_model_len:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} needs {-(-self.max_model_len // bs)} KV blocks of {bs} tokens, "
+                f"but only {num_blocks} fit ({num_blocks * self.runner.block_bytes() / 2**30:.2f} GiB); lower "
+                f"model.max_model_len or give the cache more memory (cache.gpu_memory_utilization / cache.cpu_kv_cache_gib)")
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching)
+        eos = set(self.spec.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        s = config.scheduler
+        self.scheduler = Scheduler(max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
+                                   max_model_len=self.max_model_len, policy=s.policy, eos_token_ids=frozenset(eos),
+                                   enable_prefix_caching=config.cache.enable_prefix_caching)
+        self.stats = EngineStats(s.log_interval_s)
+        self._requests_in: anyio.abc.ObjectSendStream | None = None
+        self._stop: anyio.Event | None = None
+        log.info("engine ready", model=m.model, architecture=self.spec.architecture, device=str(self.device),
+                 dtype=str(self.dtype).removeprefix("torch."), backend=self.backend.name, max_model_len=self.max_model_len,
+                 kv_blocks=num_blocks, kv_tokens=num_blocks * bs,
+                 kv_gib=round(num_blocks * self.runner.block_bytes() / 2**30, 3))
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run the actors until `stop()`; reports started once they accept requests."""
+        # Bounded streams give backpressure, except the scheduler's inbox: the request actor and
+        # the scheduler send to each other, so one side must never block; what it holds is bounded
+        # by the requests in the engine (arrivals, finishes) plus one feedback and one result.
+        req_send, req_recv = anyio.create_memory_object_stream(64)
+        sched_send, sched_recv = anyio.create_memory_object_stream(math.inf)
+        kv_send, kv_recv = anyio.create_memory_object_stream(1)
+        exec_send, exec_recv = anyio.create_memory_object_stream(1)
+        actors = [
+            RequestActor(self.tokenizer, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
+                         seed=self.config.model.seed, inbox=req_recv, to_scheduler=sched_send.clone()),
+            SchedulerActor(self.scheduler, self.stats, inbox=sched_recv, to_kv=kv_send, to_requests=req_send.clone()),
+            KVActor(self.kv, inbox=kv_recv, to_executor=exec_send, to_scheduler=sched_send.clone()),
+            ExecutorActor(self.runner, inbox=exec_recv, to_scheduler=sched_send.clone()),
+        ]
+        sched_send.close()
+        self._stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            for actor in actors:
+                await tg.start(actor.run)
+            self._requests_in = req_send
+            task_status.started()
+            await self._stop.wait()
+            self._requests_in = None
+            tg.cancel_scope.cancel()
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Submit one request; yields its cumulative output as it grows, the last one finished.
+
+        Raises ValueError for a bad prompt or parameters (this request only). Leaving the loop
+        early (break, cancellation, client gone) aborts the request and frees its blocks.
+        """
+        if self._requests_in is None:
+            raise RuntimeError("engine is not running")
+        request_id = request_id or uuid.uuid4().hex
+        slot = OutputSlot()
+        await self._requests_in.send(Submit(request_id, prompt, params or SamplingParams(), slot, priority))
+        finished = False
+        try:
+            while not finished:
+                out = await slot.get()
+                finished = out.finished
+                yield out
+        except ValueError:
+            finished = True  # rejected at the door: nothing to abort
+            raise
+        finally:
+            if not finished and self._requests_in is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._requests_in.send(Abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        if self._requests_in is not None:
+            await self._requests_in.send(Abort(request_id))

@@ -1,0 +1,1 @@
+"""User-facing ways in: the offline LLM class (and later the HTTP server)."""

@@ -1,0 +1,126 @@
+"""Offline batch inference: `LLM(model=...).generate(prompts, params)`.
+
+Runs the same engine and actors as the server, on an event loop in a background thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+from anyio.from_thread import start_blocking_portal
+from tqdm import tqdm
+
+from llmserve.config import EngineConfig
+from llmserve.engine import Engine
+from llmserve.logging import configure_logging
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+PromptInput = str | dict[str, Any]
+
+
+class LLM:
+    """An engine for offline use.
+
+    LLM(model="/path/to/checkpoint", dtype="float32", max_model_len=2048, ...) takes any field of
+    the config sections by name; or pass config=EngineConfig(...).
+    """
+
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        configure_logging()
+        if config is None:
+            config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.config = config
+        self.engine = Engine(config)
+        self._portal_cm = start_blocking_portal("asyncio")
+        self._portal = self._portal_cm.__enter__()
+        self._run_future, _ = self._portal.start_task(self.engine.run)
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (a string, or {"prompt_token_ids": [...]}) and return the
+        finished outputs in prompt order. A ValueError for one bad prompt aborts the batch."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        items = [_prompt(p) for p in prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(items)
+        if len(sampling_params) != len(items):
+            raise ValueError(f"sampling_params: got {len(sampling_params)} for {len(items)} prompts")
+        if priority is not None and len(priority) != len(items):
+            raise ValueError(f"priority: got {len(priority)} values for {len(items)} prompts")
+        start = self._counter
+        self._counter += len(items)
+        return self._portal.call(self._run_batch, items, list(sampling_params), list(priority or [0] * len(items)),
+                                 start, use_tqdm)
+
+    async def _run_batch(self, items: list[str | list[int]], params: list[SamplingParams], priority: list[int],
+                         start: int, use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(items)
+        bar = tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        t0, out_tokens = time.monotonic(), 0
+
+        async def one(i: int) -> None:
+            nonlocal out_tokens
+            async for out in self.engine.generate(items[i], params[i], request_id=str(start + i), priority=priority[i]):
+                results[i] = out
+            out_tokens += sum(len(c.token_ids) for c in results[i].outputs)
+            bar.set_postfix(output_tok_s=f"{out_tokens / max(time.monotonic() - t0, 1e-9):.1f}", refresh=False)
+            bar.update(1)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(items)):
+                    tg.start_soon(one, i)
+        except BaseExceptionGroup as group:
+            raise _first_leaf(group) from None
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        if self._portal_cm is None:
+            return
+        self._portal.call(self.engine.stop)
+        self._run_future.result()
+        self._portal_cm.__exit__(None, None, None)
+        self._portal_cm = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+def _prompt(p: PromptInput) -> str | list[int]:
+    if isinstance(p, str):
+        return p
+    if isinstance(p, dict) and "prompt_token_ids" in p:
+        return list(p["prompt_token_ids"])
+    if isinstance(p, dict) and "prompt" in p:
+        return p["prompt"]
+    raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(p).__name__}")
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc

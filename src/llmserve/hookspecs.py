@@ -1,0 +1,61 @@
+"""Every hook llmserve calls, grouped by lifecycle. Plugins implement them with `@hookimpl`.
+
+Plugins register through the `llmserve` entry-point group (the built-in CPU and CUDA backends do
+too); see plugin_manager.py for how they are loaded and called.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from llmserve.attention import AttentionBackend
+    from llmserve.config import EngineConfig
+
+hookspec = pluggy.HookspecMarker("llmserve")
+hookimpl = pluggy.HookimplMarker("llmserve")
+
+
+# ---- Hardware backends ------------------------------------------------------------------------
+
+@hookspec(firstresult=True)
+def llmserve_select_backend(device: "torch.device", config: "EngineConfig") -> "AttentionBackend | None":
+    """Return the attention backend for `device`, or None if this plugin does not serve it.
+
+    firstresult: the first non-None answer wins; later-registered plugins are asked first, so a
+    third-party backend can take over a device from a built-in one.
+
+    :param device: the torch device the engine runs on (``cpu``, ``cuda:0``...).
+    :param config: the whole engine configuration.
+    """
+
+
+# ---- Quantization methods ---------------------------------------------------------------------
+
+@hookspec
+def llmserve_register_quantization_methods(register: Callable[[str, Any], None]) -> None:
+    """Register quantization methods by calling ``register(name, method)``.
+
+    Selected by ``model.quantization = "name"``. A method decides how linear layers create, load
+    and apply their weights. Called for every plugin (not firstresult); a name registered twice is
+    a start-up error naming both plugins.
+
+    :param register: callback taking the method's name and its implementation object.
+    """
+
+
+# ---- Decoding strategies ----------------------------------------------------------------------
+
+@hookspec
+def llmserve_register_decoding_strategies(register: Callable[[str, Any], None]) -> None:
+    """Register decoding strategies (speculative decoding, structured output...) by calling
+    ``register(name, strategy)``.
+
+    Called for every plugin (not firstresult); a name registered twice is a start-up error.
+
+    :param register: callback taking the strategy's name and its implementation object.
+    """

@@ -1,0 +1,160 @@
+"""Messages between the actors: small, explicit, one per step per hop.
+
+    request actor --NewRequest / FinishRequests--> scheduler --StepProposal--> KV manager
+    KV manager --StepPlan--> executor                 KV manager --StepFeedback--> scheduler
+    executor --StepResult--> scheduler --EngineOutputs--> request actor
+
+No message carries another actor's internal objects: ids, token lists, arrays and parameters only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llmserve.sampling_params import SamplingParams
+
+
+# ---- request actor -> scheduler -------------------------------------------------------------
+
+@dataclass(slots=True)
+class NewRequest:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    """Per-sample parameters (n == 1); `seed` is always set."""
+    priority: int = 0
+    arrival: float = 0.0
+
+
+@dataclass(slots=True)
+class FinishRequests:
+    """Requests the request actor ended: client abort, or a stop string found in the text."""
+    req_ids: list[str]
+    reason: str  # "abort" | "stop"
+
+
+# ---- scheduler -> KV manager ----------------------------------------------------------------
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    req_id: str
+    num_tokens: int
+    """Tokens the scheduler wants computed this step; a prefix-cache hit may shrink it."""
+    new_token_ids: list[int]
+    """Tokens the KV manager has not seen yet: the whole sequence when admitted, else the last sampled."""
+    priority_key: tuple[int, float, int]
+    admitted: "Admission | None" = None
+    """Set when the request (re)enters the running set this step."""
+
+
+@dataclass(slots=True)
+class Admission:
+    prompt_len: int
+    params: SamplingParams
+    use_prefix_cache: bool
+
+
+@dataclass(slots=True)
+class StepProposal:
+    step_id: int
+    entries: list[ScheduledRequest]
+    """In policy order: earlier entries have higher priority; preemption takes from the tail."""
+    freed: list[str] = field(default_factory=list)
+    """Finished or aborted requests whose blocks go back to the pool."""
+
+
+# ---- KV manager -> executor -----------------------------------------------------------------
+
+@dataclass(slots=True)
+class NewSequence:
+    """What the executor needs to sample for a request it has not seen (or that resumed)."""
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step_id: int
+    req_ids: list[str]
+    token_ids: np.ndarray
+    """int64 [num_tokens]: the batch's tokens, request after request."""
+    query_lens: np.ndarray
+    """int32 [num_reqs]: tokens computed this step per request."""
+    context_lens: np.ndarray
+    """int32 [num_reqs]: tokens already in the KV cache per request before this step."""
+    block_tables: np.ndarray
+    """int32 [num_reqs, max_blocks]: KV block ids per request, padded with 0."""
+    sample: np.ndarray
+    """bool [num_reqs]: the request's last token this step is the last known one, so it samples."""
+    new_sequences: dict[str, NewSequence] = field(default_factory=dict)
+    freed: list[str] = field(default_factory=list)
+    """Requests the executor can forget."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+# ---- KV manager -> scheduler ----------------------------------------------------------------
+
+@dataclass(slots=True)
+class StepFeedback:
+    step_id: int
+    scheduled: dict[str, tuple[int, int]]
+    """req_id -> (num_computed before the step, tokens computed this step)."""
+    preempted: list[str]
+    """Requests whose blocks were taken back; they restart from their tokens (recompute)."""
+    not_admitted: list[str]
+    """Waiting requests that did not fit this step; they stay waiting."""
+    cached_tokens: dict[str, int]
+    """Admitted requests -> tokens served from the prefix cache."""
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+
+
+# ---- executor -> scheduler ------------------------------------------------------------------
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities at one position: the chosen token's and the top-k."""
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    req_ids: list[str]
+    """Requests that sampled this step, in plan order."""
+    token_ids: list[int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    """req_id -> one entry per prompt position computed this step that has a next prompt token."""
+    error: BaseException | None = None
+
+
+# ---- scheduler -> request actor -------------------------------------------------------------
+
+@dataclass(slots=True)
+class SequenceUpdate:
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    error: str | None = None
+    """The step that should have produced this token failed; the sequence is ended."""
+
+
+@dataclass(slots=True)
+class EngineOutputs:
+    updates: list[SequenceUpdate]

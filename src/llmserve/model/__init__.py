@@ -1,0 +1,1 @@
+"""Model definitions, weight loading, the sampler and the model runner."""

@@ -1,0 +1,133 @@
+"""Llama-family decoder (Llama incl. Llama-3 rope scaling, Mistral, Qwen2 with q/k/v bias, Qwen3 with
+q/k RMSNorm) over the paged KV cache. Numerics follow transformers' implementations.
+
+Input is the step's flattened batch: input_ids and positions [T]; attention state in AttentionMetadata.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.attention import AttentionBackend, AttentionMetadata
+from llmserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
+from llmserve.model.spec import ModelSpec
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.attention_bias,
+                               shard_sizes={"q": q_size, "k": kv_size, "v": kv_size})
+        self.o_proj = Linear(q_size, spec.hidden_size)
+        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = self.head_dim ** -0.5
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], set by the runner
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = self.backend.attention(q.contiguous(), self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.view(T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.inter = spec.intermediate_size
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * self.inter, shard_sizes={0: self.inter, 1: self.inter})
+        self.down_proj = Linear(self.inter, spec.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, -1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, rotary, backend)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our merged module, shard id)
+    STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.spec = spec
+        rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, rotary, backend) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: int64 [T] -> final hidden states [T, hidden]."""
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def set_kv_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for layer, (k, v) in zip(self.layers, caches):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """Load one checkpoint tensor by its transformers name; False if the model has no use for it."""
+        if "rotary_emb" in name or (name.startswith("lm_head") and self.lm_head is None):
+            return False
+        name = name.removeprefix("model.")
+        parts = name.split(".")
+        leaf = parts[-1]
+        if parts[0] == "embed_tokens":
+            self.embed_tokens.weight.copy_(tensor)
+            return True
+        if parts[0] == "norm":
+            self.norm.weight.copy_(tensor)
+            return True
+        if parts[0] == "lm_head":
+            self.lm_head.load(leaf, tensor)
+            return True
+        if parts[0] != "layers":
+            return False
+        module = self.layers[int(parts[1])]
+        for part in parts[2:-2]:
+            module = getattr(module, part)
+        target = parts[-2]
+        if target in self.STACKED:
+            merged, shard = self.STACKED[target]
+            getattr(module, merged).load(leaf, tensor, shard)
+        elif isinstance(sub := getattr(module, target), Linear):
+            sub.load(leaf, tensor)
+        else:
+            getattr(sub, leaf).copy_(tensor)
+        return True

@@ -1,0 +1,229 @@
+"""The model runner: weights, KV cache and per-request sampling state on one device; turns a
+StepPlan into a forward pass and sampled tokens.
+
+Step inputs are derived from the plan with numpy vector ops (no Python loop over tokens):
+
+    query_lens [2, 1, 3]  ->  query_start_loc [0, 2, 3, 6],  req_idx per token [0 0 1 2 2 2]
+    positions  = context_len[req_idx] + (token index - query_start_loc[req_idx])
+    slot       = block_table[req_idx, position // B] * B + position % B
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+import torch
+
+from llmserve.attention import AttentionBackend, AttentionMetadata
+from llmserve.config import EngineConfig
+from llmserve.messages import StepPlan, StepResult
+from llmserve.model.loader import load_model
+from llmserve.model.sampler import (Penalties, SamplingBatch, gather_logprobs, sample, to_token_logprobs)
+from llmserve.model.spec import ModelSpec
+from llmserve.sampling_params import SamplingParams
+
+log = structlog.get_logger("llmserve.runner")
+
+
+@dataclass(slots=True)
+class SeqState:
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, spec: ModelSpec, backend: AttentionBackend, device: torch.device,
+                 dtype: torch.dtype, max_model_len: int) -> None:
+        self.config, self.spec, self.backend, self.device, self.dtype = config, spec, backend, device, dtype
+        self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = list(spec.eos_token_ids)
+        self.model = load_model(config.model.model, spec, backend, dtype=dtype, device=device,
+                                max_positions=max_model_len, load_format=config.model.load_format,
+                                seed=config.model.seed)
+        self.seqs: dict[str, SeqState] = {}
+        self.num_blocks = 0
+
+    # ---- KV cache ------------------------------------------------------------------------------
+
+    def block_bytes(self) -> int:
+        return self.block_size * self.spec.kv_bytes_per_token(self.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        self.model.set_kv_caches([(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                                   torch.zeros(shape, dtype=self.dtype, device=self.device))
+                                  for _ in range(self.spec.num_layers)])
+        self.num_blocks = num_blocks
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks that fit: fixed by config, from cpu_kv_cache_gib on CPU, or on CUDA what
+        gpu_memory_utilization leaves after weights and the peak of a profiling step."""
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        if self.device.type != "cuda":
+            return int(cache.cpu_kv_cache_gib * 2**30) // self.block_bytes()
+        peak_activations = self._profile_step()
+        free, total = self.backend.memory_available(self.device)
+        budget = total * cache.gpu_memory_utilization - (total - free) - peak_activations
+        log.info("kv cache sizing", total_gib=round(total / 2**30, 2), used_gib=round((total - free) / 2**30, 2),
+                 activation_peak_gib=round(peak_activations / 2**30, 2), kv_budget_gib=round(budget / 2**30, 2))
+        return max(0, int(budget) // self.block_bytes())
+
+    @torch.inference_mode()
+    def _profile_step(self) -> int:
+        """Run the largest step the scheduler can build; return its peak memory beyond the weights."""
+        sched = self.config.scheduler
+        num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self.max_model_len)
+        num_seqs = min(sched.max_num_seqs, num_tokens)
+        lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
+        lens[: num_tokens % num_seqs] += 1
+        blocks_per_seq = -(-int(lens.max()) // self.block_size)
+        self.allocate_kv_cache(num_seqs * blocks_per_seq)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        ids = torch.randint(0, self.spec.vocab_size, (num_tokens,), device=self.device)
+        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        tables = np.arange(num_seqs * blocks_per_seq, dtype=np.int32).reshape(num_seqs, blocks_per_seq)
+        meta, positions = self._metadata(lens.astype(np.int32), np.zeros(num_seqs, np.int32), tables, qsl)
+        hidden = self.model(ids, positions, meta)
+        rows = min(num_seqs, sched.max_num_seqs)
+        logits = self.model.compute_logits(hidden[:rows])
+        v = self.spec.vocab_size
+        batch = SamplingBatch(torch.ones(rows, device=self.device), torch.full((rows,), 50, device=self.device),
+                              torch.full((rows,), 0.9, device=self.device), torch.zeros(rows, device=self.device),
+                              torch.zeros(rows, dtype=torch.int64, device=self.device),
+                              torch.zeros(rows, dtype=torch.int64, device=self.device), False, True,
+                              max_logprobs=min(20, v))
+        sample(logits, batch)
+        torch.log_softmax(logits, -1).topk(batch.max_logprobs, -1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.model.set_kv_caches([(None, None)] * self.spec.num_layers)
+        del hidden, logits, ids
+        torch.cuda.empty_cache()
+        return peak
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def _metadata(self, query_lens: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray,
+                  qsl: np.ndarray) -> tuple[AttentionMetadata, torch.Tensor]:
+        num_tokens = int(qsl[-1])
+        req_idx = np.repeat(np.arange(len(query_lens)), query_lens)
+        positions = context_lens[req_idx].astype(np.int64) + (np.arange(num_tokens) - qsl[:-1][req_idx])
+        slots = block_tables[req_idx, positions // self.block_size].astype(np.int64) * self.block_size \
+            + positions % self.block_size
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(block_tables).to(dev, non_blocking=True),
+            query_start_loc=torch.from_numpy(qsl).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy((context_lens + query_lens).astype(np.int32)).to(dev, non_blocking=True),
+            max_query_len=int(query_lens.max()) if len(query_lens) else 0,
+        )
+        return meta, torch.from_numpy(positions).to(dev, non_blocking=True)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        for req_id in plan.freed:
+            self.seqs.pop(req_id, None)
+        for req_id, new in plan.new_sequences.items():
+            self.seqs[req_id] = SeqState(new.params, new.prompt_token_ids, list(new.output_token_ids))
+        if not plan.req_ids:
+            return StepResult(plan.step_id, [], [])
+        qsl = np.zeros(len(plan.req_ids) + 1, dtype=np.int32)
+        np.cumsum(plan.query_lens, out=qsl[1:])
+        meta, positions = self._metadata(plan.query_lens, plan.context_lens, plan.block_tables, qsl)
+        input_ids = torch.from_numpy(plan.token_ids).to(self.device, non_blocking=True)
+        hidden = self.model(input_ids, positions, meta)
+
+        rows = np.flatnonzero(plan.sample)
+        sample_ids = [plan.req_ids[i] for i in rows]
+        result = StepResult(plan.step_id, sample_ids, [])
+        self._prompt_logprobs(plan, qsl, hidden, result)
+        if not sample_ids:
+            return result
+        last = torch.from_numpy(qsl[1:][rows] - 1).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden[last])
+        states = [self.seqs[r] for r in sample_ids]
+        batch = self._sampling_batch(states, logits.shape[-1])
+        tokens = sample(logits, batch)
+        lp_parts = None
+        if batch.max_logprobs >= 0:
+            lp_parts = gather_logprobs(torch.log_softmax(logits, -1), tokens, batch.max_logprobs)
+        result.token_ids = tokens.tolist()
+        if lp_parts is not None:
+            want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+            parts = tuple(p[want] for p in lp_parts)
+            for i, lp in zip(want, to_token_logprobs([result.token_ids[i] for i in want], parts,
+                                                     [states[i].params.logprobs for i in want])):
+                result.logprobs[sample_ids[i]] = lp
+        for state, token in zip(states, result.token_ids):
+            state.output_ids.append(token)
+        return result
+
+    def _prompt_logprobs(self, plan: StepPlan, qsl: np.ndarray, hidden: torch.Tensor, result: StepResult) -> None:
+        """Logprobs of each prompt token given the ones before it, for the prompt positions this step computed."""
+        for i, req_id in enumerate(plan.req_ids):
+            state = self.seqs[req_id]
+            k = state.params.prompt_logprobs
+            if k is None:
+                continue
+            start, n = int(plan.context_lens[i]), int(plan.query_lens[i])
+            end = min(start + n, len(state.prompt_ids) - 1)  # positions that have a next prompt token
+            if end > start:
+                h = hidden[int(qsl[i]):int(qsl[i]) + end - start]
+                logprobs = torch.log_softmax(self.model.compute_logits(h), -1)
+                nxt = state.prompt_ids[start + 1:end + 1]
+                parts = gather_logprobs(logprobs, torch.tensor(nxt, device=self.device), k)
+                result.prompt_logprobs[req_id] = to_token_logprobs(nxt, parts, [k] * len(nxt))
+
+    def _sampling_batch(self, states: list[SeqState], vocab: int) -> SamplingBatch:
+        dev = self.device
+        params = [s.params for s in states]
+        t = lambda xs, dtype: torch.tensor(xs, dtype=dtype, device=dev)  # noqa: E731
+        batch = SamplingBatch(
+            temperature=t([p.temperature for p in params], torch.float32),
+            top_k=t([p.top_k or vocab for p in params], torch.int64),
+            top_p=t([p.top_p for p in params], torch.float32),
+            min_p=t([p.min_p for p in params], torch.float32),
+            seeds=t([p.seed for p in params], torch.int64),
+            out_index=t([len(s.output_ids) for s in states], torch.int64),
+            all_greedy=all(p.temperature == 0 for p in params),
+            needs_sort=any(p.top_k or p.top_p < 1.0 for p in params),
+            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        )
+        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
+            batch.penalties = Penalties(
+                output_counts=self._scatter_rows([s.output_ids for s in states], vocab, torch.float32, True),
+                prompt_mask=self._scatter_rows([s.prompt_ids for s in states], vocab, torch.bool, False),
+                repetition=t([p.repetition_penalty for p in params], torch.float32),
+                presence=t([p.presence_penalty for p in params], torch.float32),
+                frequency=t([p.frequency_penalty for p in params], torch.float32),
+            )
+        bias = [(i, tok, b) for i, p in enumerate(params) if p.logit_bias for tok, b in p.logit_bias.items()]
+        if bias:
+            rows, toks, vals = zip(*bias)
+            batch.bias = (t(rows, torch.int64), t(toks, torch.int64), t(vals, torch.float32))
+        banned = [(i, tok) for i, s in enumerate(states) if len(s.output_ids) < s.params.min_tokens
+                  for tok in (s.params.stop_token_ids + ([] if s.params.ignore_eos else self.eos_token_ids))]
+        if banned:
+            rows, toks = zip(*banned)
+            batch.banned = (t(rows, torch.int64), t(toks, torch.int64))
+        return batch
+
+    def _scatter_rows(self, rows: list[list[int]], vocab: int, dtype: torch.dtype, count: bool) -> torch.Tensor:
+        """[len(rows), vocab] tensor: per-row token counts (count=True) or presence."""
+        out = torch.zeros(len(rows), vocab, dtype=dtype, device=self.device)
+        lens = np.array([len(r) for r in rows])
+        if lens.sum() == 0:
+            return out
+        row_idx = torch.from_numpy(np.repeat(np.arange(len(rows)), lens)).to(self.device)
+        tok_idx = torch.from_numpy(np.concatenate([np.asarray(r, dtype=np.int64) for r in rows])).to(self.device)
+        value = torch.ones(len(tok_idx), dtype=dtype, device=self.device)
+        return out.index_put_((row_idx, tok_idx), value, accumulate=count)

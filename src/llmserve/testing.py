@@ -1,0 +1,83 @@
+"""Tiny random-weight checkpoints for tests and demos, built the way a user's checkpoint is saved
+(transformers' save_pretrained) with a byte-level BPE tokenizer trained on the spot.
+
+    python -m llmserve.testing OUT_DIR [--arch llama|qwen3|...]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A paged KV cache stores keys and values in fixed-size blocks.",
+    "Continuous batching mixes prefill chunks with decode tokens in one step.",
+    "The capital of France is Paris, and the capital of Japan is Tokyo.",
+    "Café, naïve, jalapeño, 日本語のテキスト, and emoji 🚀🔥 are multi-byte in UTF-8.",
+    "def hello(name):\n    return f'Hello, {name}!'",
+    "Once upon a time there was a small model that learned to count: one two three four five.",
+]
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", {
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64}, "rope_theta": 500000.0}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "llama-mha-tied": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+}
+
+
+def train_tokenizer(out_dir: str, vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained on CORPUS, saved as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant:{% endif %}")
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def make_checkpoint(out_dir: str, arch: str = "llama", *, dtype: torch.dtype = torch.float32, seed: int = 0,
+                    shard_size: str | None = None, **overrides) -> str:
+    """Save a tiny random model of `arch` (see ARCHS) with its tokenizer into out_dir; returns out_dir."""
+    import transformers
+
+    tok = train_tokenizer(out_dir)
+    config_cls, model_cls, arch_kwargs = ARCHS[arch]
+    kwargs = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                  initializer_range=0.15, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    kwargs.update(arch_kwargs)
+    kwargs.update(overrides)
+    config = getattr(transformers, config_cls)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).to(dtype)
+    save_kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(out_dir, **save_kwargs)
+    return out_dir
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Write a tiny random-weight checkpoint with its tokenizer.")
+    ap.add_argument("out_dir")
+    ap.add_argument("--arch", default="llama", choices=sorted(ARCHS))
+    args = ap.parse_args()
+    print(make_checkpoint(args.out_dir, args.arch))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random-weight checkpoints (llmserve.testing) and the transformers reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Triton kernels run in the interpreter on machines without a GPU; set before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from llmserve.testing import ARCHS, make_checkpoint, train_tokenizer  # noqa: E402,F401
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(arch, **overrides) -> path, cached per session."""
+    cache: dict[tuple, str] = {}
+
+    def get(arch: str = "llama", **overrides) -> str:
+        key = (arch, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            cache[key] = make_checkpoint(str(tmp_path_factory.mktemp(arch)), arch, **overrides)
+        return cache[key]
+
+    return get
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu",
+              dtype: torch.dtype = torch.float32) -> list[list[int]]:
+    """transformers' own greedy generate, one prompt at a time (no padding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids], device=device)
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                               pad_token_id=model.config.pad_token_id)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

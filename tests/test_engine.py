@@ -1,0 +1,266 @@
+"""The engine's actors under both asyncio and trio: concurrency, bad input, aborts, no leaked blocks."""
+
+import anyio
+import pytest
+import torch
+
+from llmserve import EngineConfig, LLM, SamplingParams
+from llmserve.engine import Engine
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request):
+    return request.param
+
+
+@pytest.fixture
+def engine(checkpoint):
+    config = EngineConfig.from_kwargs(model=checkpoint("llama"), dtype="float32", device="cpu", block_size=4,
+                                      num_blocks=40, max_model_len=128, log_interval_s=0)
+    return Engine(config)
+
+
+async def collect(engine, prompt, params, **kw):
+    last = None
+    async for out in engine.generate(prompt, params, **kw):
+        last = out
+    return last
+
+
+def pool_is_full(engine):
+    return engine.kv.num_free_blocks() == engine.kv.pool.num_blocks
+
+
+async def wait_until(cond, timeout=10.0):
+    with anyio.fail_after(timeout):
+        while not cond():
+            await anyio.sleep(0.01)
+
+
+async def test_concurrent_requests_bad_input_and_abort(engine):
+    params = SamplingParams(max_tokens=12, temperature=0)
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        results = {}
+
+        async def good(i):
+            results[i] = await collect(engine, [3 + i, 4, 5, 6], params)
+
+        async def bad(prompt, p, match):
+            with pytest.raises(ValueError, match=match):
+                await collect(engine, prompt, p)
+
+        async def aborted():
+            async for out in engine.generate([9, 9, 9], SamplingParams(max_tokens=100, temperature=0)):
+                if len(out.outputs[0].token_ids) >= 3:
+                    break  # leaving the loop aborts the request
+
+        async with anyio.create_task_group() as inner:
+            for i in range(4):
+                inner.start_soon(good, i)
+            inner.start_soon(bad, [], params, "prompt must not be empty")
+            inner.start_soon(bad, list(range(1, 129)), params, "max_model_len is 128")
+            inner.start_soon(bad, [1, 99999], params, r"prompt_token_ids must be integers in \[0, ")
+            inner.start_soon(bad, [1, 2], SamplingParams(logit_bias={99999: 1.0}), "vocab size")
+            inner.start_soon(aborted)
+        assert sorted(results) == [0, 1, 2, 3]
+        assert all(len(r.outputs[0].token_ids) == 12 and r.outputs[0].finish_reason == "length"
+                   for r in results.values())
+        await wait_until(lambda: pool_is_full(engine) and not engine.scheduler.has_work())
+        # Still serving after all that.
+        assert (await collect(engine, [7, 8], params)).finished
+        engine.stop()
+
+
+async def test_abort_heavy_load_leaks_no_blocks(engine):
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+
+        async def client(i):
+            with anyio.move_on_after(0.02 * (i % 5)):
+                await collect(engine, list(range(1, 20 + i)), SamplingParams(max_tokens=60, temperature=0))
+
+        async with anyio.create_task_group() as inner:
+            for i in range(16):
+                inner.start_soon(client, i)
+        await wait_until(lambda: pool_is_full(engine) and not engine.scheduler.has_work())
+        assert not engine.scheduler.requests
+        engine.stop()
+
+
+async def test_explicit_abort_ends_stream(engine):
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        outs = []
+
+        async def consume():
+            async for out in engine.generate([5, 6, 7], SamplingParams(max_tokens=1000, ignore_eos=True),
+                                             request_id="victim"):
+                outs.append(out)
+
+        tg.start_soon(consume)
+        await wait_until(lambda: outs and len(outs[-1].outputs[0].token_ids) >= 2)
+        await engine.abort("victim")
+        await wait_until(lambda: outs[-1].finished)
+        assert outs[-1].outputs[0].finish_reason == "abort"
+        await wait_until(lambda: pool_is_full(engine))
+        engine.stop()
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(checkpoint):
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", block_size=4, log_interval_s=0) as llm:
+        p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=42)
+        alone = llm.generate({"prompt_token_ids": [5, 6, 7]}, p, use_tqdm=False)[0].outputs[0].token_ids
+        others = [{"prompt_token_ids": list(range(3, 3 + i))} for i in range(1, 6)]
+        crowd = llm.generate(others[:2] + [{"prompt_token_ids": [5, 6, 7]}] + others[2:],
+                             [SamplingParams(temperature=0.8, max_tokens=20)] * 2 + [p]
+                             + [SamplingParams(temperature=1.0, max_tokens=8)] * 3, use_tqdm=False)
+        assert crowd[2].outputs[0].token_ids == alone
+        unseeded = [llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=1.0, max_tokens=16),
+                                 use_tqdm=False)[0].outputs[0].token_ids for _ in range(3)]
+        assert len({tuple(u) for u in unseeded}) > 1
+        # n > 1 with a seed: distinct samples, reproducible as a whole.
+        n3 = lambda: [c.token_ids for c in llm.generate({"prompt_token_ids": [5, 6, 7]},  # noqa: E731
+                                                        SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=7),
+                                                        use_tqdm=False)[0].outputs]
+        first = n3()
+        assert first == n3() and len({tuple(x) for x in first}) > 1
+
+
+def test_seeded_sampling_survives_preemption(checkpoint):
+    path = checkpoint("llama")
+    prompts = [{"prompt_token_ids": list(range(2, 2 + 10 + i))} for i in range(5)]
+    params = [SamplingParams(temperature=1.0, max_tokens=40, seed=i, ignore_eos=True) for i in range(5)]
+    with LLM(path, dtype="float32", device="cpu", block_size=4, log_interval_s=0) as roomy:
+        expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    with LLM(path, dtype="float32", device="cpu", block_size=4, num_blocks=20, max_model_len=64,
+             log_interval_s=0) as tight:
+        got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+        assert tight.engine.scheduler.num_preemptions > 0
+    assert got == expected
+
+
+def word_bias(tok):
+    """logit_bias that confines a random model to ASCII-word tokens, so its output is valid text."""
+    words = [i for i in range(len(tok)) if tok.decode([i]).strip().isalpha() and tok.decode([i]).isascii()]
+    return {i: 100.0 for i in words}
+
+
+def test_text_stop_strings_and_token_limits(checkpoint):
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0) as llm:
+        tok = llm.get_tokenizer()
+        bias = word_bias(tok)
+        SP = lambda **kw: SamplingParams(temperature=0, max_tokens=30, logit_bias=bias, **kw)  # noqa: E731
+        base = llm.generate("The quick brown fox", SP(ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        assert base.text == tok.decode(base.token_ids, skip_special_tokens=True)
+        stop = base.text[5:9]
+        assert stop.strip(), "test needs a non-blank stop string"
+        cut = llm.generate("The quick brown fox", SP(ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+        assert cut.finish_reason == "stop" and cut.stop_reason == stop
+        assert cut.text == base.text[:base.text.index(stop)]
+        assert base.token_ids[:len(cut.token_ids)] == cut.token_ids
+        kept = llm.generate("The quick brown fox", SP(ignore_eos=True, stop=stop, include_stop_str_in_output=True),
+                            use_tqdm=False)
+        assert kept[0].outputs[0].text == base.text[:base.text.index(stop) + len(stop)]
+        # stop_token_ids and min_tokens.
+        tid = base.token_ids[3]
+        first = base.token_ids.index(tid)
+        out = llm.generate("The quick brown fox", SP(stop_token_ids=[tid]), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == base.token_ids[:first + 1] and out.stop_reason == tid
+        out = llm.generate("The quick brown fox", SP(min_tokens=first + 2, stop_token_ids=[tid]),
+                           use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) >= first + 2 and tid not in out.token_ids[:first + 1]
+
+
+def test_logprobs_and_prompt_logprobs_match_transformers(checkpoint):
+    path = checkpoint("qwen3")
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = [5, 17, 33, 2, 9, 40, 41, 42, 43]
+    with LLM(path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=4, log_interval_s=0) as llm:
+        out = llm.generate({"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2), use_tqdm=False)[0]
+    seq = prompt + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].double(), -1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        assert abs(entry[prompt[pos]].logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4
+        assert entry[prompt[pos]].rank == int((ref[pos - 1] > ref[pos - 1, prompt[pos]]).sum()) + 1
+        assert len(entry) <= 3
+    total = 0.0
+    for i, entry in enumerate(out.outputs[0].logprobs):
+        tok, row = out.outputs[0].token_ids[i], ref[len(prompt) - 1 + i]
+        assert entry[tok].rank == 1 and abs(entry[tok].logprob - row.max().item()) < 1e-4
+        assert sorted(entry) == sorted(row.topk(3).indices.tolist())
+        total += entry[tok].logprob
+    assert abs(out.outputs[0].cumulative_logprob - total) < 1e-6
+
+
+def test_penalties_and_bias_change_greedy_output(checkpoint):
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0) as llm:
+        prompt = {"prompt_token_ids": [5, 6, 7]}
+        base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+        base = base[0].outputs[0].token_ids
+        biased = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5, logit_bias={77: 100.0}),
+                              use_tqdm=False)[0].outputs[0].token_ids
+        assert biased == [77] * 5
+        rep = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, frequency_penalty=2.0,
+                                                  presence_penalty=2.0), use_tqdm=False)[0].outputs[0].token_ids
+        assert len(set(rep)) >= len(set(base)) and rep != base
+
+
+def test_generate_rejects_bad_input_and_keeps_serving(checkpoint):
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", max_model_len=64, log_interval_s=0) as llm:
+        with pytest.raises(ValueError, match="max_model_len is 64"):
+            llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": list(range(1, 80))}],
+                         SamplingParams(max_tokens=40), use_tqdm=False)
+        with pytest.raises(ValueError, match="prompt must not be empty"):
+            llm.generate("", use_tqdm=False)
+        out = llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+        kv = llm.engine.kv
+        assert kv.num_free_blocks() == kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("temperature", -0.1, r"temperature must be in \[0, 100\]"),
+    ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+    ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
+    ("n", 0, r"n must be an integer in \[1, 128\]"),
+    ("max_tokens", 0, "max_tokens must be >= 1"),
+    ("stop", 5, "stop must be a string or a list of non-empty strings"),
+    ("stop", ["ok", 3], "stop must be a string or a list of non-empty strings"),
+    ("top_k", -3, "top_k must be"),
+    ("logprobs", 50, r"logprobs must be None or an integer in \[0, 20\]"),
+    ("repetition_penalty", 0.0, "repetition_penalty"),
+])
+def test_sampling_params_validation(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**{field: value})
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="unsupported model architecture.*GPT2LMHeadModel"):
+        LLM(str(tmp_path), device="cpu")
+
+
+def test_dummy_weights_from_config_alone(tmp_path, checkpoint):
+    import shutil
+    shutil.copy(f"{checkpoint('qwen3')}/config.json", tmp_path / "config.json")
+    with LLM(str(tmp_path), load_format="dummy", device="cpu", log_interval_s=0) as llm:
+        assert llm.get_tokenizer() is None
+        out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=5, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 5 and out[0].outputs[0].text == ""
+        with pytest.raises(ValueError, match="no tokenizer"):
+            llm.generate("text", use_tqdm=False)
+
+
+def test_max_model_len_that_cannot_fit_is_a_startup_error(checkpoint):
+    with pytest.raises(ValueError, match=r"max_model_len 128 needs 32 KV blocks of 4 tokens, but only 10 fit"):
+        LLM(checkpoint("llama"), device="cpu", block_size=4, num_blocks=10, max_model_len=128)

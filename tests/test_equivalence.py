@@ -1,0 +1,107 @@
+"""Greedy outputs of LLM.generate equal transformers' generate token for token (float32), for every
+supported architecture, also under tiny chunk budgets, prefix-cache hits, forced preemption and n=3."""
+
+import pytest
+import torch
+from conftest import ARCHS, hf_greedy
+
+from llmserve import LLM, SamplingParams
+
+TEXTS = [
+    "The quick brown fox",
+    "A paged KV cache stores keys and values in fixed-size blocks. Continuous batching",
+    "Hi",
+    "The capital of France is Paris, and the capital of Japan is",
+    "def hello(name):",
+]
+MAX_TOKENS = 24
+_reference: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
+
+
+def reference(checkpoint, arch):
+    """(prompt ids, transformers' greedy continuations), computed once per architecture."""
+    if arch not in _reference:
+        path = checkpoint(arch)
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(path)
+        prompts = [tok.encode(t) for t in TEXTS]
+        _reference[arch] = (prompts, hf_greedy(path, prompts, MAX_TOKENS))
+    return _reference[arch]
+
+
+def generate(llm, prompts, n=1):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, n=n)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def assert_pool_back_to_total(llm):
+    assert llm.engine.kv.num_free_blocks() == llm.engine.kv.pool.num_blocks
+
+
+VARIANTS = {
+    "default": dict(),
+    "chunk7": dict(max_num_batched_tokens=7, block_size=4),
+    "preempt": dict(num_blocks=24, block_size=4, max_model_len=96),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_greedy_matches_transformers(checkpoint, arch, variant):
+    prompts, expected = reference(checkpoint, arch)
+    with LLM(checkpoint(arch), dtype="float32", device="cpu", log_interval_s=0, **VARIANTS[variant]) as llm:
+        outs = generate(llm, prompts)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        if variant == "preempt":
+            assert llm.engine.scheduler.num_preemptions > 0
+        assert_pool_back_to_total(llm)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_prefix_cache_hits_keep_outputs(checkpoint, arch):
+    prompts, expected = reference(checkpoint, arch)
+    shared = prompts[1][:12]
+    with LLM(checkpoint(arch), dtype="float32", device="cpu", block_size=4, log_interval_s=0) as llm:
+        first = generate(llm, prompts)
+        # Repeated prompts (in one batch and across calls) and prompts sharing a prefix.
+        again = generate(llm, prompts + prompts)
+        assert [o.outputs[0].token_ids for o in first] == expected
+        assert [o.outputs[0].token_ids for o in again] == expected + expected
+        assert all(o.num_cached_tokens > 0 for o, p in zip(again, prompts + prompts) if len(p) > 4)
+        fresh = [shared + [5, 6, 7], shared + [8]]
+        hits_before = llm.engine.kv.prefix_hits
+        outs = generate(llm, fresh)
+        assert llm.engine.kv.prefix_hits - hits_before >= 2 * 8
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(checkpoint(arch), fresh, MAX_TOKENS)
+        assert_pool_back_to_total(llm)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_n3_greedy_samples_share_prompt_blocks(checkpoint, arch):
+    prompts, expected = reference(checkpoint, arch)
+    with LLM(checkpoint(arch), dtype="float32", device="cpu", block_size=4, log_interval_s=0) as llm:
+        outs = generate(llm, prompts, n=3)
+        for out, exp in zip(outs, expected):
+            assert [c.index for c in out.outputs] == [0, 1, 2]
+            assert all(c.token_ids == exp for c in out.outputs)
+        # Samples 1 and 2 reuse sample 0's full prompt blocks.
+        assert llm.engine.kv.prefix_hits >= sum(2 * ((len(p) - 1) // 4) * 4 for p in prompts)
+        assert_pool_back_to_total(llm)
+
+
+def test_sharded_checkpoint_and_dtype_override(checkpoint):
+    path = checkpoint("llama", shard_size="40KB")
+    import os
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    from transformers import AutoTokenizer
+    prompts = [AutoTokenizer.from_pretrained(path).encode(t) for t in TEXTS[:3]]
+    with LLM(path, dtype="float32", device="cpu", log_interval_s=0) as llm:
+        assert [o.outputs[0].token_ids for o in generate(llm, prompts)] == hf_greedy(path, prompts, MAX_TOKENS)
+
+
+def test_half_precision_checkpoint_loads_as_float32_on_cpu(checkpoint):
+    path = checkpoint("qwen3", dtype=torch.bfloat16)
+    with LLM(path, device="cpu", log_interval_s=0) as llm:
+        assert llm.engine.dtype == torch.float32
+        prompts = [[5, 6, 7, 8], [9, 10]]
+        assert [o.outputs[0].token_ids for o in generate(llm, prompts)] == hf_greedy(path, prompts, MAX_TOKENS)

@@ -1,0 +1,87 @@
+"""Triton kernels against the torch reference (the interpreter on CPU, the GPU where there is one)."""
+
+import pytest
+import torch
+
+from llmserve.kernels.cache_write import write_kv
+from llmserve.kernels.paged_attention import paged_attention
+from llmserve.kernels.reference import paged_attention_reference, write_kv_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_batch(query_lens, context_lens, *, block_size, num_kv_heads, group, head_dim, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    blocks_needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 3
+    perm = torch.randperm(num_blocks, generator=g)  # scattered, non-contiguous blocks
+    tables = torch.zeros(len(seq_lens), max(blocks_needed), dtype=torch.int32)
+    k = 0
+    for i, n in enumerate(blocks_needed):
+        tables[i, :n] = perm[k:k + n]
+        k += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    q = torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=g).to(dtype)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    return (to(q), to(k_cache), to(v_cache), to(tables), to(qsl), to(torch.tensor(seq_lens, dtype=torch.int32)))
+
+
+CASES = {
+    "prefill": ([7, 3], [0, 0]),
+    "decode": ([1, 1, 1], [5, 16, 33]),
+    "mixed": ([5, 1, 3, 1], [0, 7, 9, 20]),
+    "chunk-after-context": ([6], [13]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_attention_matches_reference(case, block_size, group, dtype):
+    query_lens, context_lens = CASES[case]
+    q, kc, vc, tables, qsl, seq_lens = make_batch(query_lens, context_lens, block_size=block_size, num_kv_heads=2,
+                                                  group=group, head_dim=16, dtype=dtype)
+    ref = paged_attention_reference(q, kc, vc, tables, qsl, seq_lens, 0.25)
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    paged_attention(q, kc, vc, tables, qsl, seq_lens, 0.25, max(query_lens), out=out)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_paged_attention_head_dim_not_power_of_two():
+    q, kc, vc, tables, qsl, seq_lens = make_batch([3, 1], [2, 9], block_size=8, num_kv_heads=1, group=2,
+                                                  head_dim=24, dtype=torch.float32)
+    ref = paged_attention_reference(q, kc, vc, tables, qsl, seq_lens, 0.2)
+    out = paged_attention(q, kc, vc, tables, qsl, seq_lens, 0.2, 3)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_attention_is_causal_softmax():
+    """The oracle itself against a dense computation."""
+    q, kc, vc, tables, qsl, seq_lens = make_batch([4], [0], block_size=4, num_kv_heads=1, group=1, head_dim=8,
+                                                  dtype=torch.float32)
+    out = paged_attention_reference(q, kc, vc, tables, qsl, seq_lens, 0.5)
+    k = kc[tables[0, 0].long()][:, 0].cpu()
+    v = vc[tables[0, 0].long()][:, 0].cpu()
+    s = (q[:, 0].cpu() @ k.T) * 0.5
+    s = s.masked_fill(torch.triu(torch.ones(4, 4, dtype=torch.bool), 1), float("-inf"))
+    torch.testing.assert_close(out[:, 0].cpu(), torch.softmax(s, -1) @ v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_matches_reference_and_skips_padding(dtype):
+    g = torch.Generator().manual_seed(1)
+    key = torch.randn(6, 2, 16, generator=g).to(dtype).to(DEVICE)
+    value = torch.randn(6, 2, 16, generator=g).to(dtype).to(DEVICE)
+    slots = torch.tensor([3, -1, 17, 0, 9, 31], device=DEVICE)
+    caches = [torch.full((4, 8, 2, 16), 7.0, dtype=dtype, device=DEVICE) for _ in range(4)]
+    write_kv_reference(key, value, caches[0], caches[1], slots)
+    write_kv(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert torch.equal(caches[2].view(-1, 2, 16)[17], key[2])
+    assert (caches[2].view(-1, 2, 16)[1] == 7.0).all()  # untouched slot

@@ -1,0 +1,90 @@
+from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.messages import Admission, ScheduledRequest, StepProposal
+from llmserve.sampling_params import SamplingParams
+
+
+def admit(req_id, tokens, n, key=None, cache=True):
+    return ScheduledRequest(req_id, n, list(tokens), key or (0, float(len(req_id)), 0),
+                            Admission(len(tokens), SamplingParams(), cache))
+
+
+def decode(req_id, token, key):
+    return ScheduledRequest(req_id, 1, [token], key)
+
+
+def test_prefill_allocates_blocks_and_builds_plan():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    plan, fb = kv.process(StepProposal(0, [admit("a", range(10), 10, (0, 0.0, 0))]))
+    assert kv.requests["a"].block_ids == [0, 1, 2]
+    assert plan.req_ids == ["a"] and plan.token_ids.tolist() == list(range(10))
+    assert plan.context_lens.tolist() == [0] and plan.query_lens.tolist() == [10]
+    assert plan.block_tables.tolist() == [[0, 1, 2]] and plan.sample.tolist() == [True]
+    assert fb.scheduled == {"a": (0, 10)} and fb.cached_tokens == {"a": 0}
+    assert [kv.pool.blocks[i].block_hash is not None for i in range(3)] == [True, True, False]
+
+
+def test_chunked_prefill_does_not_sample_until_last_chunk():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    plan, _ = kv.process(StepProposal(0, [admit("a", range(10), 7, (0, 0.0, 0))]))
+    assert plan.query_lens.tolist() == [7] and plan.sample.tolist() == [False]
+    plan, fb = kv.process(StepProposal(1, [ScheduledRequest("a", 7, [], (0, 0.0, 0))]))
+    assert plan.context_lens.tolist() == [7] and plan.query_lens.tolist() == [3]
+    assert plan.token_ids.tolist() == [7, 8, 9] and plan.sample.tolist() == [True]
+    assert fb.scheduled == {"a": (7, 3)}
+
+
+def test_prefix_hit_shares_blocks_and_skips_compute():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv.process(StepProposal(0, [admit("a", range(10), 10, (0, 0.0, 0))]))
+    # Same step semantics: b arrives later and shares a's two full blocks.
+    plan, fb = kv.process(StepProposal(1, [decode("a", 99, (0, 0.0, 0)),
+                                           admit("b", [*range(8), 50, 51, 52], 11, (0, 1.0, 1))]))
+    assert kv.requests["b"].block_ids[:2] == [0, 1]
+    assert [kv.pool.blocks[i].ref_cnt for i in (0, 1)] == [2, 2]
+    assert fb.cached_tokens["b"] == 8 and fb.scheduled["b"] == (8, 3)
+    assert plan.token_ids.tolist() == [99, 50, 51, 52]
+    assert kv.prefix_hits == 8 and kv.prefix_queries == 21
+
+
+def test_full_prompt_hit_still_computes_last_token():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv.process(StepProposal(0, [admit("a", range(8), 8, (0, 0.0, 0))]))
+    plan, fb = kv.process(StepProposal(1, [admit("b", range(8), 8, (0, 1.0, 1))]))
+    assert fb.scheduled["b"] == (4, 4)  # only the first block is reused: its last token must be computed
+    assert kv.requests["b"].block_ids[0] == 0
+
+
+def test_freed_request_returns_blocks_and_cache_survives():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    kv.process(StepProposal(0, [admit("a", range(9), 9, (0, 0.0, 0))]))
+    assert kv.num_free_blocks() == 1
+    plan, _ = kv.process(StepProposal(1, [], freed=["a"]))
+    assert kv.num_free_blocks() == 4 and plan.freed == ["a"]
+    _, fb = kv.process(StepProposal(2, [admit("b", range(9), 9, (0, 1.0, 1))]))
+    assert fb.cached_tokens["b"] == 8
+
+
+def test_preempts_lowest_priority_when_pool_runs_dry():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    kv.process(StepProposal(0, [admit("a", range(4), 4, (0, 0.0, 0)), admit("b", range(10, 14), 4, (0, 1.0, 1))]))
+    assert kv.num_free_blocks() == 0
+    plan, fb = kv.process(StepProposal(1, [decode("a", 1, (0, 0.0, 0)), decode("b", 2, (0, 1.0, 1))]))
+    assert fb.preempted == ["b"] and list(fb.scheduled) == ["a"]
+    assert kv.requests["a"].block_ids == [0, 1, 3]  # b's freed tail block went to a
+    assert "b" not in kv.requests and plan.req_ids == ["a"]
+
+
+def test_new_request_that_does_not_fit_stays_waiting():
+    kv = KVCacheManager(num_blocks=3, block_size=2)
+    kv.process(StepProposal(0, [admit("a", range(4), 4, (0, 0.0, 0))]))
+    _, fb = kv.process(StepProposal(1, [decode("a", 1, (0, 0.0, 0)), admit("b", range(10, 16), 6, (0, 1.0, 1))]))
+    assert fb.not_admitted == ["b"] and fb.preempted == [] and "b" not in kv.requests
+    assert kv.num_free_blocks() == 0
+
+
+def test_higher_priority_arrival_preempts_running():
+    kv = KVCacheManager(num_blocks=3, block_size=2)
+    kv.process(StepProposal(0, [admit("low", range(4), 4, (5, 0.0, 0))]))
+    _, fb = kv.process(StepProposal(1, [admit("high", range(10, 14), 4, (0, 1.0, 1)), decode("low", 1, (5, 0.0, 0))]))
+    assert fb.preempted == ["low"] and list(fb.scheduled) == ["high"]
+    assert kv.num_free_blocks() == 1

@@ -1,0 +1,91 @@
+import math
+
+import torch
+
+from llmserve.model.sampler import (Penalties, SamplingBatch, apply_penalties, gather_logprobs, sample,
+                                    sampling_probs, uniform_noise)
+
+
+def batch(n, *, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, seeds=None, out_index=None, vocab=8, **kw):
+    f = lambda v: torch.full((n,), float(v))  # noqa: E731
+    return SamplingBatch(
+        temperature=f(temperature), top_k=torch.full((n,), top_k or vocab, dtype=torch.int64), top_p=f(top_p),
+        min_p=f(min_p), seeds=torch.tensor(seeds if seeds is not None else list(range(n)), dtype=torch.int64),
+        out_index=torch.tensor(out_index if out_index is not None else [0] * n, dtype=torch.int64),
+        all_greedy=temperature == 0, needs_sort=top_k is not None or top_p < 1.0, **kw)
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.1, 3.0, -1.0], [5.0, 0.0, 4.9]])
+    assert sample(logits, batch(2, temperature=0, vocab=3)).tolist() == [1, 0]
+
+
+def test_same_seed_same_token_whatever_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 1000)
+    alone = sample(logits, batch(1, seeds=[1234], out_index=[5], vocab=1000))
+    crowd = torch.cat([torch.randn(3, 1000), logits, torch.randn(4, 1000)])
+    together = sample(crowd, batch(8, seeds=[9, 8, 7, 1234, 6, 5, 4, 3], out_index=[0, 1, 2, 5, 3, 4, 5, 6], vocab=1000))
+    assert together[3] == alone[0]
+    other_step = sample(logits, batch(1, seeds=[1234], out_index=[6], vocab=1000))
+    other_seed = [sample(logits, batch(1, seeds=[s], out_index=[5], vocab=1000)).item() for s in range(20)]
+    assert len(set(other_seed)) > 5 or other_step != alone
+
+
+def test_noise_is_uniform():
+    u = uniform_noise(torch.tensor([1, 2]), torch.tensor([0, 0]), 50000)
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    n = 4000
+    logits = probs.log().repeat(n, 1)
+    tokens = sample(logits, batch(n, seeds=list(range(n)), vocab=3))
+    freq = torch.bincount(tokens, minlength=3).float() / n
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_top_k_top_p_min_p_masks():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).log_softmax(-1)  # probs p0 > p1 > ...
+    p = torch.softmax(logits, -1)[0]
+    keep = lambda b: (sampling_probs(logits, b)[0] > 0).tolist()  # noqa: E731
+    assert keep(batch(1, top_k=2, vocab=5)) == [True, True, False, False, False]
+    # top_p: keep the smallest prefix whose mass reaches top_p.
+    assert keep(batch(1, top_p=float(p[0] + p[1] * 0.5), vocab=5)) == [True, True, False, False, False]
+    assert keep(batch(1, top_p=0.01, vocab=5)) == [True, False, False, False, False]
+    assert keep(batch(1, min_p=float(p[2] / p[0]) * 1.001, vocab=5)) == [True, True, False, False, False]
+    assert keep(batch(1, vocab=5)) == [True] * 5
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 1.0]])
+    counts = torch.tensor([[0.0, 0.0, 2.0, 0.0]])
+    prompt = torch.tensor([[True, True, False, False]])
+    pen = Penalties(counts, prompt, repetition=torch.tensor([2.0]), presence=torch.tensor([0.5]),
+                    frequency=torch.tensor([0.25]))
+    out = apply_penalties(logits, pen)
+    # token 0: positive, seen in prompt -> /2; token 1: negative -> *2; token 2: output twice ->
+    # /2 then -0.25*2 - 0.5; token 3: unseen.
+    assert out.tolist() == [[1.0, -4.0, 0.5 - 0.5 - 0.5, 1.0]]
+
+
+def test_logit_bias_and_banned_tokens():
+    logits = torch.zeros(2, 4)
+    b = batch(2, temperature=0, vocab=4, bias=(torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([5.0, 1.0])),
+              banned=(torch.tensor([1]), torch.tensor([3])))
+    assert sample(logits, b).tolist() == [2, 0]
+
+
+def test_logprobs_match_log_softmax_with_ranks():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    lp = torch.log_softmax(logits, -1)
+    chosen = torch.tensor([int(lp[0].argmax()), int(lp[1].argsort(descending=True)[4]), 7])
+    val, rank, top_ids, top_lp = gather_logprobs(lp, chosen, 3)
+    ref = torch.log_softmax(logits.double(), -1)
+    assert torch.allclose(val.double(), ref[torch.arange(3), chosen], atol=1e-6)
+    assert rank[0] == 1 and rank[1] == 5 and rank[2] == int((ref[2] > ref[2, 7]).sum()) + 1
+    assert top_ids.tolist() == ref.topk(3).indices.tolist()
+    assert math.isclose(top_lp[0, 0].item(), ref[0].max().item(), abs_tol=1e-6)

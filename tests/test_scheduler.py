@@ -1,0 +1,99 @@
+from llmserve.core.scheduler import RequestStatus, Scheduler
+from llmserve.messages import NewRequest, StepFeedback, StepResult
+from llmserve.sampling_params import SamplingParams
+
+
+def make_scheduler(**kw):
+    args = dict(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, eos_token_ids=frozenset({0}))
+    args.update(kw)
+    return Scheduler(**args)
+
+
+def add(s, req_id, n_prompt, arrival, priority=0, **params):
+    s.add(NewRequest(req_id, list(range(1, n_prompt + 1)), SamplingParams(seed=1, **params), priority, arrival))
+
+
+def accept_all(s, proposal):
+    """Feedback as if the KV manager fitted every entry without cache hits."""
+    sched = {}
+    for e in proposal.entries:
+        before = s.requests[e.req_id].num_computed
+        sched[e.req_id] = (before, e.num_tokens)
+    s.on_feedback(StepFeedback(proposal.step_id, sched, [], [], {}, 0.0, 0, 0))
+
+
+def test_budget_mixes_decodes_and_prefill_chunks():
+    s = make_scheduler(max_num_batched_tokens=10)
+    add(s, "a", 6, 0.0)
+    add(s, "b", 20, 1.0)
+    p = s.schedule()
+    assert [(e.req_id, e.num_tokens) for e in p.entries] == [("a", 6), ("b", 4)]
+    accept_all(s, p)
+    out = s.on_result(StepResult(p.step_id, ["a"], [7]))
+    assert out.updates[0].new_token_ids == [7]
+    p = s.schedule()
+    # a decodes one token; b continues its prefill with the rest of the budget.
+    assert [(e.req_id, e.num_tokens, e.new_token_ids) for e in p.entries] == [("a", 1, [7]), ("b", 9, [])]
+
+
+def test_max_num_seqs_limits_admission():
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        add(s, f"r{i}", 2, float(i))
+    p = s.schedule()
+    assert [e.req_id for e in p.entries] == ["r0", "r1"]
+
+
+def test_priority_policy_orders_by_priority_then_arrival():
+    s = make_scheduler(policy="priority", max_num_batched_tokens=4)
+    add(s, "late-urgent", 2, 1.0, priority=-1)
+    add(s, "early", 2, 0.0, priority=0)
+    add(s, "later", 2, 2.0, priority=0)
+    assert [e.req_id for e in s.schedule().entries] == ["late-urgent", "early"]
+
+
+def test_fcfs_ignores_priority():
+    s = make_scheduler(max_num_batched_tokens=4)
+    add(s, "a", 2, 1.0, priority=-5)
+    add(s, "b", 2, 0.0, priority=0)
+    assert [e.req_id for e in s.schedule().entries] == ["b", "a"]
+
+
+def test_stop_conditions():
+    s = make_scheduler()
+    add(s, "eos", 2, 0.0, max_tokens=10)
+    add(s, "len", 2, 1.0, max_tokens=1)
+    add(s, "stoptok", 2, 2.0, stop_token_ids=[9])
+    add(s, "min", 2, 3.0, min_tokens=2)
+    p = s.schedule()
+    accept_all(s, p)
+    out = s.on_result(StepResult(p.step_id, ["eos", "len", "stoptok", "min"], [0, 5, 9, 0]))
+    got = {u.req_id: (u.finish_reason, u.stop_reason) for u in out.updates}
+    assert got == {"eos": ("stop", None), "len": ("length", None), "stoptok": ("stop", 9), "min": (None, None)}
+    assert list(s.requests) == ["min"]
+    assert s.schedule().freed == ["eos", "len", "stoptok"]
+
+
+def test_preempted_request_requeues_and_resends_all_tokens():
+    s = make_scheduler()
+    add(s, "a", 3, 0.0)
+    p = s.schedule()
+    accept_all(s, p)
+    s.on_result(StepResult(p.step_id, ["a"], [42]))
+    p = s.schedule()
+    s.on_feedback(StepFeedback(p.step_id, {}, ["a"], [], {}, 1.0, 0, 0))
+    assert s.requests["a"].status == RequestStatus.PREEMPTED and s.num_preemptions == 1
+    p = s.schedule()
+    [e] = p.entries
+    assert e.admitted is not None and e.new_token_ids == [1, 2, 3, 42] and e.num_tokens == 4
+
+
+def test_abort_removes_request_and_frees_next_step():
+    s = make_scheduler()
+    add(s, "a", 3, 0.0)
+    p = s.schedule()
+    accept_all(s, p)
+    s.finish(["a"])
+    assert not s.running and s.schedule().freed == ["a"]
+    # A result for the aborted request is discarded.
+    assert s.on_result(StepResult(p.step_id, ["a"], [5])).updates == []
