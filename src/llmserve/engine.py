@@ -136,6 +136,10 @@ class Engine:
             self._requests_in = None
             tg.cancel_scope.cancel()
 
+    def release(self) -> None:
+        """Give the device memory (weights, KV cache) back; the engine cannot run afterwards."""
+        self.runner.release()
+
     def stop(self) -> None:
         if self._stop is not None:
             self._stop.set()

@@ -95,6 +95,7 @@ class LLM:
         self._run_future.result()
         self._portal_cm.__exit__(None, None, None)
         self._portal_cm = None
+        self.engine.release()
 
     def __enter__(self) -> LLM:
         return self

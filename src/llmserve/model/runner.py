@@ -10,6 +10,7 @@ Step inputs are derived from the plan with numpy vector ops (no Python loop over
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,6 +109,15 @@ class ModelRunner:
         del hidden, logits, ids
         torch.cuda.empty_cache()
         return peak
+
+    def release(self) -> None:
+        """Drop weights and KV cache so their device memory returns to the system."""
+        self.model.set_kv_caches([(None, None)] * self.spec.num_layers)
+        self.model = None
+        self.seqs.clear()
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
 
     # ---- one step ------------------------------------------------------------------------------
 

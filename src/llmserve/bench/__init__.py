@@ -1,0 +1,1 @@
+"""Benchmark workloads (as ../shared/WORKLOADS.md defines them) and their runners."""

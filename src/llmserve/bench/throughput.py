@@ -1,0 +1,115 @@
+"""Offline throughput of a workload through LLM.generate, with its roofline.
+
+    python -m llmserve.bench.throughput --workload w-small [--json out.json] [engine options]
+
+Roofline (all requests assumed running at once, as WORKLOADS.md computes it): each decode step
+reads the weights once plus the KV cache of every request still running; prefill costs
+2 * params FLOPs per prompt token plus attention. The device's copy bandwidth and bf16 matmul rate
+are measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from llmserve.bench.workloads import WORKLOADS, Workload
+from llmserve.model.spec import ModelSpec
+
+
+def measure_device() -> dict:
+    """Measured device-to-device copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s."""
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+
+    def timed(fn, reps):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+
+    bw = 2 * x.numel() / timed(lambda: y.copy_(x), 20)
+    flops = 2 * 8192**3 / timed(lambda: a @ b, 10)
+    return {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": bw, "bf16_flop_per_s": flops}
+
+
+def roofline_seconds(w: Workload, spec: ModelSpec, bandwidth: float, flops: float) -> dict:
+    h, inter, layers = spec.hidden_size, spec.intermediate_size, spec.num_layers
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
+    params = layers * per_layer + spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
+    weight_bytes = params * 2
+    kv_token = spec.kv_bytes_per_token(torch.bfloat16)
+    prompt = np.array([len(p) for p in w.prompts], dtype=np.float64)
+    out = np.array([p.max_tokens for p in w.params], dtype=np.float64)
+    # Decode: step t reads the weights and the KV of requests with out > t (context prompt + t).
+    steps = int(out.max())
+    t = np.arange(steps, dtype=np.float64)[:, None]
+    running = out[None, :] > t
+    kv_bytes = float(((prompt[None, :] + t) * running).sum() * kv_token)
+    decode = (steps * weight_bytes + kv_bytes) / bandwidth
+    # Prefill: matmuls over the non-embedding weights plus causal attention (QK^T and PV).
+    matmul_params = layers * per_layer + spec.vocab_size * h
+    attn = float((4 * layers * q * prompt * (prompt + 1) / 2).sum())
+    prefill = (2 * matmul_params * prompt.sum() + attn) / flops
+    return {"roofline_s": decode + prefill, "decode_s": decode, "prefill_s": prefill}
+
+
+def run(workload: str, **engine_kwargs) -> dict:
+    from llmserve import LLM, SamplingParams
+    w = WORKLOADS[workload]()
+    device = measure_device() if torch.cuda.is_available() else {"device": "cpu"}
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = LLM(w.write_model_dir(tmp), load_format="dummy", **engine_kwargs)
+        llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in w.prompts], w.params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        preemptions = llm.engine.scheduler.num_preemptions
+        leaked = llm.engine.kv.pool.num_blocks - llm.engine.kv.num_free_blocks()
+        llm.shutdown()
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    result = {"workload": workload, **device, "wall_s": wall, "prompt_tokens": w.prompt_tokens,
+              "output_tokens": generated, "expected_output_tokens": w.output_tokens,
+              "output_tok_s": generated / wall, "preemptions": preemptions, "leaked_blocks": leaked,
+              "date": time.strftime("%Y-%m-%d"), "engine_kwargs": engine_kwargs}
+    if "copy_bytes_per_s" in device:
+        roof = roofline_seconds(w, ModelSpec.from_dict(w.model_config), device["copy_bytes_per_s"],
+                                device["bf16_flop_per_s"])
+        result.update(roof, roofline_fraction=roof["roofline_s"] / wall)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="w-small")
+    ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    args = ap.parse_args()
+    result = run(args.workload, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                 log_interval_s=10.0)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""On CUDA with the Triton kernels: float32 token-exact with transformers, bf16 greedy agreement,
+KV sizing from gpu_memory_utilization. Skipped without a GPU."""
+
+import pytest
+import torch
+from conftest import ARCHS, hf_greedy
+from test_equivalence import MAX_TOKENS, TEXTS, VARIANTS
+
+from llmserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+def prompts_for(path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    return [tok.encode(t) for t in TEXTS]
+
+
+def run(llm, prompts, max_tokens=MAX_TOKENS):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=max_tokens, temperature=0),
+                        use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_cuda_float32_matches_transformers(checkpoint, arch, variant):
+    path = checkpoint(arch)
+    prompts = prompts_for(path)
+    expected = hf_greedy(path, prompts, MAX_TOKENS, device="cuda")
+    options = {"num_blocks": 4096, **VARIANTS[variant]}  # a fixed pool: sizing has its own test
+    with LLM(path, dtype="float32", device="cuda", log_interval_s=0, **options) as llm:
+        assert llm.engine.backend.name == "cuda"
+        assert run(llm, prompts + prompts) == expected + expected  # the repeat hits the prefix cache
+        assert llm.engine.kv.num_free_blocks() == llm.engine.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_cuda_bfloat16_greedy_agrees_on_short_outputs(checkpoint, arch):
+    path = checkpoint(arch, dtype=torch.bfloat16)
+    prompts = prompts_for(path)
+    expected = hf_greedy(path, prompts, 6, device="cuda", dtype=torch.bfloat16)
+    with LLM(path, dtype="bfloat16", device="cuda", num_blocks=4096, log_interval_s=0) as llm:
+        got = run(llm, prompts, 6)
+    assert all(g[0] == e[0] for g, e in zip(got, expected))
+    assert sum(g == e for g, e in zip(got, expected)) >= len(prompts) - 1, (got, expected)
+
+
+def test_kv_cache_sized_from_gpu_memory(checkpoint):
+    path = checkpoint("llama")
+    with LLM(path, device="cuda", gpu_memory_utilization=0.5, log_interval_s=0) as llm:
+        free, total = torch.cuda.mem_get_info()
+        blocks = llm.engine.kv.pool.num_blocks
+        block_bytes = llm.engine.runner.block_bytes()
+        assert blocks * block_bytes > 0.3 * total  # most of the half given to the engine
+        assert blocks * block_bytes < 0.5 * total
+    with pytest.raises(ValueError, match="lower model.max_model_len or give the cache more memory"):
+        LLM(path, device="cuda", num_blocks=4, max_model_len=256)
