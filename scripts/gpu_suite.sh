@@ -27,10 +27,10 @@ run)
     { nvidia-smi; "$PY" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'; } \
         > "$OUT/env.txt" 2>&1
     set +e
-    timeout 330 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 tests/test_gpu.py tests/test_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    timeout 200 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 tests/test_gpu.py tests/test_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     bench=${2:-w-small}
     if [ "$bench" != none ]; then
-        timeout 240 "$PY" -m llmserve.bench.throughput --workload "$bench" --json "$OUT/$bench.json" \
+        timeout 330 "$PY" -m llmserve.bench.throughput --workload "$bench" --peer hf --json "$OUT/$bench.json" \
             > "$OUT/$bench.log" 2>&1
         tail -30 "$OUT/$bench.log"
     fi

@@ -76,16 +76,27 @@ def test_prefix_cache_hits_keep_outputs(checkpoint, arch):
         assert_pool_back_to_total(llm)
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_n3_greedy_samples_share_prompt_blocks(checkpoint, arch):
+def test_n3_greedy_samples_share_prompt_blocks(checkpoint, arch, prefix_caching):
     prompts, expected = reference(checkpoint, arch)
-    with LLM(checkpoint(arch), dtype="float32", device="cpu", block_size=4, log_interval_s=0) as llm:
+    with LLM(checkpoint(arch), dtype="float32", device="cpu", block_size=4, enable_prefix_caching=prefix_caching,
+             log_interval_s=0) as llm:
+        shared = []
+        real_process = llm.engine.kv.process
+
+        def spy(proposal):
+            plan, fb = real_process(proposal)
+            shared.extend(n for r, n in fb.cached_tokens.items() if r.endswith(("#1", "#2")))
+            return plan, fb
+
+        llm.engine.kv.process = spy
         outs = generate(llm, prompts, n=3)
         for out, exp in zip(outs, expected):
             assert [c.index for c in out.outputs] == [0, 1, 2]
             assert all(c.token_ids == exp for c in out.outputs)
-        # Samples 1 and 2 reuse sample 0's full prompt blocks.
-        assert llm.engine.kv.prefix_hits >= sum(2 * ((len(p) - 1) // 4) * 4 for p in prompts)
+        # Samples 1 and 2 reuse sample 0's full prompt blocks, with or without the shared prefix cache.
+        assert sum(shared) == sum(2 * ((len(p) - 1) // 4) * 4 for p in prompts)
         assert_pool_back_to_total(llm)
 
 
@@ -105,3 +116,13 @@ def test_half_precision_checkpoint_loads_as_float32_on_cpu(checkpoint):
         assert llm.engine.dtype == torch.float32
         prompts = [[5, 6, 7, 8], [9, 10]]
         assert [o.outputs[0].token_ids for o in generate(llm, prompts)] == hf_greedy(path, prompts, MAX_TOKENS)
+
+
+def test_prefix_caching_off_shares_nothing_across_requests(checkpoint):
+    prompts, expected = reference(checkpoint, "llama")
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", block_size=4, enable_prefix_caching=False,
+             log_interval_s=0) as llm:
+        outs = generate(llm, prompts + prompts)
+        assert [o.outputs[0].token_ids for o in outs] == expected + expected
+        assert all(o.num_cached_tokens == 0 for o in outs) and llm.engine.kv.prefix_queries == 0
+        assert_pool_back_to_total(llm)

@@ -88,3 +88,16 @@ def test_higher_priority_arrival_preempts_running():
     _, fb = kv.process(StepProposal(1, [admit("high", range(10, 14), 4, (0, 1.0, 1)), decode("low", 1, (5, 0.0, 0))]))
     assert fb.preempted == ["low"] and list(fb.scheduled) == ["high"]
     assert kv.num_free_blocks() == 1
+
+
+def test_salted_requests_share_only_within_their_group():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+
+    def salted(req_id, salt, key):
+        return ScheduledRequest(req_id, 9, list(range(9)), key, Admission(9, SamplingParams(), True, salt))
+
+    _, fb = kv.process(StepProposal(0, [salted("p#0", "p", (0, 0.0, 0)), salted("p#1", "p", (0, 0.0, 1)),
+                                        salted("q#0", "q", (0, 1.0, 2)), admit("plain", range(9), 9, (0, 2.0, 3))]))
+    assert fb.cached_tokens == {"p#0": 0, "p#1": 8, "q#0": 0, "plain": 0}
+    assert kv.requests["p#1"].block_ids[:2] == kv.requests["p#0"].block_ids[:2]
+    assert kv.prefix_queries == 9  # only unsalted requests count towards the shared cache's hit rate

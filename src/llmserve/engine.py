@@ -93,7 +93,7 @@ class Engine:
                 f"but only {num_blocks} fit ({num_blocks * self.runner.block_bytes() / 2**30:.2f} GiB); lower "
                 f"model.max_model_len or give the cache more memory (cache.gpu_memory_utilization / cache.cpu_kv_cache_gib)")
         self.runner.allocate_kv_cache(num_blocks)
-        self.kv = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, bs)
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

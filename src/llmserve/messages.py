@@ -26,6 +26,8 @@ class NewRequest:
     """Per-sample parameters (n == 1); `seed` is always set."""
     priority: int = 0
     arrival: float = 0.0
+    group: str | None = None
+    """The parent request of one of n > 1 samples: siblings share prompt blocks."""
 
 
 @dataclass(slots=True)
@@ -54,6 +56,8 @@ class Admission:
     prompt_len: int
     params: SamplingParams
     use_prefix_cache: bool
+    cache_salt: str | None = None
+    """Scopes prefix-cache sharing to requests with the same salt (siblings when caching is off)."""
 
 
 @dataclass(slots=True)

@@ -145,7 +145,8 @@ class RequestActor:
             req.children.append(child_id)
             self.child_of[child_id] = (req, i)
             child_params = replace(p, n=1, seed=(base_seed + i) % 2**63)
-            await self.to_scheduler.send(NewRequest(child_id, ids, child_params, sub.priority, now))
+            await self.to_scheduler.send(NewRequest(child_id, ids, child_params, sub.priority, now,
+                                                    sub.req_id if p.n > 1 else None))
 
     async def _abort(self, req_id: str) -> None:
         req = self.requests.get(req_id)

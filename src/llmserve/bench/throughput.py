@@ -68,21 +68,72 @@ def roofline_seconds(w: Workload, spec: ModelSpec, bandwidth: float, flops: floa
     return {"roofline_s": decode + prefill, "decode_s": decode, "prefill_s": prefill}
 
 
-def run(workload: str, **engine_kwargs) -> dict:
+def peer_hf(w: Workload, num_requests: int, batch_size: int) -> dict:
+    """transformers `generate` (static, left-padded batches) on the first `num_requests` requests:
+    same random bf16 weights' shapes, same sampling; each batch runs to its longest max_tokens,
+    and only the tokens the requests asked for count."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with tempfile.TemporaryDirectory() as tmp:
+        config = AutoConfig.from_pretrained(w.write_model_dir(tmp))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+    prompts, params = w.prompts[:num_requests], w.params[:num_requests]
+    p0 = params[0]
+
+    def one_batch(lo: int, hi: int) -> None:
+        batch = prompts[lo:hi]
+        width = max(len(p) for p in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(batch):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        new = max(q.max_tokens for q in params[lo:hi])
+        with torch.no_grad():
+            model.generate(ids.cuda(), attention_mask=mask.cuda(), do_sample=True, temperature=p0.temperature,
+                           top_p=p0.top_p, top_k=0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+
+    one_batch(0, 1)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for lo in range(0, len(prompts), batch_size):
+        one_batch(lo, min(lo + batch_size, len(prompts)))
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    tokens = sum(q.max_tokens for q in params)
+    del model
+    torch.cuda.empty_cache()
+    return {"requests": len(prompts), "batch_size": batch_size, "wall_s": wall, "output_tokens": tokens,
+            "output_tok_s": tokens / wall}
+
+
+def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, **engine_kwargs) -> dict:
     from llmserve import LLM, SamplingParams
     w = WORKLOADS[workload]()
     device = measure_device() if torch.cuda.is_available() else {"device": "cpu"}
-    with tempfile.TemporaryDirectory() as tmp:
-        llm = LLM(w.write_model_dir(tmp), load_format="dummy", **engine_kwargs)
-        llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+
+    def timed_generate(llm, prompts, params) -> tuple[float, list]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in w.prompts], w.params, use_tqdm=False)
-        wall = time.perf_counter() - start
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - start, outs
+
+    peer_result = None
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = LLM(w.write_model_dir(tmp), load_format="dummy", **engine_kwargs)
+        llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        wall, outs = timed_generate(llm, w.prompts, w.params)
+        if peer == "hf":
+            # The same subset through our engine, for a like-for-like ratio measured in this run.
+            sub_wall, _ = timed_generate(llm, w.prompts[:peer_requests], w.params[:peer_requests])
         preemptions = llm.engine.scheduler.num_preemptions
         leaked = llm.engine.kv.pool.num_blocks - llm.engine.kv.num_free_blocks()
         llm.shutdown()
+    if peer == "hf":
+        hf = peer_hf(w, peer_requests, batch_size=peer_requests)
+        ours = hf["output_tokens"] / sub_wall
+        peer_result = {"peer": "hf-transformers-generate", **hf, "llmserve_wall_s": sub_wall,
+                       "llmserve_output_tok_s": ours, "speedup": ours / hf["output_tok_s"]}
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {"workload": workload, **device, "wall_s": wall, "prompt_tokens": w.prompt_tokens,
               "output_tokens": generated, "expected_output_tokens": w.output_tokens,
@@ -92,6 +143,8 @@ def run(workload: str, **engine_kwargs) -> dict:
         roof = roofline_seconds(w, ModelSpec.from_dict(w.model_config), device["copy_bytes_per_s"],
                                 device["bf16_flop_per_s"])
         result.update(roof, roofline_fraction=roof["roofline_s"] / wall)
+    if peer_result is not None:
+        result["peer"] = peer_result
     return result
 
 
@@ -101,9 +154,11 @@ def main() -> None:
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--peer", choices=["hf"], help="also run transformers generate on a subset, same run")
+    ap.add_argument("--peer-requests", type=int, default=64, help="size of the peer's subset (its first requests)")
     args = ap.parse_args()
-    result = run(args.workload, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                 log_interval_s=10.0)
+    result = run(args.workload, peer=args.peer, peer_requests=args.peer_requests, max_num_seqs=args.max_num_seqs,
+                 max_num_batched_tokens=args.max_num_batched_tokens, log_interval_s=10.0)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -35,16 +35,16 @@ class KVRequest:
     token_ids: list[int]
     priority_key: tuple
     use_prefix_cache: bool
+    root_hash: int = _ROOT_HASH
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_computed: int = 0
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
         self.requests: dict[str, KVRequest] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens found in the cache
@@ -56,11 +56,11 @@ class KVCacheManager:
 
     def find_cached_prefix(self, req: KVRequest) -> list[int]:
         """Block ids of the longest cached prefix, leaving at least the last token to compute."""
-        if not (self.enable_prefix_caching and req.use_prefix_cache):
+        if not req.use_prefix_cache:
             return []
         B = self.block_size
         hits: list[int] = []
-        parent = _ROOT_HASH
+        parent = req.root_hash
         for i in range((len(req.token_ids) - 1) // B):
             h = chain_hash(parent, req.token_ids[i * B:(i + 1) * B])
             block_id = self.pool.lookup(h)
@@ -86,7 +86,7 @@ class KVCacheManager:
         self.pool.touch(hits)
         req.block_ids = hits + self.pool.allocate(need_new)
         req.num_computed = num_computed
-        if req.use_prefix_cache:
+        if req.use_prefix_cache and req.root_hash == _ROOT_HASH:
             self.prefix_queries += len(req.token_ids)
             self.prefix_hits += num_computed
         self._commit(req, n)
@@ -107,10 +107,10 @@ class KVCacheManager:
     def _commit(self, req: KVRequest, n: int) -> None:
         """Count the step's tokens as computed and hash the blocks they fill."""
         req.num_computed += n
-        if not (self.enable_prefix_caching and req.use_prefix_cache):
+        if not req.use_prefix_cache:
             return
         B = self.block_size
-        parent = req.block_hashes[-1] if req.block_hashes else _ROOT_HASH
+        parent = req.block_hashes[-1] if req.block_hashes else req.root_hash
         for i in range(len(req.block_hashes), req.num_computed // B):
             parent = chain_hash(parent, req.token_ids[i * B:(i + 1) * B])
             req.block_hashes.append(parent)
@@ -121,12 +121,26 @@ class KVCacheManager:
         if req is not None:
             self.pool.free(req.block_ids)
 
-    def preempt(self, req: KVRequest) -> None:
+    def _preempt(self, req: KVRequest, preempted: list[str]) -> None:
         """Take a request's blocks back; it recomputes later (its full blocks stay cached)."""
         self.pool.free(req.block_ids)
-        req.block_ids = []
-        req.block_hashes = []
-        req.num_computed = 0
+        self.requests.pop(req.req_id, None)
+        preempted.append(req.req_id)
+
+    def _fit(self, req: KVRequest, num_tokens: int, *, admitting: bool, preempted: list[str]) -> int | None:
+        """Blocks for the entry, preempting lower-priority holders while the pool is short.
+
+        Returns the tokens to compute, or None when no holder ranks below `req`.
+        """
+        while True:
+            n = self.admit(req, num_tokens) if admitting else self.extend(req, num_tokens)
+            if n is not None:
+                return n
+            victim = max((r for r in self.requests.values() if r.block_ids), key=lambda r: r.priority_key,
+                         default=None)
+            if victim is None or victim is req or victim.priority_key < req.priority_key:
+                return None
+            self._preempt(victim, preempted)
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -142,8 +156,10 @@ class KVCacheManager:
             self.free(req_id)
         for e in proposal.entries:
             if e.admitted is not None:
+                salt = e.admitted.cache_salt
                 self.requests[e.req_id] = KVRequest(e.req_id, list(e.new_token_ids), e.priority_key,
-                                                    e.admitted.use_prefix_cache)
+                                                    e.admitted.use_prefix_cache,
+                                                    _ROOT_HASH if salt is None else hash((_ROOT_HASH, salt)))
             else:
                 self.requests[e.req_id].token_ids.extend(e.new_token_ids)
 
@@ -151,43 +167,27 @@ class KVCacheManager:
         preempted: list[str] = []
         not_admitted: list[str] = []
         cached_tokens: dict[str, int] = {}
-        gone: set[str] = set()
-        stop_at = len(proposal.entries)
-        for idx, e in enumerate(proposal.entries):
-            if e.req_id in gone:
+        entries = proposal.entries
+        for idx, e in enumerate(entries):
+            if e.req_id in preempted:
                 continue
             req = self.requests[e.req_id]
-            while True:
-                n = self.admit(req, e.num_tokens) if e.admitted is not None else self.extend(req, e.num_tokens)
-                if n is not None:
-                    before = req.num_computed - n
-                    if e.admitted is not None:
-                        cached_tokens[e.req_id] = before
-                    scheduled.append((req, before, n))
-                    break
-                victim = max((r for r in self.requests.values() if r.block_ids), key=lambda r: r.priority_key,
-                             default=None)
-                if victim is not None and victim is not req and victim.priority_key > req.priority_key:
-                    self.preempt(victim)
-                    preempted.append(victim.req_id)
-                    gone.add(victim.req_id)
-                    continue
-                stop_at = idx
+            n = self._fit(req, e.num_tokens, admitting=e.admitted is not None, preempted=preempted)
+            if n is None:
+                # Nothing of lower priority is left to take from: this entry and all after it wait.
+                for rest in entries[idx:]:
+                    if rest.req_id in preempted:
+                        continue
+                    if rest.admitted is not None:
+                        not_admitted.append(rest.req_id)
+                        del self.requests[rest.req_id]
+                    else:
+                        self._preempt(self.requests[rest.req_id], preempted)
                 break
-            if stop_at != len(proposal.entries):
-                break
-        for e in proposal.entries[stop_at:]:
-            if e.req_id in gone:
-                continue
-            req = self.requests[e.req_id]
+            before = req.num_computed - n
             if e.admitted is not None:
-                not_admitted.append(e.req_id)
-                del self.requests[e.req_id]
-            else:
-                self.preempt(req)
-                preempted.append(e.req_id)
-        for req_id in preempted:
-            self.requests.pop(req_id, None)
+                cached_tokens[e.req_id] = before
+            scheduled.append((req, before, n))
 
         plan = self._build_plan(proposal, scheduled)
         feedback = StepFeedback(

@@ -43,6 +43,7 @@ class Request:
     """Tokens the KV manager has been told about."""
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    group: str | None = None
     pending_logprobs: list = field(default_factory=list)
 
     @property
@@ -75,7 +76,7 @@ class Scheduler:
     def add(self, new: NewRequest) -> None:
         priority = new.priority if self.policy == "priority" else 0
         req = Request(new.req_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.params,
-                      (priority, new.arrival, next(self._seq)))
+                      (priority, new.arrival, next(self._seq)), group=new.group)
         self.requests[req.req_id] = req
         bisect.insort(self.waiting, req, key=lambda r: r.key)
 
@@ -119,8 +120,12 @@ class Scheduler:
             n = min(len(req.token_ids) - req.num_computed, budget)
             admission = None
             if admitting:
-                use_cache = self.enable_prefix_caching and req.params.prompt_logprobs is None
-                admission = Admission(req.prompt_len, req.params, use_cache)
+                # Siblings of an n > 1 request share prompt blocks even with prefix caching off,
+                # through a cache scoped to their group.
+                shared = self.enable_prefix_caching or req.group is not None
+                use_cache = shared and req.params.prompt_logprobs is None
+                salt = None if self.enable_prefix_caching else req.group
+                admission = Admission(req.prompt_len, req.params, use_cache, salt)
             entries.append(ScheduledRequest(req.req_id, n, req.token_ids[req.num_sent:], req.key, admission))
             req.num_sent = len(req.token_ids)
             budget -= n
