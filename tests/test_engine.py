@@ -264,3 +264,12 @@ def test_dummy_weights_from_config_alone(tmp_path, checkpoint):
 def test_max_model_len_that_cannot_fit_is_a_startup_error(checkpoint):
     with pytest.raises(ValueError, match=r"max_model_len 128 needs 32 KV blocks of 4 tokens, but only 10 fit"):
         LLM(checkpoint("llama"), device="cpu", block_size=4, num_blocks=10, max_model_len=128)
+
+
+def test_engine_logs_an_interval_line(checkpoint, capsys):
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0.001) as llm:
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "[info     ] engine " in line]
+    assert lines, "no engine statistics line"
+    for key in ("running=", "waiting=", "kv_usage=", "prefix_hit_rate=", "prompt_tok_s=", "gen_tok_s="):
+        assert key in lines[-1]
