@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_example_config_loads_and_documents_every_key():
     config = EngineConfig.from_toml(ROOT / "config.example.toml")
-    assert config.model.model == "models/tiny" and config.cache.block_size == 16
+    assert config.model.model == "builtin" and config.cache.block_size == 16
     text = (ROOT / "config.example.toml").read_text()
     for section in dataclasses.fields(EngineConfig):
         assert f"[{section.name}]" in text

@@ -1,5 +1,8 @@
-"""Command line: `llmserve --config config.toml --prompt "..."` generates offline with the configured
-engine and prints one JSON object per prompt."""
+"""Command line.
+
+    llmserve --config config.toml [--host H] [--port P] [--model DIR]   serve the OpenAI-compatible API
+    llmserve --config config.toml --prompt "..." [--prompt ...]         generate offline, one JSON line each
+"""
 
 from __future__ import annotations
 
@@ -11,20 +14,40 @@ from llmserve.config import EngineConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="llmserve", description="llmserve inference engine")
+    ap = argparse.ArgumentParser(prog="llmserve", description="llmserve: OpenAI-compatible LLM inference server")
     ap.add_argument("--config", required=True, help="TOML file (see config.example.toml)")
-    ap.add_argument("--model", help="checkpoint directory; overrides [model] model")
-    ap.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--model", help='checkpoint directory or "builtin"; overrides [model] model')
+    ap.add_argument("--host", help="overrides [server] host")
+    ap.add_argument("--port", type=int, help="overrides [server] port")
+    ap.add_argument("--prompt", action="append", help="generate for this prompt offline instead of serving (repeatable)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="with --prompt")
+    ap.add_argument("--temperature", type=float, default=0.0, help="with --prompt")
+    ap.add_argument("--seed", type=int, default=None, help="with --prompt")
     args = ap.parse_args(argv)
 
-    from llmserve import LLM, SamplingParams
-
-    config = EngineConfig.from_toml(args.config)
+    from llmserve.logging import configure_logging
+    configure_logging()
+    try:
+        config = EngineConfig.from_toml(args.config)
+    except (OSError, ValueError) as exc:
+        ap.error(f"--config {args.config}: {exc}")
     if args.model:
         config.model.model = args.model
+    if args.host:
+        config.server.host = args.host
+    if args.port is not None:
+        config.server.port = args.port
+    if args.prompt:
+        return _generate(ap, config, args)
+    import anyio
+
+    from llmserve.server.run import serve
+    anyio.run(serve, config, backend="asyncio")
+    return 0
+
+
+def _generate(ap: argparse.ArgumentParser, config: EngineConfig, args: argparse.Namespace) -> int:
+    from llmserve import LLM, SamplingParams
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     except ValueError as exc:

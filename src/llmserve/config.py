@@ -22,8 +22,9 @@ def _check(ok: bool, section: str, name: str, limit: str, value: Any) -> None:
 
 @dataclass(slots=True)
 class ModelConfig:
-    model: str = ""
-    """Checkpoint directory: config.json, *.safetensors and tokenizer files."""
+    model: str = "builtin"
+    """Checkpoint directory (config.json, *.safetensors, tokenizer files), or "builtin" for the small
+    model that ships with llmserve."""
     tokenizer: str | None = None
     """Tokenizer directory; the checkpoint directory when unset."""
     dtype: str = "auto"
@@ -97,9 +98,27 @@ class ParallelConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    served_model_name: str | None = None
+    """Name clients pass as `model`; the checkpoint directory's name when unset."""
+    api_key: str | None = None
+    """Required as `Authorization: Bearer KEY` when set (or when LLMSERVE_API_KEY is set)."""
+    protect_health_metrics: bool = False
+    """Also require the key for /health and /metrics."""
+    max_body_bytes: int = 1 << 20
+    """Larger request bodies get 413."""
+    max_waiting_requests: int = 1024
+    """With this many requests waiting, new ones get 503 and Retry-After."""
+    max_ws_requests: int = 16
+    """Requests in flight on one WebSocket."""
+    shutdown_grace_s: float = 10.0
+    """Seconds in-flight requests get to finish after SIGINT/SIGTERM."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "server", "port", "in [0, 65535]", self.port)
+        _check(self.max_body_bytes >= 1024, "server", "max_body_bytes", ">= 1024", self.max_body_bytes)
+        _check(self.max_waiting_requests >= 1, "server", "max_waiting_requests", ">= 1", self.max_waiting_requests)
+        _check(self.max_ws_requests >= 1, "server", "max_ws_requests", ">= 1", self.max_ws_requests)
+        _check(self.shutdown_grace_s >= 0, "server", "shutdown_grace_s", ">= 0", self.shutdown_grace_s)
 
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -32,6 +33,19 @@ from llmserve.plugin_manager import Plugins
 from llmserve.sampling_params import SamplingParams
 
 log = structlog.get_logger("llmserve.engine")
+
+
+@dataclass(slots=True, frozen=True)
+class EngineSnapshot:
+    """Counters and gauges for metrics and admission control, read on the engine's event loop."""
+    running: int
+    waiting: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,8 +82,17 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+BUILTIN_MODEL_DIR = Path(__file__).parent / "builtin_model"
+
+
+def resolve_model_dir(name: str) -> str:
+    """"builtin" names the ~6M-parameter model shipped in the package; anything else is a directory."""
+    return str(BUILTIN_MODEL_DIR) if name == "builtin" else name
+
+
 class Engine:
     def __init__(self, config: EngineConfig, plugins: Plugins | None = None) -> None:
+        config.model.model = resolve_model_dir(config.model.model)
         self.config = config
         self.plugins = plugins or Plugins()
         m = config.model
@@ -136,6 +159,15 @@ class Engine:
             self._requests_in = None
             tg.cancel_scope.cancel()
 
+    @property
+    def running(self) -> bool:
+        return self._requests_in is not None
+
+    def snapshot(self) -> EngineSnapshot:
+        s, kv = self.scheduler, self.kv
+        return EngineSnapshot(s.num_running, s.num_waiting, kv.pool.usage(), kv.prefix_queries, kv.prefix_hits,
+                              s.num_preemptions, s.prompt_tokens, s.generation_tokens)
+
     def release(self) -> None:
         """Give the device memory (weights, KV cache) back; the engine cannot run afterwards."""
         self.runner.release()
@@ -145,7 +177,8 @@ class Engine:
             self._stop.set()
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0, add_special_tokens: bool = True,
+                       strict_length: bool = False) -> AsyncIterator[RequestOutput]:
         """Submit one request; yields its cumulative output as it grows, the last one finished.
 
         Raises ValueError for a bad prompt or parameters (this request only). Leaving the loop
@@ -155,7 +188,8 @@ class Engine:
             raise RuntimeError("engine is not running")
         request_id = request_id or uuid.uuid4().hex
         slot = OutputSlot()
-        await self._requests_in.send(Submit(request_id, prompt, params or SamplingParams(), slot, priority))
+        await self._requests_in.send(Submit(request_id, prompt, params or SamplingParams(), slot, priority,
+                                            add_special_tokens, strict_length))
         finished = False
         try:
             while not finished:

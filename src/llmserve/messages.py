@@ -155,6 +155,8 @@ class SequenceUpdate:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
+    queue_time_s: float | None = None
+    """Seconds from arrival to first being scheduled."""
     error: str | None = None
     """The step that should have produced this token failed; the sequence is ended."""
 

@@ -43,3 +43,5 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     finished: bool = False
     num_cached_tokens: int = 0
+    queue_time_s: float | None = None
+    """Seconds from arrival until the request was first scheduled."""

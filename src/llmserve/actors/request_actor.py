@@ -52,6 +52,9 @@ class Submit:
     params: SamplingParams
     slot: OutputSlot
     priority: int = 0
+    add_special_tokens: bool = True
+    strict_length: bool = False
+    """Reject (rather than cut at max_model_len) a max_tokens the context cannot hold."""
 
 
 @dataclass(slots=True)
@@ -70,6 +73,7 @@ class _Request:
     detoks: list[Detokenizer]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    queue_time_s: float | None = None
     children: list[str] = field(default_factory=list)
 
     def finished(self) -> bool:
@@ -105,18 +109,21 @@ class RequestActor:
         if isinstance(sub.prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids instead")
-            return sub.prompt, self.tokenizer.encode(sub.prompt)
+            return sub.prompt, self.tokenizer.encode(sub.prompt, add_special_tokens=sub.add_special_tokens)
         ids = list(sub.prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
         return None, ids
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, ids: list[int], params: SamplingParams, strict_length: bool) -> None:
         if not ids:
             raise ValueError("prompt must not be empty")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens long; max_model_len is {self.max_model_len}, "
                              f"so a prompt may have at most {self.max_model_len - 1} tokens")
+        if strict_length and params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens is {params.max_tokens} but the prompt has {len(ids)} tokens and "
+                             f"max_model_len is {self.max_model_len}: at most {self.max_model_len - len(ids)} remain")
         bad = [t for t in [*(params.logit_bias or {}), *params.stop_token_ids] if t >= self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias/stop_token_ids: token ids must be < vocab size {self.vocab_size}, got {bad}")
@@ -127,7 +134,7 @@ class RequestActor:
             return
         try:
             prompt, ids = self._tokenize(sub)
-            self._validate(ids, sub.params)
+            self._validate(ids, sub.params, sub.strict_length)
         except ValueError as exc:
             sub.slot.put(exc)
             return
@@ -193,6 +200,8 @@ class RequestActor:
         comp = req.completions[i]
         comp.token_ids.extend(up.new_token_ids)
         req.num_cached_tokens = max(req.num_cached_tokens, up.num_cached_tokens)
+        if req.queue_time_s is None:
+            req.queue_time_s = up.queue_time_s
         if comp.logprobs is not None:
             for lp in up.logprobs:
                 comp.logprobs.append(self._position(lp))
@@ -218,7 +227,7 @@ class RequestActor:
             request_id=req.req_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
             outputs=[_copy(c) for c in req.completions],
             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
-            finished=finished, num_cached_tokens=req.num_cached_tokens))
+            finished=finished, num_cached_tokens=req.num_cached_tokens, queue_time_s=req.queue_time_s))
         if finished:
             self._forget(req)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -43,6 +44,7 @@ class Request:
     """Tokens the KV manager has been told about."""
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    queue_time_s: float | None = None
     group: str | None = None
     pending_logprobs: list = field(default_factory=list)
 
@@ -146,6 +148,7 @@ class Scheduler:
                 bisect.insort(self.running, req, key=lambda r: r.key)
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = fb.cached_tokens.get(req_id, 0)
+                    req.queue_time_s = time.monotonic() - req.key[1]
         for req_id in fb.preempted:
             req = self.requests.get(req_id)
             if req is None:
@@ -179,7 +182,8 @@ class Scheduler:
                 continue  # finished or preempted while the step ran: its token is discarded
             req.token_ids.append(token)
             self.generation_tokens += 1
-            update = SequenceUpdate(req_id, [token], num_cached_tokens=req.num_cached_tokens)
+            update = SequenceUpdate(req_id, [token], num_cached_tokens=req.num_cached_tokens,
+                                    queue_time_s=req.queue_time_s)
             if req_id in result.logprobs:
                 update.logprobs.append(result.logprobs[req_id])
             if req.pending_logprobs:

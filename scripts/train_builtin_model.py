@@ -1,0 +1,161 @@
+"""Train llmserve's built-in default model: a ~5.6M-parameter Llama that writes Python-documentation prose.
+
+Corpus: the reStructuredText sources of the Python 3.11 documentation, as Debian ships them in the
+package python3.11-doc (Python Software Foundation License; no network needed beyond the package
+registry):
+
+    apt-get download python3.11-doc && dpkg -x python3.11-doc_*.deb /tmp/pydoc
+    python scripts/train_builtin_model.py corpus /tmp/pydoc/usr/share/doc/python3.11/html/_sources corpus.txt
+    python scripts/train_builtin_model.py train corpus.txt OUT_DIR --steps 3000     # a GPU takes ~2 min
+
+`corpus` strips the markup to plain prose and writes one document per source file; every 50th
+document is held out (OUT_DIR/heldout.txt) for perplexity checks. `train` fits a byte-level BPE
+tokenizer (4096 tokens) and the model, and saves both with save_pretrained (bfloat16 safetensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+SEP = "\n\n<|doc|>\n\n"
+_ROLE = re.compile(r":[\w:.+-]+:`~?!?([^`<]*?)(?:\s*<[^>]*>)?`")
+_DIRECTIVE = re.compile(r"^\s*\.\. [\w:|-]+::.*$|^\s*\.\. _[^:]*:.*$|^\s*:[\w-]+:.*$")
+
+
+def clean_rst(text: str) -> str:
+    """reST source -> readable prose: roles unwrapped, directives, option lines and rules dropped."""
+    text = _ROLE.sub(r"\1", text)
+    text = text.replace("``", "").replace("**", "")
+    lines = []
+    for line in text.splitlines():
+        if _DIRECTIVE.match(line) or re.fullmatch(r"\s*([=\-~^*#+\"'`])\1{2,}\s*", line):
+            continue
+        lines.append(line.rstrip())
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def build_corpus(sources: Path, out: Path) -> None:
+    docs = []
+    for path in sorted(sources.rglob("*.txt")):
+        if path.parts[-2] == "whatsnew" or path.name.startswith("changelog"):
+            continue  # release notes: lists of issue numbers, not prose
+        text = clean_rst(path.read_text(encoding="utf-8", errors="replace"))
+        if len(text) > 200:
+            docs.append(text)
+    out.write_text(SEP.join(docs), encoding="utf-8")
+    print(f"{len(docs)} documents, {sum(map(len, docs)):,} characters -> {out}")
+
+
+def train(corpus: Path, out_dir: Path, steps: int, device: str, seed: int = 0) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    docs = corpus.read_text(encoding="utf-8").split(SEP)
+    heldout = [d for i, d in enumerate(docs) if i % 50 == 49]
+    train_docs = [d for i, d in enumerate(docs) if i % 50 != 49]
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(train_docs, trainers.BpeTrainer(
+        vocab_size=4096, special_tokens=["<|endoftext|>", "<|pad|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                   pad_token="<|pad|>", model_max_length=512)
+    # The model only knows documentation prose: a chat renders as that prose, one message a paragraph.
+    fast.chat_template = ("{% for m in messages %}{{ m['content'] }}\n\n{% endfor %}")
+    fast.save_pretrained(out_dir)
+
+    eos = fast.eos_token_id
+
+    def stream(texts):
+        ids = []
+        for t in texts:
+            ids += fast.encode(t) + [eos]
+        return torch.tensor(ids, dtype=torch.long)
+
+    train_ids, held_ids = stream(train_docs), stream(heldout)
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=512,
+                         rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos,
+                         pad_token_id=fast.pad_token_id, initializer_range=0.02)
+    model = LlamaForCausalLM(config).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    seq, batch, lr, warmup = 256, 64, 3e-3, 100
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    gen = torch.Generator().manual_seed(seed)
+
+    def batch_of(ids):
+        starts = torch.randint(0, len(ids) - seq - 1, (batch,), generator=gen)
+        x = torch.stack([ids[s:s + seq + 1] for s in starts.tolist()]).to(device)
+        return x[:, :-1], x[:, 1:]
+
+    @torch.no_grad()
+    def heldout_loss():
+        model.eval()
+        losses = []
+        for s in range(0, len(held_ids) - seq - 1, seq * 8)[:64]:
+            x = held_ids[s:s + seq + 1][None].to(device)
+            with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=device != "cpu"):
+                logits = model(x[:, :-1]).logits.float()
+            losses.append(torch.nn.functional.cross_entropy(logits[0], x[0, 1:]).item())
+        model.train()
+        return sum(losses) / len(losses)
+
+    log = []
+    t0 = time.time()
+    model.train()
+    for step in range(steps):
+        x, y = batch_of(train_ids)
+        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=device != "cpu"):
+            logits = model(x).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 250 == 0 or step == steps - 1:
+            entry = {"step": step, "train_loss": round(loss.item(), 4), "heldout_loss": round(heldout_loss(), 4),
+                     "seconds": round(time.time() - t0, 1)}
+            log.append(entry)
+            print(json.dumps(entry), flush=True)
+
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    (out_dir / "heldout.txt").write_text(SEP.join(heldout), encoding="utf-8")
+    (out_dir / "training.json").write_text(json.dumps({
+        "corpus": "Python 3.11 documentation sources (Debian python3.11-doc), markup stripped",
+        "train_tokens": len(train_ids), "heldout_tokens": len(held_ids), "parameters": n_params,
+        "steps": steps, "batch": batch, "seq_len": seq, "peak_lr": lr, "seed": seed, "log": log}, indent=1))
+    print(f"{n_params:,} parameters, {len(train_ids):,} training tokens -> {out_dir}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("corpus")
+    c.add_argument("sources", type=Path)
+    c.add_argument("out", type=Path)
+    t = sub.add_parser("train")
+    t.add_argument("corpus", type=Path)
+    t.add_argument("out_dir", type=Path)
+    t.add_argument("--steps", type=int, default=3000)
+    t.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    if args.cmd == "corpus":
+        build_corpus(args.sources, args.out)
+    else:
+        train(args.corpus, args.out_dir, args.steps, args.device)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Prometheus metrics: engine gauges and counters read at scrape time, request latencies observed
+by the serving layer. One registry per app, so several servers can live in one process."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from llmserve.engine import Engine
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _EngineCollector:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.snapshot()
+        for name, doc, value in [
+            ("llmserve_num_requests_running", "Requests in the running set.", s.running),
+            ("llmserve_num_requests_waiting", "Requests waiting to be scheduled.", s.waiting),
+            ("llmserve_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s.kv_usage),
+        ]:
+            yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, value in [
+            ("llmserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries),
+            ("llmserve_prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_hits),
+            ("llmserve_num_preemptions", "Requests preempted for lack of KV blocks.", s.preemptions),
+            ("llmserve_prompt_tokens", "Prompt tokens computed.", s.prompt_tokens),
+            ("llmserve_generation_tokens", "Tokens generated.", s.generation_tokens),
+        ]:
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        self.request_success = Counter("llmserve_request_success", "Finished requests by finish reason.",
+                                       ["finished_reason"], registry=self.registry)
+        h = lambda name, doc: Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)  # noqa: E731
+        self.ttft = h("llmserve_time_to_first_token_seconds", "Arrival to first output token.")
+        self.itl = h("llmserve_inter_token_latency_seconds", "Time between output tokens of a request.")
+        self.e2e = h("llmserve_e2e_request_latency_seconds", "Arrival to last output token.")
+        self.queue = h("llmserve_request_queue_time_seconds", "Arrival to first being scheduled.")
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Observes one request's latencies from its stream of cumulative outputs."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+        self.start = self.last = time.monotonic()
+        self.tokens = 0
+        self.queue_seen = False
+
+    def update(self, out) -> None:
+        now = time.monotonic()
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        if tokens > self.tokens:
+            if self.tokens == 0:
+                self.m.ttft.observe(now - self.start)
+            else:
+                gap = (now - self.last) / (tokens - self.tokens)
+                for _ in range(tokens - self.tokens):
+                    self.m.itl.observe(gap)
+            self.tokens, self.last = tokens, now
+        if not self.queue_seen and out.queue_time_s is not None:
+            self.m.queue.observe(out.queue_time_s)
+            self.queue_seen = True
+        if out.finished:
+            self.m.e2e.observe(now - self.start)
+            for c in out.outputs:
+                self.m.request_success.labels(c.finish_reason or "unknown").inc()

@@ -1,0 +1,60 @@
+"""The OpenAPI 3.1 document of the HTTP API, built from the same pydantic models that validate
+request bodies, so the document and the server cannot disagree on what is accepted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from llmserve import __version__
+from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+_DESCRIPTIONS = {
+    "/v1/completions": "Text completion (OpenAI). With stream=true, Server-Sent Events ending in `data: [DONE]`.",
+    "/v1/chat/completions": "Chat completion with the checkpoint's chat template (OpenAI). Streams like completions.",
+    "/v1/models": "The served model.",
+    "/v1/ws": "WebSocket streaming. Send {\"id\": ..., \"endpoint\": \"/v1/completions\" | \"/v1/chat/completions\", "
+              "\"body\": {...}} (several may be in flight), or {\"id\": ..., \"cancel\": true}. Receive "
+              "{\"id\", \"chunk\"} objects (the SSE chunks), then {\"id\", \"done\": true}, or {\"id\", \"error\"} / "
+              "{\"id\", \"cancelled\": true}. Closing the socket aborts its requests.",
+    "/health": "200 while the engine runs.",
+    "/version": "The server's version.",
+    "/metrics": "Prometheus text format.",
+    "/tokenize": "Token ids of a prompt, or of chat messages rendered with the chat template.",
+    "/detokenize": "Text of token ids.",
+    "/openapi.json": "This document.",
+}
+
+
+def openapi_document(app) -> dict[str, Any]:
+    keys, schema = models_json_schema([(m, "validation") for m in _BODIES.values()],
+                                      ref_template="#/components/schemas/{model}")
+    schemas = dict(schema.get("$defs", {}))
+    schemas["Error"] = _ERROR
+    paths: dict[str, Any] = {}
+    for rule in app.url_map.iter_rules():
+        path = rule.rule
+        if path.startswith("/static"):
+            continue
+        methods = sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}) or ["GET"]
+        for method in methods:
+            op: dict[str, Any] = {"summary": _DESCRIPTIONS.get(path, path), "responses": {
+                "200": {"description": "OK"},
+                "4XX": {"description": "OpenAI error object",
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}}}
+            if path in _BODIES and method == "POST":
+                ref = keys[(_BODIES[path], "validation")]
+                op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
+            paths.setdefault(path, {})[method.lower()] = op
+    return {"openapi": "3.1.0", "info": {"title": "llmserve", "version": __version__}, "paths": paths,
+            "components": {"schemas": schemas,
+                           "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}

@@ -1,0 +1,57 @@
+"""Serve: the engine's actors and Hypercorn in one anyio task group on asyncio.
+
+SIGINT/SIGTERM stop accepting connections; in-flight requests get server.shutdown_grace_s to finish
+(Hypercorn's graceful timeout), then are cancelled, which aborts them in the engine; exit is clean.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import anyio
+import structlog
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config as HypercornConfig
+
+from llmserve.config import EngineConfig
+from llmserve.engine import Engine
+from llmserve.server.app import create_app, served_model_name
+
+log = structlog.get_logger("llmserve.server")
+
+
+async def serve(config: EngineConfig, *, stop: anyio.Event | None = None, handle_signals: bool = True,
+                engine: Engine | None = None, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+    """Run until `stop` is set or a signal arrives. Reports started (with the bound port) once listening."""
+    engine = engine or Engine(config)
+    app = create_app(engine, config)
+    stop = stop or anyio.Event()
+    hc = HypercornConfig()
+    hc.bind = [f"{config.server.host}:{config.server.port}"]
+    hc.graceful_timeout = config.server.shutdown_grace_s
+    hc.accesslog = None
+    hc.errorlog = "-"
+
+    async def watch_signals() -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("shutting down", signal=signal.Signals(signum).name,
+                         grace_s=config.server.shutdown_grace_s)
+                stop.set()
+                return
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        if handle_signals:
+            tg.start_soon(watch_signals)
+
+        @app.before_serving
+        async def announce() -> None:
+            log.info("serving", url=f"http://{config.server.host}:{config.server.port}",
+                     model=served_model_name(config), device=str(engine.device), kv_tokens=engine.kv.pool.num_blocks
+                     * engine.config.cache.block_size, max_model_len=engine.max_model_len)
+            task_status.started()
+
+        await hypercorn_serve(app, hc, shutdown_trigger=stop.wait)
+        engine.stop()
+        tg.cancel_scope.cancel()

@@ -1,0 +1,271 @@
+"""OpenAI completions and chat completions over Engine.generate: whole responses and stream chunks.
+
+Outputs from the engine are cumulative; a stream sends each choice's new text (and logprobs) since
+the last chunk. A request with several prompts runs them concurrently; choice index is
+prompt_index * n + sample_index, as OpenAI numbers them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from llmserve.engine import Engine
+from llmserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from llmserve.sampling_params import SamplingParams
+from llmserve.server.metrics import Metrics
+from llmserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+
+@dataclass(slots=True)
+class _Sent:
+    """How much of one choice a stream has sent."""
+    text: int = 0
+    tokens: int = 0
+    logprobs: int = 0
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _Job:
+    """One HTTP request in flight: its prompts, parameters and how it reports."""
+    kind: str  # "completion" | "chat"
+    id: str
+    created: int
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    body: _SamplingFields
+    echo: bool = False
+    add_special_tokens: bool = True
+    sent: dict[int, _Sent] = field(default_factory=dict)
+
+
+class OpenAIServing:
+    def __init__(self, engine: Engine, model_name: str, metrics: Metrics) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+
+    # ---- preparing a request -------------------------------------------------------------------
+
+    def _check_model(self, body: _SamplingFields) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(f"The model `{body.model}` does not exist.", status=404, param="model",
+                           code="model_not_found")
+
+    def _params(self, body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
+        try:
+            return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        except ValueError as exc:
+            raise APIError.from_value_error(exc) from None
+
+    def completion_job(self, body: CompletionRequest) -> _Job:
+        self._check_model(body)
+        if body.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError("best_of must equal n (beam search is not supported)", param="best_of")
+        prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
+        params = self._params(body, body.max_tokens, body.logprobs, prompt_lp)
+        return _Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.prompts(), params, body,
+                    echo=body.echo)
+
+    def chat_job(self, body: ChatCompletionRequest) -> _Job:
+        self._check_model(body)
+        if body.tools:
+            raise APIError("tools are not supported", param="tools")
+        if body.response_format is not None and body.response_format.type != "text":
+            raise APIError(f"response_format type {body.response_format.type!r} is not supported yet (only 'text')",
+                           param="response_format")
+        if self.tokenizer is None:
+            raise APIError("this model has no tokenizer, so it cannot render chat messages", param="messages")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._params(body, max_tokens, logprobs)
+        prompt = self.render_chat(body)
+        return _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [prompt], params, body,
+                    add_special_tokens=False)
+
+    def render_chat(self, body: ChatCompletionRequest | Any) -> str:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                      tokenize=False)
+        except Exception as exc:  # a template error is the request's fault (roles, order...)
+            raise APIError(f"messages: the chat template rejected them: {exc}", param="messages") from None
+
+    # ---- running -------------------------------------------------------------------------------
+
+    async def outputs(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative output) as the engine produces them, all prompts concurrently."""
+        def gen(i: int):
+            return self.engine.generate(job.prompts[i], job.params, request_id=f"{job.id}-{i}",
+                                        priority=job.body.priority, add_special_tokens=job.add_special_tokens,
+                                        strict_length=True)
+
+        timers = [self.metrics.timer() for _ in job.prompts]
+        try:
+            if len(job.prompts) == 1:
+                async for out in gen(0):
+                    timers[0].update(out)
+                    yield 0, out
+                return
+            send, recv = anyio.create_memory_object_stream(len(job.prompts))
+
+            async def pump(i: int, send) -> None:
+                async with send:
+                    async for out in gen(i):
+                        await send.send((i, out))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(job.prompts)):
+                    tg.start_soon(pump, i, send.clone())
+                send.close()
+                async with recv:
+                    async for i, out in recv:
+                        timers[i].update(out)
+                        yield i, out
+        except ValueError as exc:
+            raise APIError.from_value_error(exc, default_param="prompt") from None
+        except BaseExceptionGroup as group:
+            leaf = group
+            while isinstance(leaf, BaseExceptionGroup):
+                leaf = leaf.exceptions[0]
+            if isinstance(leaf, ValueError):
+                raise APIError.from_value_error(leaf, default_param="prompt") from None
+            raise
+
+    async def full_response(self, job: _Job) -> dict[str, Any]:
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in self.outputs(job):
+            finals[i] = out
+        choices = []
+        for i in sorted(finals):
+            out = finals[i]
+            for c in out.outputs:
+                choices.append(self._choice(job, i, out, c, c.text, c.token_ids, c.logprobs or [], c.finish_reason,
+                                            first=True))
+        return {"id": job.id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
+                "created": job.created, "model": self.model_name, "choices": choices,
+                "usage": self._usage(finals.values())}
+
+    async def stream(self, job: _Job) -> AsyncIterator[dict[str, Any]]:
+        """Chunk objects, in order; the last one carries usage when stream_options.include_usage."""
+        finals: dict[int, RequestOutput] = {}
+        n = job.params.n
+        if job.kind == "chat":
+            yield self._chunk(job, [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None} for k in range(n)])
+        async for i, out in self.outputs(job):
+            finals[i] = out
+            choices = []
+            for c in out.outputs:
+                sent = job.sent.setdefault(i * n + c.index, _Sent())
+                if sent.done:
+                    continue
+                first = sent.tokens == 0 and sent.text == 0
+                new_text = c.text[sent.text:]
+                new_lps = (c.logprobs or [])[sent.logprobs:]
+                finish = c.finish_reason if c.finish_reason is not None else None
+                if not new_text and finish is None and not (first and job.echo):
+                    continue
+                choices.append(self._choice(job, i, out, c, new_text, c.token_ids[sent.tokens:], new_lps, finish,
+                                            first=first, offset=sent.text))
+                sent.text, sent.tokens, sent.logprobs = len(c.text), len(c.token_ids), len(c.logprobs or [])
+                sent.done = finish is not None
+            if choices:
+                yield self._chunk(job, choices)
+        if job.body.include_usage_in_stream():
+            chunk = self._chunk(job, [])
+            chunk["usage"] = self._usage(finals.values())
+            yield chunk
+
+    # ---- wire format ---------------------------------------------------------------------------
+
+    def _chunk(self, job: _Job, choices: list[dict]) -> dict[str, Any]:
+        return {"id": job.id, "object": "text_completion" if job.kind == "completion" else "chat.completion.chunk",
+                "created": job.created, "model": self.model_name, "choices": choices}
+
+    def _usage(self, finals) -> dict[str, int]:
+        prompt = sum(len(o.prompt_token_ids) for o in finals)
+        completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _choice(self, job: _Job, i: int, out: RequestOutput, c: CompletionOutput, text: str, token_ids: list[int],
+                logprobs: list[PositionLogprobs], finish: str | None, *, first: bool, offset: int = 0) -> dict:
+        index = i * job.params.n + c.index
+        finish = "stop" if finish == "abort" else finish
+        if job.kind == "chat":
+            streaming = job.body.stream
+            k = job.params.logprobs or 0
+            entry = {"index": index, "logprobs": self._chat_logprobs(token_ids, logprobs, k) if c.logprobs is not None
+                     else None, "finish_reason": finish}
+            if streaming:
+                entry["delta"] = {"content": text} if text else {}
+            else:
+                entry["message"] = {"role": "assistant", "content": text}
+            return entry
+        k = job.params.logprobs or 0
+        lps = None
+        if c.logprobs is not None:
+            lps = self._completion_logprobs(token_ids, logprobs, offset, k)
+        if job.echo and first:
+            prompt_text = out.prompt if out.prompt is not None else self._decode(out.prompt_token_ids)
+            text = prompt_text + text
+            if lps is not None and out.prompt_logprobs is not None:
+                prompt_lps = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, k)
+                lps = self._merge_logprobs(prompt_lps, lps, len(prompt_text))
+        return {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def _piece(self, token_id: int, entry: PositionLogprobs | None) -> str:
+        if entry is not None and token_id in entry and entry[token_id].decoded_token is not None:
+            return entry[token_id].decoded_token
+        return self._decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+
+    def _top(self, entry: PositionLogprobs, k: int) -> list[tuple[int, float]]:
+        """The k most likely (token id, logprob) at one position; the entry also holds the chosen token."""
+        return [(t, lp.logprob) for lp, t in sorted(((lp, t) for t, lp in entry.items() if lp.rank <= k),
+                                                     key=lambda x: x[0].rank)]
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs | None], offset: int,
+                             k: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        pos = offset
+        for tid, entry in zip(token_ids, logprobs):
+            piece = self._piece(tid, entry)
+            tokens.append(piece)
+            offsets.append(pos)
+            pos += len(piece)
+            if entry is None:  # the first prompt token has nothing before it
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            token_lps.append(entry[tid].logprob)
+            tops.append({self._piece(t, entry): lp for t, lp in self._top(entry, k)})
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    @staticmethod
+    def _merge_logprobs(prompt: dict, completion: dict, shift: int) -> dict:
+        return {"tokens": prompt["tokens"] + completion["tokens"],
+                "token_logprobs": prompt["token_logprobs"] + completion["token_logprobs"],
+                "top_logprobs": prompt["top_logprobs"] + completion["top_logprobs"],
+                "text_offset": prompt["text_offset"] + [o + shift for o in completion["text_offset"]]}
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs], k: int) -> dict:
+        def item(t: int, lp: float, entry: PositionLogprobs) -> dict:
+            piece = self._piece(t, entry)
+            return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
+
+        return {"content": [{**item(tid, entry[tid].logprob, entry),
+                             "top_logprobs": [item(t, lp, entry) for t, lp in self._top(entry, k)]}
+                            for tid, entry in zip(token_ids, logprobs)]}

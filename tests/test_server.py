@@ -1,0 +1,421 @@
+"""The OpenAI-compatible server, end to end on 127.0.0.1: the official openai client (sync and async),
+a real WebSocket client, raw HTTP for malformed input, and the `llmserve` command itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import anyio
+import httpx
+import jsonschema
+import openai
+import pytest
+import websockets.sync.client as ws_client
+from anyio.from_thread import start_blocking_portal
+
+from llmserve.config import EngineConfig
+from llmserve.engine import Engine
+from llmserve.server.run import serve
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "llmserve-builtin"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    engine: Engine
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def idle(self) -> bool:
+        kv = self.engine.kv
+        return kv.num_free_blocks() == kv.pool.num_blocks and not self.engine.scheduler.requests
+
+
+@contextmanager
+def running_server(**server_opts):
+    port = free_port()
+    scheduler = server_opts.pop("scheduler", {})
+    config = EngineConfig.from_dict({
+        "model": {"model": "builtin", "device": "cpu", "dtype": "float32"},
+        "cache": {"num_blocks": 256, "block_size": 16},
+        "scheduler": {"log_interval_s": 0, **scheduler},
+        "server": {"port": port, **server_opts},
+    })
+    engine = Engine(config)
+    with start_blocking_portal("asyncio") as portal:
+        stop = portal.call(anyio.Event)
+        future, _ = portal.start_task(partial(serve, config, stop=stop, handle_signals=False, engine=engine))
+        try:
+            yield Server(f"http://127.0.0.1:{port}", engine)
+        finally:
+            portal.call(stop.set)
+            future.result(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(max_body_bytes=64 * 1024, max_ws_requests=3) as s:
+        yield s
+
+
+def wait_for(cond, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+# ---- completions and chat through the official client -------------------------------------------
+
+def test_completion_with_usage(server):
+    out = server.client().completions.create(model=MODEL, prompt="The list type", max_tokens=12, temperature=0)
+    assert out.object == "text_completion" and out.model == MODEL
+    assert out.choices[0].finish_reason == "length" and out.choices[0].text.strip()
+    n_prompt = len(httpx.post(f"{server.url}/tokenize", json={"prompt": "The list type"}).json()["tokens"])
+    assert out.usage.prompt_tokens == n_prompt and out.usage.completion_tokens == 12
+    assert out.usage.total_tokens == n_prompt + 12
+
+
+def test_streamed_text_equals_non_streamed(server):
+    c = server.client()
+    args = dict(model=MODEL, prompt="To open a file,", max_tokens=20, temperature=0.8, seed=11)
+    whole = c.completions.create(**args).choices[0].text
+    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole
+    assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].choices == []
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    msgs = [{"role": "system", "content": "Python documentation."}, {"role": "user", "content": "A dictionary is"}]
+    chat = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0.7, seed=3)
+    streamed = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0.7, seed=3, stream=True)
+    pieces = list(streamed)
+    assert pieces[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in pieces) == chat.choices[0].message.content
+    assert chat.choices[0].message.role == "assistant" and chat.object == "chat.completion"
+
+
+def test_n2_multiple_prompts_and_token_prompts(server):
+    out = server.client().completions.create(model=MODEL, prompt=["The list type", "A dictionary is"], n=2,
+                                             max_tokens=5, temperature=1.0, seed=1)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.usage.completion_tokens == 20
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "The list type"}).json()["tokens"]
+    by_ids = server.client().completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    by_text = server.client().completions.create(model=MODEL, prompt="The list type", max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_stop_strings_and_echo(server):
+    c = server.client()
+    base = c.completions.create(model=MODEL, prompt="The list type", max_tokens=30, temperature=0).choices[0].text
+    stop = base.split()[3]
+    cut = c.completions.create(model=MODEL, prompt="The list type", max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == base[:base.index(stop)]
+    streamed = c.completions.create(model=MODEL, prompt="The list type", max_tokens=30, temperature=0, stop=stop,
+                                    stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == base[:base.index(stop)]
+    echo = c.completions.create(model=MODEL, prompt="The list type", max_tokens=5, temperature=0, echo=True)
+    assert echo.choices[0].text == "The list type" + base[:len(echo.choices[0].text) - len("The list type")]
+
+
+def test_logprobs(server):
+    c = server.client()
+    out = c.completions.create(model=MODEL, prompt="The list type", max_tokens=6, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == out.choices[0].text
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and value <= 0 and max(top.values()) == pytest.approx(value)  # greedy: top-1
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "The list type"}],
+                                     max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob)
+
+
+def test_seed_reproducibility(server):
+    c = server.client()
+    run = lambda seed: c.completions.create(model=MODEL, prompt="The asyncio module", max_tokens=16,  # noqa: E731
+                                            temperature=1.0, seed=seed).choices[0].text
+    assert run(5) == run(5)
+    assert len({run(s) for s in range(4)}) > 1
+
+
+@pytest.mark.parametrize("kwargs,error,param", [
+    (dict(model="gpt-9"), openai.NotFoundError, "model"),
+    (dict(temperature=-1.0), openai.BadRequestError, "temperature"),
+    (dict(top_p=1.5), openai.BadRequestError, "top_p"),
+    (dict(n=0), openai.BadRequestError, "n"),
+    (dict(max_tokens=100000), openai.BadRequestError, "max_tokens"),
+    (dict(prompt="word " * 600), openai.BadRequestError, "prompt"),
+    (dict(prompt=""), openai.BadRequestError, "prompt"),
+    (dict(extra_body={"stop": [3]}), openai.BadRequestError, "stop"),
+    (dict(logprobs=50), openai.BadRequestError, "logprobs"),
+])
+def test_errors_are_typed_exceptions_naming_the_field(server, kwargs, error, param):
+    args = dict(model=MODEL, prompt="The list type", max_tokens=4)
+    args.update(kwargs)
+    with pytest.raises(error) as info:
+        server.client().completions.create(**args)
+    assert info.value.body["param"] == param, info.value.body
+    assert server.client().completions.create(model=MODEL, prompt="ok", max_tokens=1).choices  # still serving
+
+
+def test_chat_rejects_unsupported_response_format_and_tools(server):
+    c = server.client()
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="response_format type 'json_object' is not supported"):
+        c.chat.completions.create(model=MODEL, messages=msgs, response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="tools are not supported"):
+        c.chat.completions.create(model=MODEL, messages=msgs, tools=[{"type": "function", "function": {"name": "f"}}])
+    ok = c.chat.completions.create(model=MODEL, messages=msgs, response_format={"type": "text"}, max_completion_tokens=3)
+    assert ok.usage.completion_tokens == 3
+
+
+def test_async_client_concurrent_requests(server):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        outs = await asyncio.gather(*[client.completions.create(model=MODEL, prompt=f"The {w} module", max_tokens=8,
+                                                                temperature=0) for w in ("os", "sys", "re", "json")])
+        stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Lists"}],
+                                                      max_tokens=6, stream=True, temperature=0)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream])
+        await client.close()
+        return outs, text
+
+    outs, text = asyncio.run(main())
+    assert all(o.usage.completion_tokens == 8 for o in outs) and text
+
+
+# ---- raw HTTP: malformed input, limits, operations ------------------------------------------------
+
+def test_malformed_requests_get_openai_errors(server):
+    post = lambda body, **kw: httpx.post(f"{server.url}/v1/completions", content=body,  # noqa: E731
+                                         headers={"Content-Type": "application/json"}, **kw)
+    r = post(b"{not json")
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = post(b'{"prompt": "\xff\xfe", "max_tokens": 2}')
+    assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]
+    r = post(json.dumps({"prompt": "x", "temperature": "hot"}).encode())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = post(json.dumps({"max_tokens": 3}).encode())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = post(b"[1, 2]")
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+    r = post(json.dumps({"prompt": "x" * 70000}).encode())
+    assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"]
+    r = httpx.get(f"{server.url}/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_operational_endpoints(server):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    models = server.client().models.list().data
+    assert [m.id for m in models] == [MODEL]
+    tok = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "Hello world"
+    r = httpx.post(f"{server.url}/detokenize", json={"tokens": [10 ** 9]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > 0
+
+
+def test_metrics(server):
+    server.client().completions.create(model=MODEL, prompt="Metrics", max_tokens=3)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("llmserve_num_requests_running", "llmserve_num_requests_waiting", "llmserve_kv_cache_usage_perc",
+                 "llmserve_prefix_cache_queries_total", "llmserve_prefix_cache_hits_total",
+                 "llmserve_num_preemptions_total", "llmserve_prompt_tokens_total", "llmserve_generation_tokens_total",
+                 'llmserve_request_success_total{finished_reason="length"}',
+                 "llmserve_time_to_first_token_seconds_bucket", "llmserve_inter_token_latency_seconds_count",
+                 "llmserve_e2e_request_latency_seconds_sum", "llmserve_request_queue_time_seconds_count"):
+        assert name in text, name
+    gen = [line for line in text.splitlines() if line.startswith("llmserve_generation_tokens_total")]
+    assert float(gen[0].split()[-1]) >= 3
+
+
+def test_openapi_document_matches_routes_and_bodies(server):
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+    app_paths = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/ws", "/health", "/version",
+                 "/metrics", "/tokenize", "/detokenize", "/openapi.json"}
+    assert set(doc["paths"]) == app_paths
+    schemas = {"components": doc["components"]}
+
+    def check(path, body, valid=True):
+        schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        validator = jsonschema.Draft202012Validator({**schema, **schemas})
+        assert validator.is_valid(body) == valid, body
+
+    check("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True, "top_k": 5})
+    check("/v1/completions", {"prompt": [[1, 2], [3]], "stop": ["a"], "logit_bias": {"5": 1.0}})
+    check("/v1/completions", {"prompt": "hi", "temperature": "hot"}, valid=False)
+    check("/v1/completions", {"max_tokens": 3}, valid=False)
+    check("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True})
+    check("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, valid=False)
+    check("/tokenize", {"prompt": "hi"})
+    check("/detokenize", {"tokens": ["x"]}, valid=False)
+
+
+def test_client_disconnect_aborts_stream_and_frees_blocks(server):
+    wait_for(server.idle)
+    before = server.engine.snapshot().generation_tokens
+    body = {"model": MODEL, "prompt": "The list type", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: {") for line in got)
+            assert server.engine.scheduler.requests  # still generating when we hang up
+    wait_for(server.idle)
+    assert server.engine.snapshot().generation_tokens - before < 250  # aborted, not run to its 500 tokens
+
+
+# ---- WebSocket ---------------------------------------------------------------------------------
+
+def ws_url(server):
+    return server.url.replace("http://", "ws://") + "/v1/ws"
+
+
+def collect_ws(conn, ids, timeout=30):
+    """Read messages until every id in `ids` is done, cancelled or failed; returns {id: [messages]}."""
+    got = {i: [] for i in ids}
+    open_ids = set(ids)
+    while open_ids:
+        msg = json.loads(conn.recv(timeout=timeout))
+        got.setdefault(msg["id"], []).append(msg)
+        if msg.get("done") or msg.get("cancelled") or "error" in msg:
+            open_ids.discard(msg["id"])
+    return got
+
+
+def ws_text(messages):
+    return "".join(c["text"] for m in messages if "chunk" in m for c in m["chunk"]["choices"])
+
+
+def test_websocket_streams_two_requests_on_one_socket(server):
+    body = {"model": MODEL, "prompt": "The list type", "max_tokens": 12, "temperature": 0}
+    http_text = server.client().completions.create(**body).choices[0].text
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "A dictionary is"}], "max_tokens": 8,
+            "temperature": 0}
+    with ws_client.connect(ws_url(server)) as conn:
+        conn.send(json.dumps({"id": "a", "endpoint": "/v1/completions", "body": body}))
+        conn.send(json.dumps({"id": "b", "endpoint": "/v1/chat/completions", "body": chat}))
+        got = collect_ws(conn, ["a", "b"])
+    assert got["a"][-1] == {"id": "a", "done": True} and ws_text(got["a"]) == http_text
+    deltas = [c["delta"].get("content", "") for m in got["b"] if "chunk" in m for c in m["chunk"]["choices"]]
+    assert "".join(deltas) == server.client().chat.completions.create(**chat).choices[0].message.content
+
+
+def test_websocket_cancel_close_and_errors(server):
+    wait_for(server.idle)
+    long = {"model": MODEL, "prompt": "The list type", "max_tokens": 400, "ignore_eos": True}
+    with ws_client.connect(ws_url(server)) as conn:
+        conn.send(json.dumps({"id": "x", "body": long}))
+        first = json.loads(conn.recv(timeout=30))
+        assert first["id"] == "x" and "chunk" in first
+        conn.send(json.dumps({"id": "x", "cancel": True}))
+        got = collect_ws(conn, ["x"])
+        assert got["x"][-1] == {"id": "x", "cancelled": True}
+        conn.send(json.dumps({"id": "bad", "body": {"prompt": "x", "temperature": -3}}))
+        err = collect_ws(conn, ["bad"])["bad"][-1]
+        assert err["error"]["param"] == "temperature"
+        conn.send("not json")
+        assert "error" in json.loads(conn.recv(timeout=10))
+        before = server.engine.snapshot().generation_tokens
+        for i in range(4):  # max_ws_requests is 3
+            conn.send(json.dumps({"id": f"r{i}", "body": long}))
+        got = collect_ws(conn, ["r3"])
+        assert got["r3"][-1]["error"]["code"] == "too_many_requests"
+        assert sum(1 for r in server.engine.scheduler.requests if r.startswith("cmpl-")) >= 1
+    # Closing the socket aborted r0..r2 long before their 3 x 400 tokens.
+    wait_for(server.idle)
+    assert server.engine.snapshot().generation_tokens - before < 600
+
+
+# ---- configuration-dependent behaviour --------------------------------------------------------------
+
+def test_api_key():
+    with running_server(api_key="s3cret") as s:
+        with pytest.raises(openai.AuthenticationError):
+            s.client().completions.create(model=MODEL, prompt="x", max_tokens=1)
+        with pytest.raises(openai.AuthenticationError):
+            s.client(api_key="wrong").completions.create(model=MODEL, prompt="x", max_tokens=1)
+        assert s.client(api_key="s3cret").completions.create(model=MODEL, prompt="x", max_tokens=1).choices
+        assert httpx.get(f"{s.url}/health").status_code == 200 and httpx.get(f"{s.url}/metrics").status_code == 200
+        assert httpx.get(f"{s.url}/v1/models").status_code == 401
+        with pytest.raises(Exception):
+            with ws_client.connect(ws_url(s)) as conn:
+                conn.recv(timeout=5)
+
+
+def test_full_queue_answers_503_with_retry_after():
+    with running_server(max_waiting_requests=1, scheduler={"max_num_seqs": 1}) as s:
+        body = {"model": MODEL, "prompt": "The list type", "max_tokens": 300, "ignore_eos": True}
+
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as http:
+                busy = [asyncio.create_task(http.post(f"{s.url}/v1/completions", json=body)) for _ in range(2)]
+                deadline = time.monotonic() + 15
+                while s.engine.snapshot().waiting < 1:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                rejected = await http.post(f"{s.url}/v1/completions", json=body)
+                return rejected, await asyncio.gather(*busy)
+
+        rejected, done = asyncio.run(main())
+        assert rejected.status_code == 503 and rejected.headers["Retry-After"] == "1"
+        assert rejected.json()["error"]["code"] == "overloaded"
+        assert all(r.status_code == 200 for r in done)
+
+
+def test_llmserve_command_serves_the_builtin_model_and_stops_on_sigterm(tmp_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve.cli", "--config", str(ROOT / "config.example.toml"),
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "The list type"}],
+                                               max_tokens=20, temperature=0)
+        words = reply.choices[0].message.content.split()
+        assert len(words) >= 5 and sum(w.strip(".,:;()*`'\"").isalpha() for w in words) >= len(words) // 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        log = proc.stdout.read()
+        assert "serving" in log and "llmserve-builtin" in log and "shutting down" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
