@@ -412,7 +412,13 @@ def test_llmserve_command_serves_the_builtin_model_and_stops_on_sigterm(tmp_path
                                                max_tokens=20, temperature=0)
         words = reply.choices[0].message.content.split()
         assert len(words) >= 5 and sum(w.strip(".,:;()*`'\"").isalpha() for w in words) >= len(words) // 2
+        # SIGTERM mid-stream: the stream still completes within the grace period, then the process exits 0.
+        stream = client.completions.create(model=MODEL, prompt="The list type", max_tokens=200,
+                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = [next(stream)]
         proc.send_signal(signal.SIGTERM)
+        chunks += list(stream)
+        assert chunks[-1].choices[0].finish_reason == "length"
         assert proc.wait(timeout=30) == 0
         log = proc.stdout.read()
         assert "serving" in log and "llmserve-builtin" in log and "shutting down" in log
