@@ -9,6 +9,7 @@ import torch
 from llmserve.attention import AttentionBackend, AttentionMetadata
 from llmserve.hookspecs import hookimpl
 from llmserve.kernels.reference import paged_attention_reference, write_kv_reference
+from llmserve.kernels.sampling import gumbel_argmax_reference
 
 
 class CPUBackend(AttentionBackend):
@@ -20,6 +21,9 @@ class CPUBackend(AttentionBackend):
     def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_reference(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                          meta.seq_lens, scale)
+
+    def gumbel_argmax(self, logits, temperature, key) -> torch.Tensor:
+        return gumbel_argmax_reference(logits, temperature, key)
 
     def memory_available(self, device: torch.device) -> tuple[int, int]:
         page = os.sysconf("SC_PAGE_SIZE")

@@ -1,4 +1,4 @@
-"""CUDA backend: the Triton paged-attention and KV-write kernels."""
+"""CUDA backend: the Triton paged-attention, KV-write and sampling kernels."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ class CUDABackend(AttentionBackend):
         # Imported here: Triton's CUDA driver is only needed when this backend is chosen.
         from llmserve.kernels.cache_write import write_kv
         from llmserve.kernels.paged_attention import paged_attention
+        from llmserve.kernels.sampling import gumbel_argmax
         self._write_kv = write_kv
         self._paged_attention = paged_attention
+        self._gumbel_argmax = gumbel_argmax
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self._write_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -24,6 +26,9 @@ class CUDABackend(AttentionBackend):
     def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return self._paged_attention(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                      meta.seq_lens, scale, meta.max_query_len)
+
+    def gumbel_argmax(self, logits, temperature, key) -> torch.Tensor:
+        return self._gumbel_argmax(logits, temperature, key)
 
     def memory_available(self, device: torch.device) -> tuple[int, int]:
         return torch.cuda.mem_get_info(device)

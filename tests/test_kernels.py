@@ -6,6 +6,7 @@ import torch
 from llmserve.kernels.cache_write import write_kv
 from llmserve.kernels.paged_attention import paged_attention
 from llmserve.kernels.reference import paged_attention_reference, write_kv_reference
+from llmserve.kernels.sampling import gumbel_argmax, gumbel_argmax_reference, row_keys
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -85,3 +86,24 @@ def test_write_kv_matches_reference_and_skips_padding(dtype):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert torch.equal(caches[2].view(-1, 2, 16)[17], key[2])
     assert (caches[2].view(-1, 2, 16)[1] == 7.0).all()  # untouched slot
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gumbel_argmax_matches_reference(dtype):
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 3000, generator=g) * 3).to(dtype).to(DEVICE)
+    temperature = torch.tensor([0.0, 0.5, 1.0, 1.0, 2.0, 0.0], device=DEVICE)
+    keys = row_keys(torch.tensor([1, 2, 3, 3, 2**62, 9], device=DEVICE), torch.tensor([0, 0, 0, 1, 5, 0], device=DEVICE))
+    out = gumbel_argmax(logits, temperature, keys)
+    assert out.tolist() == gumbel_argmax_reference(logits, temperature, keys).tolist()
+    assert out[0] == logits[0].float().argmax() and out[5] == logits[5].float().argmax()
+    assert out[2] != out[3] or out[1] != out[2]  # different keys, different draws
+
+
+def test_gumbel_argmax_samples_the_softmax():
+    n, v = 2000, 4
+    logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4])).repeat(n, 1).to(DEVICE)
+    keys = row_keys(torch.arange(n, device=DEVICE), torch.zeros(n, dtype=torch.int64, device=DEVICE))
+    out = gumbel_argmax(logits, torch.ones(n, device=DEVICE), keys)
+    freq = torch.bincount(out.cpu(), minlength=v).float() / n
+    assert torch.allclose(freq, torch.tensor([0.1, 0.2, 0.3, 0.4]), atol=0.035)

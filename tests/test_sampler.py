@@ -2,8 +2,8 @@ import math
 
 import torch
 
-from llmserve.model.sampler import (Penalties, SamplingBatch, apply_penalties, gather_logprobs, sample,
-                                    sampling_probs, uniform_noise)
+from llmserve.kernels.sampling import gumbel_noise_reference, row_keys
+from llmserve.model.sampler import Penalties, SamplingBatch, apply_penalties, gather_logprobs, sample, sampling_probs
 
 
 def batch(n, *, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, seeds=None, out_index=None, vocab=8, **kw):
@@ -12,7 +12,8 @@ def batch(n, *, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, seeds=None, o
         temperature=f(temperature), top_k=torch.full((n,), top_k or vocab, dtype=torch.int64), top_p=f(top_p),
         min_p=f(min_p), seeds=torch.tensor(seeds if seeds is not None else list(range(n)), dtype=torch.int64),
         out_index=torch.tensor(out_index if out_index is not None else [0] * n, dtype=torch.int64),
-        all_greedy=temperature == 0, needs_sort=top_k is not None or top_p < 1.0, **kw)
+        all_greedy=temperature == 0,
+        filtered_rows=torch.arange(n) if (top_k is not None or top_p < 1.0 or min_p > 0) else None, **kw)
 
 
 def test_greedy_is_argmax():
@@ -32,10 +33,13 @@ def test_same_seed_same_token_whatever_the_batch():
     assert len(set(other_seed)) > 5 or other_step != alone
 
 
-def test_noise_is_uniform():
-    u = uniform_noise(torch.tensor([1, 2]), torch.tensor([0, 0]), 50000)
-    assert 0 < u.min() and u.max() < 1
-    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+def test_noise_is_gumbel_and_keys_differ():
+    g = gumbel_noise_reference(row_keys(torch.tensor([1, 2**40 + 7]), torch.tensor([0, 3])), 50000)
+    # Standard Gumbel: mean = Euler-Mascheroni constant, variance = pi^2 / 6.
+    assert abs(g.mean().item() - 0.5772) < 0.02 and abs(g.var().item() - math.pi ** 2 / 6) < 0.05
+    assert not torch.equal(g[0], g[1])
+    keys = row_keys(torch.tensor([5, 5, 6, -3]), torch.tensor([0, 1, 0, 0]))
+    assert len(set(keys.tolist())) == 4 and all(0 <= k < 2**32 for k in keys.tolist())
 
 
 def test_sampling_follows_the_distribution():
@@ -50,13 +54,29 @@ def test_sampling_follows_the_distribution():
 def test_top_k_top_p_min_p_masks():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).log_softmax(-1)  # probs p0 > p1 > ...
     p = torch.softmax(logits, -1)[0]
-    keep = lambda b: (sampling_probs(logits, b)[0] > 0).tolist()  # noqa: E731
+    keep = lambda b: (sampling_probs(logits, b.temperature, b.top_k, b.top_p, b.min_p)[0] > 0).tolist()  # noqa: E731
     assert keep(batch(1, top_k=2, vocab=5)) == [True, True, False, False, False]
     # top_p: keep the smallest prefix whose mass reaches top_p.
     assert keep(batch(1, top_p=float(p[0] + p[1] * 0.5), vocab=5)) == [True, True, False, False, False]
     assert keep(batch(1, top_p=0.01, vocab=5)) == [True, False, False, False, False]
     assert keep(batch(1, min_p=float(p[2] / p[0]) * 1.001, vocab=5)) == [True, True, False, False, False]
     assert keep(batch(1, vocab=5)) == [True] * 5
+
+
+def test_filters_are_chosen_per_row_so_batches_do_not_change_draws():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 300)
+    plain = batch(4, seeds=[1, 2, 3, 4], vocab=300)
+    mixed = batch(4, seeds=[1, 2, 3, 4], vocab=300)
+    mixed.top_p = torch.tensor([1.0, 0.5, 1.0, 0.3])
+    mixed.filtered_rows = torch.tensor([1, 3])
+    a, b = sample(logits, plain), sample(logits, mixed)
+    assert a[0] == b[0] and a[2] == b[2]  # unfiltered rows draw the same whatever their neighbours ask
+    probs = torch.softmax(logits, -1)
+    for row, p in ((1, 0.5), (3, 0.3)):  # filtered rows stay inside their nucleus
+        order = probs[row].argsort(descending=True)
+        mass_before = probs[row][order].cumsum(0) - probs[row][order]
+        assert mass_before[(order == b[row]).nonzero()].item() < p
 
 
 def test_penalties():

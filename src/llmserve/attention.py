@@ -1,4 +1,4 @@
-"""What a hardware backend provides to the model: the KV-cache write and paged attention.
+"""What a hardware backend provides: the KV-cache write, paged attention and fused sampling.
 
 Backends are plugins (see hookspecs.py); the model calls them through this interface only.
 """
@@ -33,6 +33,11 @@ class AttentionBackend:
     def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Causal paged attention of query [T, Hq, D]; returns [T, Hq, D]."""
+        raise NotImplementedError
+
+    def gumbel_argmax(self, logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """Fused sampling: argmax of logits / T + Gumbel(key) per row (T == 0: plain argmax); see
+        kernels/sampling.py for the exact function every backend must compute."""
         raise NotImplementedError
 
     def memory_available(self, device: torch.device) -> tuple[int, int]:

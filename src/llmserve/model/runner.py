@@ -99,9 +99,9 @@ class ModelRunner:
         batch = SamplingBatch(torch.ones(rows, device=self.device), torch.full((rows,), 50, device=self.device),
                               torch.full((rows,), 0.9, device=self.device), torch.zeros(rows, device=self.device),
                               torch.zeros(rows, dtype=torch.int64, device=self.device),
-                              torch.zeros(rows, dtype=torch.int64, device=self.device), False, True,
-                              max_logprobs=min(20, v))
-        sample(logits, batch)
+                              torch.zeros(rows, dtype=torch.int64, device=self.device), False,
+                              filtered_rows=torch.arange(rows, device=self.device), max_logprobs=min(20, v))
+        sample(logits, batch, self.backend.gumbel_argmax)
         torch.log_softmax(logits, -1).topk(batch.max_logprobs, -1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
@@ -162,7 +162,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last])
         states = [self.seqs[r] for r in sample_ids]
         batch = self._sampling_batch(states, logits.shape[-1])
-        tokens = sample(logits, batch)
+        tokens = sample(logits, batch, self.backend.gumbel_argmax)
         lp_parts = None
         if batch.max_logprobs >= 0:
             lp_parts = gather_logprobs(torch.log_softmax(logits, -1), tokens, batch.max_logprobs)
@@ -205,9 +205,11 @@ class ModelRunner:
             seeds=t([p.seed for p in params], torch.int64),
             out_index=t([len(s.output_ids) for s in states], torch.int64),
             all_greedy=all(p.temperature == 0 for p in params),
-            needs_sort=any(p.top_k or p.top_p < 1.0 for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
         )
+        filtered = [i for i, p in enumerate(params) if p.temperature > 0 and (p.top_k or p.top_p < 1.0 or p.min_p > 0)]
+        if filtered:
+            batch.filtered_rows = t(filtered, torch.int64)
         if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
             batch.penalties = Penalties(
                 output_counts=self._scatter_rows([s.output_ids for s in states], vocab, torch.float32, True),

@@ -1,26 +1,30 @@
-"""Batched sampling on the device: one pass over [batch, vocab] tensors, no Python loop over the
-vocabulary or the requests.
+"""Batched sampling on the device: no Python loop over the vocabulary or the requests.
 
 Order of operations on float32 logits (log-probabilities returned to users are taken before all
 of them, from the raw model output):
 
     logit_bias -> min_tokens (stop ids masked) -> repetition penalty (prompt + output tokens)
     -> presence / frequency penalties (output tokens) -> greedy rows: argmax
-    -> random rows: / temperature -> softmax -> min_p -> top_k -> top_p -> exponential race
+    -> random rows: Gumbel-max over logits / temperature, after min_p, top_k and top_p where asked
 
-Random rows draw u ~ U(0, 1) per vocabulary entry from a counter-based hash of (request seed,
-output index, token id) and pick argmax(p / -log u), which is a sample from p. The draw depends
-only on the request's own seed and position, never on the batch around it, so a seeded request
-gives the same output whatever else runs, also after preemption.
+Random draws are Gumbel noise from a counter hash of (request seed, output index, token id)
+(kernels/sampling.py): they depend only on the request's own seed and position, never on the batch
+around it, so a seeded request gives the same output whatever else runs, also after preemption.
+Rows without min_p/top_k/top_p take the fused one-pass kernel of the backend; rows with them go
+through the torch path (softmax, sort) — chosen per row, so batch composition never changes a draw.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from llmserve.kernels.sampling import gumbel_argmax_reference, gumbel_noise_reference, row_keys
 from llmserve.messages import TokenLogprobs
+
+ArgmaxFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -33,7 +37,7 @@ class SamplingBatch:
     seeds: torch.Tensor  # int64
     out_index: torch.Tensor  # int64: output tokens the row already has
     all_greedy: bool
-    needs_sort: bool  # some row uses top_k or top_p
+    filtered_rows: torch.Tensor | None = None  # int64 row indices that use min_p, top_k or top_p
     penalties: "Penalties | None" = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, values
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, token ids masked by min_tokens
@@ -47,26 +51,6 @@ class Penalties:
     repetition: torch.Tensor  # float32 [B]
     presence: torch.Tensor  # float32 [B]
     frequency: torch.Tensor  # float32 [B]
-
-
-_M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9 as int64
-_M2 = -7723592293110705685  # 0x94D049BB133111EB as int64
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
-
-
-def _mix(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64 finaliser on int64 (wrapping arithmetic; arithmetic shifts masked to logical)."""
-    z = (z ^ ((z >> 30) & 0x3FFFFFFFF)) * _M1
-    z = (z ^ ((z >> 27) & 0x1FFFFFFFFF)) * _M2
-    return z ^ ((z >> 31) & 0x1FFFFFFFF)
-
-
-def uniform_noise(seeds: torch.Tensor, out_index: torch.Tensor, vocab: int) -> torch.Tensor:
-    """float32 [B, V] in (0, 1), a pure function of (seed, output index, token id)."""
-    row = _mix(seeds * _GOLDEN + out_index)
-    z = _mix(row[:, None] + (torch.arange(vocab, device=seeds.device, dtype=torch.int64) + 1) * _GOLDEN)
-    bits = (z >> 40) & 0xFFFFFF  # 24 random bits
-    return (bits.float() + 0.5) * (1.0 / 16777216.0)
 
 
 def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
@@ -88,32 +72,35 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Probabilities after temperature, min_p, top_k and top_p (rows renormalisation not needed)."""
-    temp = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor) -> torch.Tensor:
+    """Probabilities after temperature, min_p, top_k and top_p (not renormalised: only ranks matter)."""
+    temp = torch.where(temperature > 0, temperature, 1.0)
     probs = torch.softmax(logits / temp[:, None], dim=-1)
-    probs = probs.masked_fill(probs < batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    if batch.needs_sort:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-        # Keep a token if it is within top_k and the mass strictly before it is below top_p.
-        before = sorted_p.cumsum(dim=-1) - sorted_p
-        drop = (rank >= batch.top_k[:, None]) | (before >= batch.top_p[:, None] * sorted_p.sum(-1, keepdim=True))
-        drop[:, 0] = False
-        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-    return probs
+    probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    # Keep a token if it is within top_k and the mass strictly before it is below top_p.
+    before = sorted_p.cumsum(dim=-1) - sorted_p
+    drop = (rank >= top_k[:, None]) | (before >= top_p[:, None] * sorted_p.sum(-1, keepdim=True))
+    drop[:, 0] = False
+    return probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """float32 logits [B, V] -> int64 token ids [B]."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, argmax_fn: ArgmaxFn = gumbel_argmax_reference) -> torch.Tensor:
+    """float32 logits [B, V] -> int64 token ids [B]. `argmax_fn` is the backend's fused Gumbel-max."""
     logits = process_logits(logits, batch)
-    greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
-        return greedy
-    probs = sampling_probs(logits, batch)
-    noise = uniform_noise(batch.seeds, batch.out_index, logits.shape[-1])
-    drawn = (probs / -torch.log(noise)).argmax(dim=-1)
-    return torch.where(batch.temperature > 0, drawn, greedy)
+        return logits.argmax(dim=-1)
+    keys = row_keys(batch.seeds, batch.out_index)
+    tokens = argmax_fn(logits, batch.temperature, keys)
+    rows = batch.filtered_rows
+    if rows is not None:
+        b = lambda t: t[rows]  # noqa: E731
+        probs = sampling_probs(logits[rows], b(batch.temperature), b(batch.top_k), b(batch.top_p), b(batch.min_p))
+        drawn = (probs.log() + gumbel_noise_reference(keys[rows], logits.shape[-1])).argmax(dim=-1)
+        tokens[rows] = torch.where(b(batch.temperature) > 0, drawn, tokens[rows])
+    return tokens
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
