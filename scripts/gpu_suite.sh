@@ -30,7 +30,8 @@ run)
     timeout 200 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 tests/test_gpu.py tests/test_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     bench=${2:-w-small}
     if [ "$bench" != none ]; then
-        timeout 330 "$PY" -m llmserve.bench.throughput --workload "$bench" --peer hf --json "$OUT/$bench.json" \
+        timeout 330 "$PY" -m llmserve.bench.throughput --workload "$bench" ${BENCH_ARGS:---peer hf} \
+            --profile "$OUT/$bench-profile" --json "$OUT/$bench.json" \
             > "$OUT/$bench.log" 2>&1
         tail -30 "$OUT/$bench.log"
     fi

@@ -57,3 +57,15 @@ def test_kv_cache_sized_from_gpu_memory(checkpoint):
         assert blocks * block_bytes < 0.5 * total
     with pytest.raises(ValueError, match="lower model.max_model_len or give the cache more memory"):
         LLM(path, device="cuda", num_blocks=4, max_model_len=256)
+
+
+def test_cuda_graphs_replay_decode_steps_with_the_same_tokens(checkpoint):
+    path = checkpoint("qwen3")
+    prompts = prompts_for(path)
+    with LLM(path, dtype="float32", device="cuda", num_blocks=2048, max_num_seqs=24, enforce_eager=True,
+             log_interval_s=0) as eager:
+        expected = run(eager, prompts * 4)
+        assert eager.engine.runner.graphs is None
+    with LLM(path, dtype="float32", device="cuda", num_blocks=2048, max_num_seqs=24, log_interval_s=0) as graphed:
+        assert run(graphed, prompts * 4) == expected  # 20 requests: padded to the captured size 24
+        assert graphed.engine.runner.graphs.replays > MAX_TOKENS // 2

@@ -39,6 +39,8 @@ class ModelConfig:
     """Seed for dummy weights and for requests that carry no seed of their own."""
     quantization: str | None = None
     """Name of a quantization method registered by a plugin; None for none."""
+    enforce_eager: bool = False
+    """Never use CUDA graphs (they are captured for decode steps at start-up otherwise)."""
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "model", "dtype", f"one of {_DTYPES}", self.dtype)

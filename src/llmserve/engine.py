@@ -10,6 +10,7 @@ task group. Offline (`LLM`) and online (the server) both drive it through `gener
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -116,6 +117,11 @@ class Engine:
                 f"but only {num_blocks} fit ({num_blocks * self.runner.block_bytes() / 2**30:.2f} GiB); lower "
                 f"model.max_model_len or give the cache more memory (cache.gpu_memory_utilization / cache.cpu_kv_cache_gib)")
         self.runner.allocate_kv_cache(num_blocks)
+        if self.device.type == "cuda" and not m.enforce_eager:
+            start = time.perf_counter()
+            self.runner.capture_graphs(config.scheduler.max_num_seqs)
+            log.info("captured decode CUDA graphs", sizes=len(self.runner.graphs.sizes),
+                     max_batch=config.scheduler.max_num_seqs, seconds=round(time.perf_counter() - start, 2))
         self.kv = KVCacheManager(num_blocks, bs)
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

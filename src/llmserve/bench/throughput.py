@@ -106,7 +106,8 @@ def peer_hf(w: Workload, num_requests: int, batch_size: int) -> dict:
             "output_tok_s": tokens / wall}
 
 
-def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, **engine_kwargs) -> dict:
+def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, profile: str | None = None,
+        **engine_kwargs) -> dict:
     from llmserve import LLM, SamplingParams
     w = WORKLOADS[workload]()
     device = measure_device() if torch.cuda.is_available() else {"device": "cpu"}
@@ -122,7 +123,12 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, **en
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(w.write_model_dir(tmp), load_format="dummy", **engine_kwargs)
         llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        timing = llm.engine.runner.timing
+        timing.records.clear()
+        if profile:
+            timing.profile_window, timing.profile_out = (200, 5), profile  # steady decode, all requests running
         wall, outs = timed_generate(llm, w.prompts, w.params)
+        step_summary = timing.summary()
         if peer == "hf":
             # The same subset through our engine, for a like-for-like ratio measured in this run.
             sub_wall, _ = timed_generate(llm, w.prompts[:peer_requests], w.params[:peer_requests])
@@ -138,6 +144,7 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, **en
     result = {"workload": workload, **device, "wall_s": wall, "prompt_tokens": w.prompt_tokens,
               "output_tokens": generated, "expected_output_tokens": w.output_tokens,
               "output_tok_s": generated / wall, "preemptions": preemptions, "leaked_blocks": leaked,
+              "decode_steps": step_summary,
               "date": time.strftime("%Y-%m-%d"), "engine_kwargs": engine_kwargs}
     if "copy_bytes_per_s" in device:
         roof = roofline_seconds(w, ModelSpec.from_dict(w.model_config), device["copy_bytes_per_s"],
@@ -156,9 +163,12 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--peer", choices=["hf"], help="also run transformers generate on a subset, same run")
     ap.add_argument("--peer-requests", type=int, default=64, help="size of the peer's subset (its first requests)")
+    ap.add_argument("--profile", metavar="PREFIX", help="torch profiler over 5 steady decode steps: PREFIX.txt, .trace.json")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     args = ap.parse_args()
-    result = run(args.workload, peer=args.peer, peer_requests=args.peer_requests, max_num_seqs=args.max_num_seqs,
-                 max_num_batched_tokens=args.max_num_batched_tokens, log_interval_s=10.0)
+    result = run(args.workload, peer=args.peer, peer_requests=args.peer_requests, profile=args.profile,
+                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                 enforce_eager=args.enforce_eager, log_interval_s=10.0)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -11,6 +11,8 @@ Step inputs are derived from the plan with numpy vector ops (no Python loop over
 from __future__ import annotations
 
 import gc
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,12 +22,54 @@ import torch
 from llmserve.attention import AttentionBackend, AttentionMetadata
 from llmserve.config import EngineConfig
 from llmserve.messages import StepPlan, StepResult
+from llmserve.model.cuda_graphs import DecodeGraphs
 from llmserve.model.loader import load_model
 from llmserve.model.sampler import (Penalties, SamplingBatch, gather_logprobs, sample, to_token_logprobs)
 from llmserve.model.spec import ModelSpec
 from llmserve.sampling_params import SamplingParams
 
 log = structlog.get_logger("llmserve.runner")
+
+
+class StepTiming:
+    """Where a step's time goes: inside execute (host work + device, which it waits for) and between
+    executes (the rest of the pipeline). Optionally a torch profiler over a window of steps."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[int, int, float, float]] = []  # (requests, tokens, start, end)
+        self.profile_window: tuple[int, int] | None = None  # (first step, steps)
+        self.profile_out: str | None = None
+        self._prof = None
+
+    @contextmanager
+    def step(self, num_reqs: int, num_tokens: int):
+        index = len(self.records)
+        if self.profile_window and index == self.profile_window[0]:
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                            torch.profiler.ProfilerActivity.CUDA])
+            self._prof.__enter__()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.records.append((num_reqs, num_tokens, start, time.perf_counter()))
+            if self._prof is not None and index == sum(self.profile_window) - 1:
+                self._prof.__exit__(None, None, None)
+                self._prof.export_chrome_trace(f"{self.profile_out}.trace.json")
+                with open(f"{self.profile_out}.txt", "w") as f:
+                    f.write(self._prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+                self._prof = None
+
+    def summary(self, decode_only: bool = True) -> dict:
+        """Mean ms inside execute and between executes, over decode steps (tokens == requests)."""
+        rows = [(r, s, e) for r, t, s, e in self.records if not decode_only or r == t]
+        if len(rows) < 2:
+            return {}
+        inside = [e - s for _, s, e in rows[1:]]
+        gaps = [s - prev_e for (_, _, prev_e), (_, s, _) in zip(rows, rows[1:])]
+        n = len(inside)
+        return {"steps": n, "mean_batch": sum(r for r, _, _ in rows[1:]) / n,
+                "execute_ms": 1e3 * sum(inside) / n, "between_ms": 1e3 * sum(max(g, 0.0) for g in gaps) / n}
 
 
 @dataclass(slots=True)
@@ -47,6 +91,8 @@ class ModelRunner:
                                 seed=config.model.seed)
         self.seqs: dict[str, SeqState] = {}
         self.num_blocks = 0
+        self.graphs: DecodeGraphs | None = None
+        self.timing = StepTiming()
 
     # ---- KV cache ------------------------------------------------------------------------------
 
@@ -114,6 +160,7 @@ class ModelRunner:
         """Drop weights and KV cache so their device memory returns to the system."""
         self.model.set_kv_caches([(None, None)] * self.spec.num_layers)
         self.model = None
+        self.graphs = None
         self.seqs.clear()
         if self.device.type == "cuda":
             gc.collect()
@@ -121,13 +168,18 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _metadata(self, query_lens: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray,
-                  qsl: np.ndarray) -> tuple[AttentionMetadata, torch.Tensor]:
+    def _positions_and_slots(self, query_lens: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray,
+                             qsl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         num_tokens = int(qsl[-1])
         req_idx = np.repeat(np.arange(len(query_lens)), query_lens)
         positions = context_lens[req_idx].astype(np.int64) + (np.arange(num_tokens) - qsl[:-1][req_idx])
         slots = block_tables[req_idx, positions // self.block_size].astype(np.int64) * self.block_size \
             + positions % self.block_size
+        return positions, slots
+
+    def _metadata(self, query_lens: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray,
+                  qsl: np.ndarray) -> tuple[AttentionMetadata, torch.Tensor]:
+        positions, slots = self._positions_and_slots(query_lens, context_lens, block_tables, qsl)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
@@ -138,8 +190,18 @@ class ModelRunner:
         )
         return meta, torch.from_numpy(positions).to(dev, non_blocking=True)
 
-    @torch.inference_mode()
+    def capture_graphs(self, max_batch: int) -> None:
+        """Capture decode-step CUDA graphs (after the KV cache is allocated: they bake in its address)."""
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.device, max_batch, max_blocks)
+        self.graphs.capture()
+
     def execute(self, plan: StepPlan) -> StepResult:
+        with self.timing.step(len(plan.req_ids), plan.num_tokens):
+            return self._execute(plan)
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> StepResult:
         for req_id in plan.freed:
             self.seqs.pop(req_id, None)
         for req_id, new in plan.new_sequences.items():
@@ -148,9 +210,13 @@ class ModelRunner:
             return StepResult(plan.step_id, [], [])
         qsl = np.zeros(len(plan.req_ids) + 1, dtype=np.int32)
         np.cumsum(plan.query_lens, out=qsl[1:])
-        meta, positions = self._metadata(plan.query_lens, plan.context_lens, plan.block_tables, qsl)
-        input_ids = torch.from_numpy(plan.token_ids).to(self.device, non_blocking=True)
-        hidden = self.model(input_ids, positions, meta)
+        if self.graphs is not None and plan.num_tokens == len(plan.req_ids) and self.graphs.fits(plan.num_tokens):
+            positions, slots = self._positions_and_slots(plan.query_lens, plan.context_lens, plan.block_tables, qsl)
+            hidden = self.graphs.run(plan.token_ids, positions, slots, plan.context_lens + 1, plan.block_tables)
+        else:
+            meta, positions = self._metadata(plan.query_lens, plan.context_lens, plan.block_tables, qsl)
+            input_ids = torch.from_numpy(plan.token_ids).to(self.device, non_blocking=True)
+            hidden = self.model(input_ids, positions, meta)
 
         rows = np.flatnonzero(plan.sample)
         sample_ids = [plan.req_ids[i] for i in rows]
