@@ -9,6 +9,7 @@ import torch
 from llmserve.attention import AttentionBackend, AttentionMetadata
 from llmserve.hookspecs import hookimpl
 from llmserve.kernels.reference import paged_attention_reference, write_kv_reference
+from llmserve.kernels.fused import rms_norm_reference, rotary_reference, silu_and_mul_reference
 from llmserve.kernels.sampling import gumbel_argmax_reference
 
 
@@ -21,6 +22,15 @@ class CPUBackend(AttentionBackend):
     def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_reference(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                          meta.seq_lens, scale)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        return rms_norm_reference(x, weight, eps, residual)
+
+    def rotary(self, q, k, positions, cos, sin) -> None:
+        rotary_reference(q, k, positions, cos, sin)
+
+    def silu_and_mul(self, x) -> torch.Tensor:
+        return silu_and_mul_reference(x)
 
     def gumbel_argmax(self, logits, temperature, key) -> torch.Tensor:
         return gumbel_argmax_reference(logits, temperature, key)

@@ -1,4 +1,4 @@
-"""CUDA backend: the Triton paged-attention, KV-write and sampling kernels."""
+"""CUDA backend: the Triton kernels (paged attention, KV write, fused norm/rotary/activation, sampling)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ class CUDABackend(AttentionBackend):
 
     def __init__(self) -> None:
         # Imported here: Triton's CUDA driver is only needed when this backend is chosen.
+        from llmserve.kernels import fused
         from llmserve.kernels.cache_write import write_kv
         from llmserve.kernels.paged_attention import paged_attention
         from llmserve.kernels.sampling import gumbel_argmax
         self._write_kv = write_kv
         self._paged_attention = paged_attention
         self._gumbel_argmax = gumbel_argmax
+        self._fused = fused
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self._write_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -26,6 +28,15 @@ class CUDABackend(AttentionBackend):
     def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return self._paged_attention(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                      meta.seq_lens, scale, meta.max_query_len)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        return self._fused.rms_norm(x, weight, eps, residual)
+
+    def rotary(self, q, k, positions, cos, sin) -> None:
+        self._fused.rotary(q, k, positions, cos, sin)
+
+    def silu_and_mul(self, x) -> torch.Tensor:
+        return self._fused.silu_and_mul(x)
 
     def gumbel_argmax(self, logits, temperature, key) -> torch.Tensor:
         return self._gumbel_argmax(logits, temperature, key)

@@ -126,3 +126,28 @@ def test_prefix_caching_off_shares_nothing_across_requests(checkpoint):
         assert [o.outputs[0].token_ids for o in outs] == expected + expected
         assert all(o.num_cached_tokens == 0 for o in outs) and llm.engine.kv.prefix_queries == 0
         assert_pool_back_to_total(llm)
+
+
+@pytest.mark.parametrize("arch", ["llama3-rope", "qwen3"])
+def test_triton_backend_matches_transformers(checkpoint, arch):
+    """The CUDA backend's Triton kernels end to end (in the interpreter without a GPU)."""
+    from llmserve.hookspecs import hookimpl
+    from llmserve.plugin_manager import get_plugin_manager
+    from llmserve.plugins.cuda import CUDABackend
+
+    class TritonEverywhere:
+        @hookimpl
+        def llmserve_select_backend(self, device, config):
+            return CUDABackend()
+
+    prompts, expected = reference(checkpoint, arch)
+    pm, plugin = get_plugin_manager(), TritonEverywhere()
+    pm.register(plugin, name="triton-everywhere")
+    try:
+        with LLM(checkpoint(arch), dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16,
+                 log_interval_s=0) as llm:
+            assert llm.engine.backend.name == "cuda"
+            outs = generate(llm, prompts[:3], n=1)
+    finally:
+        pm.unregister(plugin)
+    assert [o.outputs[0].token_ids for o in outs] == expected[:3]

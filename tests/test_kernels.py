@@ -107,3 +107,46 @@ def test_gumbel_argmax_samples_the_softmax():
     out = gumbel_argmax(logits, torch.ones(n, device=DEVICE), keys)
     freq = torch.bincount(out.cpu(), minlength=v).float() / n
     assert torch.allclose(freq, torch.tensor([0.1, 0.2, 0.3, 0.4]), atol=0.035)
+
+
+from llmserve.kernels.fused import (rms_norm, rms_norm_reference, rotary, rotary_reference,  # noqa: E402
+                                    silu_and_mul, silu_and_mul_reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dtype, with_residual):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 48, generator=g).to(dtype).to(DEVICE)
+    w = torch.randn(48, generator=g).to(dtype).to(DEVICE)
+    r = torch.randn(7, 48, generator=g).to(dtype).to(DEVICE) if with_residual else None
+    got, ref = rms_norm(x, w, 1e-6, r), rms_norm_reference(x, w, 1e-6, r)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    if with_residual:
+        torch.testing.assert_close(got[1], ref[1], atol=0, rtol=0)  # the residual sum rounds like transformers
+        got, ref = got[0], ref[0]
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_matches_reference_in_place_on_strided_views(dtype):
+    g = torch.Generator().manual_seed(5)
+    T, hq, hk, d = 5, 4, 2, 16
+    qkv = torch.randn(T, (hq + 2 * hk) * d, generator=g).to(dtype).to(DEVICE)
+    angles = torch.arange(64).float()[:, None] * torch.rand(d // 2, generator=g)[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(DEVICE), torch.cat([angles.sin()] * 2, -1).to(DEVICE)
+    positions = torch.tensor([0, 3, 9, 10, 63], device=DEVICE)
+    views = lambda t: (t[:, :hq * d].view(T, hq, d), t[:, hq * d:(hq + hk) * d].view(T, hk, d))  # noqa: E731
+    a, b = qkv.clone(), qkv.clone()
+    rotary(*views(a), positions, cos, sin)
+    rotary_reference(*views(b), positions, cos, sin)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    assert torch.equal(a[:, (hq + hk) * d:], qkv[:, (hq + hk) * d:])  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_and_mul_matches_reference(dtype):
+    x = torch.randn(6, 2 * 40, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(silu_and_mul(x), silu_and_mul_reference(x), atol=tol, rtol=tol)

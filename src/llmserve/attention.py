@@ -1,4 +1,5 @@
-"""What a hardware backend provides: the KV-cache write, paged attention and fused sampling.
+"""What a hardware backend provides: the KV-cache write, paged attention, the decoder's fused
+elementwise operations and fused sampling. kernels/ holds both implementations of each.
 
 Backends are plugins (see hookspecs.py); the model calls them through this interface only.
 """
@@ -33,6 +34,19 @@ class AttentionBackend:
     def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Causal paged attention of query [T, Hq, D]; returns [T, Hq, D]."""
+        raise NotImplementedError
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+        """RMSNorm of x [..., N]; with a residual, returns (norm(x + residual), x + residual)."""
+        raise NotImplementedError
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> None:
+        """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (rotate-halves style) by cos/sin [max_pos, D]."""
+        raise NotImplementedError
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, 2N] = [gate | up] -> silu(gate) * up, [T, N]."""
         raise NotImplementedError
 
     def gumbel_argmax(self, logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor) -> torch.Tensor:

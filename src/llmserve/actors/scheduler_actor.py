@@ -10,7 +10,7 @@ import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from llmserve.core.scheduler import RequestStatus, Scheduler
-from llmserve.messages import FinishRequests, NewRequest, StepFeedback, StepResult
+from llmserve.messages import EngineOutputs, FinishRequests, NewRequest, StepFeedback, StepResult
 
 log = structlog.get_logger("llmserve.engine")
 
@@ -48,6 +48,7 @@ class SchedulerActor:
         self.inbox, self.to_kv, self.to_requests = inbox, to_kv, to_requests
         self.in_flight = False
         self.stalled = False  # the last step scheduled nothing: wait for news before trying again
+        self.outputs: list[EngineOutputs] = []
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -62,9 +63,14 @@ class SchedulerActor:
                     except anyio.WouldBlock:
                         break
                     await self._handle(msg)
+                # The next step goes out before the last step's outputs: detokenizing and waking
+                # the requests' readers then happens while the device runs it.
                 if not self.in_flight and not self.stalled and self.scheduler.has_work():
                     self.in_flight = True
                     await self.to_kv.send(self.scheduler.schedule())
+                for outputs in self.outputs:
+                    await self.to_requests.send(outputs)
+                self.outputs.clear()
                 self.stats.maybe_log(self.scheduler)
 
     async def _handle(self, msg: object) -> None:
@@ -85,6 +91,6 @@ class SchedulerActor:
             self.in_flight = False
             outputs = s.on_result(msg)
             if outputs.updates:
-                await self.to_requests.send(outputs)
+                self.outputs.append(outputs)
         else:
             raise TypeError(f"scheduler actor got unexpected message {type(msg).__name__}")

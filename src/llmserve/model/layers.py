@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.attention import AttentionBackend
+
 
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -61,18 +63,17 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and scaled in the input dtype, as transformers does."""
+    """RMSNorm (float32 statistics, scaled in the input dtype, as transformers does), optionally
+    fused with the residual add before it: forward(x, residual) -> (norm(x + residual), x + residual)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, backend: AttentionBackend) -> None:
         super().__init__()
         self.weight = _param(dim)
         self.eps = eps
+        self.backend = backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return self.backend.rms_norm(x, self.weight, self.eps, residual)
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -96,21 +97,16 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate halves) with a precomputed cos/sin table per position."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+                 backend: AttentionBackend) -> None:
         super().__init__()
+        self.backend = backend
         inv_freq = _inv_freq(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)  # float32 [max_positions, head_dim]
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, Hq, D], k [T, Hkv, D] -> rotated q, k (same dtype)."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by their positions [T]."""
+        self.backend.rotary(q, k, positions, self.cos, self.sin)

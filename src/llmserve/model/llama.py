@@ -23,8 +23,8 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.attention_bias,
                                shard_sizes={"q": q_size, "k": kv_size, "v": kv_size})
         self.o_proj = Linear(q_size, spec.hidden_size)
-        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
         self.rotary = rotary
         self.backend = backend
         self.scale = self.head_dim ** -0.5
@@ -40,35 +40,43 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        self.rotary(positions, q, k)
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = self.backend.attention(q.contiguous(), self.k_cache, self.v_cache, meta, self.scale)
+        out = self.backend.attention(q, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.view(T, -1))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend) -> None:
         super().__init__()
         self.inter = spec.intermediate_size
         self.gate_up_proj = Linear(spec.hidden_size, 2 * self.inter, shard_sizes={0: self.inter, 1: self.inter})
         self.down_proj = Linear(self.inter, spec.hidden_size)
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, -1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
         self.self_attn = Attention(spec, rotary, backend)
-        self.mlp = MLP(spec)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec, backend)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (or the embeddings, with residual None); residual: the
+        stream before it. Each norm adds the pending output into the residual stream as it normalises."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -79,18 +87,18 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.spec = spec
-        rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
+        rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, backend)
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, rotary, backend) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: int64 [T] -> final hidden states [T, hidden]."""
-        h = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(positions, h, meta)
-        return self.norm(h)
+            x, residual = layer(positions, x, residual, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""

@@ -1,0 +1,150 @@
+"""Fused elementwise kernels of the decoder layer, each one pass over its rows, and their torch
+references (the CPU backend's implementation and the test oracle).
+
+Numerics follow transformers so that float32 stays token-exact and half precision rounds where
+transformers rounds: the residual sum is rounded to the activation dtype before it is normalised,
+the normalised value is rounded before the weight multiplies it, SiLU is rounded before the product.
+
+- rms_norm(x, w, eps, residual=None): grid (rows,); one row of `hidden` per program.
+  With a residual: s = x + residual (rounded), returns (norm(s) * w, s) — the add fused in.
+- rotary(q, k, positions, cos, sin): grid (tokens,); one token's query and key heads per program,
+  rotate-halves (neox) style, in place.
+- silu_and_mul(x): grid (rows,); x = [gate | up] per row -> silu(gate) * up.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+# ---- RMSNorm (+ residual add) -------------------------------------------------------------------
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, N, eps,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
+    normed = (xf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x [..., N] -> normalised [..., N]; with residual, (normalised, x + residual)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    rows, n = x2.shape
+    out = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else out
+    res2 = residual.reshape(-1, n) if residual is not None else x2
+    if rows:
+        _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, x2.stride(0), res2.stride(0), out.stride(0),
+                                  res_out.stride(0), n, eps, HAS_RES=residual is not None,
+                                  BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 2048 else 8)
+    if residual is None:
+        return out.view(shape)
+    return out.view(shape), res_out.view(shape)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+# ---- rotary embedding ---------------------------------------------------------------------------
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
+                   HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t)
+    d = tl.arange(0, DP)
+    dmask = d < HALF
+    cos = tl.load(cos_ptr + pos * stride_c + d, mask=dmask, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_c + d, mask=dmask, other=0.0)
+    h = tl.arange(0, HP)[:, None]
+    for which in tl.static_range(2):
+        if which == 0:
+            base = q_ptr + t * stride_qt
+            stride_h = stride_qh
+            heads = HQ
+        else:
+            base = k_ptr + t * stride_kt
+            stride_h = stride_kh
+            heads = HK
+        m = (h < heads) & dmask[None, :]
+        p1 = base + h * stride_h + d[None, :]
+        x1 = tl.load(p1, mask=m, other=0.0)
+        x2 = tl.load(p1 + HALF, mask=m, other=0.0)
+        dtype = x1.dtype
+        c, s = cos.to(dtype)[None, :], sin.to(dtype)[None, :]
+        # transformers: x * cos + rotate_half(x) * sin, each product in the activation dtype.
+        y1 = ((x1 * c).to(dtype) - (x2 * s).to(dtype)).to(dtype)
+        y2 = ((x2 * c).to(dtype) + (x1 * s).to(dtype)).to(dtype)
+        tl.store(p1, y1, mask=m)
+        tl.store(p1 + HALF, y2, mask=m)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place: q [T, Hq, D], k [T, Hkv, D] (unit stride on D); cos/sin float32 [max_pos, D]."""
+    T, hq, dim = q.shape
+    if T:
+        _rotary_kernel[(T,)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                             cos.stride(0), HQ=hq, HK=k.shape[1], HALF=dim // 2,
+                             HP=triton.next_power_of_2(max(hq, k.shape[1])), DP=triton.next_power_of_2(dim // 2))
+
+
+def rotary_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> None:
+    c = cos[positions].to(q.dtype)[:, None, :]
+    s = sin[positions].to(q.dtype)[:, None, :]
+    for x in (q, k):
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        x.copy_(x * c + rotated * s)
+
+
+# ---- SiLU(gate) * up ----------------------------------------------------------------------------
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        up = tl.load(x_ptr + row * stride_x + N + cols, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2N] = [gate | up] -> silu(gate) * up [T, N]."""
+    rows, two_n = x.shape
+    n = two_n // 2
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows:
+        _silu_and_mul_kernel[(rows,)](x, out, x.stride(0), out.stride(0), n, BLOCK=min(triton.next_power_of_2(n), 2048))
+    return out
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
