@@ -38,13 +38,24 @@ def test_cuda_float32_matches_transformers(checkpoint, arch, variant):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_cuda_bfloat16_greedy_agrees_on_short_outputs(checkpoint, arch):
+    """In bf16 two implementations may split a near-tie differently, after which the texts diverge
+    legitimately. So: every token we choose must be transformers' argmax at that position given our
+    own prefix (teacher forcing), up to a margin of 2% of the logit range; and first tokens agree."""
+    from transformers import AutoModelForCausalLM
     path = checkpoint(arch, dtype=torch.bfloat16)
     prompts = prompts_for(path)
-    expected = hf_greedy(path, prompts, 6, device="cuda", dtype=torch.bfloat16)
     with LLM(path, dtype="bfloat16", device="cuda", num_blocks=4096, log_interval_s=0) as llm:
-        got = run(llm, prompts, 6)
-    assert all(g[0] == e[0] for g, e in zip(got, expected))
-    assert sum(g == e for g, e in zip(got, expected)) >= len(prompts) - 1, (got, expected)
+        got = run(llm, prompts, 8)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    first = hf_greedy(path, prompts, 1, device="cuda", dtype=torch.bfloat16)
+    assert [g[0] for g in got] == [f[0] for f in first]
+    with torch.no_grad():
+        for p, g in zip(prompts, got):
+            logits = hf(torch.tensor([p + g], device="cuda")).logits[0, len(p) - 1:len(p) - 1 + len(g)].float()
+            chosen = logits.gather(1, torch.tensor(g, device="cuda")[:, None])[:, 0]
+            top = logits.max(-1).values
+            margin = 0.02 * (top - logits.min(-1).values)
+            assert (top - chosen <= margin).all(), (p, g, (top - chosen).tolist())
 
 
 def test_kv_cache_sized_from_gpu_memory(checkpoint):

@@ -184,9 +184,10 @@ class Engine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0, add_special_tokens: bool = True,
-                       strict_length: bool = False) -> AsyncIterator[RequestOutput]:
+                       strict_length: bool = False, final_only: bool = False) -> AsyncIterator[RequestOutput]:
         """Submit one request; yields its cumulative output as it grows, the last one finished.
 
+        With final_only, only the finished output is yielded (cheapest for batch use).
         Raises ValueError for a bad prompt or parameters (this request only). Leaving the loop
         early (break, cancellation, client gone) aborts the request and frees its blocks.
         """
@@ -195,7 +196,7 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         slot = OutputSlot()
         await self._requests_in.send(Submit(request_id, prompt, params or SamplingParams(), slot, priority,
-                                            add_special_tokens, strict_length))
+                                            add_special_tokens, strict_length, final_only))
         finished = False
         try:
             while not finished:

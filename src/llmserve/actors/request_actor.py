@@ -55,6 +55,8 @@ class Submit:
     add_special_tokens: bool = True
     strict_length: bool = False
     """Reject (rather than cut at max_model_len) a max_tokens the context cannot hold."""
+    final_only: bool = False
+    """Publish only the finished output (offline batches): no per-step snapshots or wake-ups."""
 
 
 @dataclass(slots=True)
@@ -74,6 +76,7 @@ class _Request:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     queue_time_s: float | None = None
+    final_only: bool = False
     children: list[str] = field(default_factory=list)
 
     def finished(self) -> bool:
@@ -144,7 +147,7 @@ class RequestActor:
                        [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None) for i in range(p.n)],
                        [Detokenizer(self.tokenizer, ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output)
                         for _ in range(p.n)],
-                       prompt_logprobs=[None] if p.prompt_logprobs is not None else None)
+                       prompt_logprobs=[None] if p.prompt_logprobs is not None else None, final_only=sub.final_only)
         self.requests[sub.req_id] = req
         now = time.monotonic()
         for i in range(p.n):
@@ -220,9 +223,11 @@ class RequestActor:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _publish(self, req: _Request) -> None:
+        finished = req.finished()
+        if req.final_only and not finished:
+            return
         for comp, detok in zip(req.completions, req.detoks):
             comp.text = detok.visible_text(comp.finish_reason is not None)
-        finished = req.finished()
         req.slot.put(RequestOutput(
             request_id=req.req_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
             outputs=[_copy(c) for c in req.completions],

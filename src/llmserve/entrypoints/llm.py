@@ -72,7 +72,8 @@ class LLM:
 
         async def one(i: int) -> None:
             nonlocal out_tokens
-            async for out in self.engine.generate(items[i], params[i], request_id=str(start + i), priority=priority[i]):
+            async for out in self.engine.generate(items[i], params[i], request_id=str(start + i), priority=priority[i],
+                                                  final_only=True):
                 results[i] = out
             out_tokens += sum(len(c.token_ids) for c in results[i].outputs)
             bar.set_postfix(output_tok_s=f"{out_tokens / max(time.monotonic() - t0, 1e-9):.1f}", refresh=False)
