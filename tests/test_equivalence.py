@@ -42,6 +42,7 @@ VARIANTS = {
     "default": dict(),
     "chunk7": dict(max_num_batched_tokens=7, block_size=4),
     "preempt": dict(num_blocks=24, block_size=4, max_model_len=96),
+    "sync-preempt": dict(num_blocks=24, block_size=4, max_model_len=96, async_scheduling=False),
 }
 
 
@@ -52,8 +53,10 @@ def test_greedy_matches_transformers(checkpoint, arch, variant):
     with LLM(checkpoint(arch), dtype="float32", device="cpu", log_interval_s=0, **VARIANTS[variant]) as llm:
         outs = generate(llm, prompts)
         assert [o.outputs[0].token_ids for o in outs] == expected
-        if variant == "preempt":
+        if variant.endswith("preempt"):
             assert llm.engine.scheduler.num_preemptions > 0
+        # Async scheduling planned decode steps on tokens still being sampled.
+        assert (llm.engine.runner.placeholders_filled > 0) == llm.config.scheduler.async_scheduling
         assert_pool_back_to_total(llm)
 
 

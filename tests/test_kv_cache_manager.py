@@ -19,7 +19,7 @@ def test_prefill_allocates_blocks_and_builds_plan():
     assert plan.req_ids == ["a"] and plan.token_ids.tolist() == list(range(10))
     assert plan.context_lens.tolist() == [0] and plan.query_lens.tolist() == [10]
     assert plan.block_tables.tolist() == [[0, 1, 2]] and plan.sample.tolist() == [True]
-    assert fb.scheduled == {"a": (0, 10)} and fb.cached_tokens == {"a": 0}
+    assert fb.scheduled == {"a": (0, 10, True)} and fb.cached_tokens == {"a": 0}
     assert [kv.pool.blocks[i].block_hash is not None for i in range(3)] == [True, True, False]
 
 
@@ -30,7 +30,7 @@ def test_chunked_prefill_does_not_sample_until_last_chunk():
     plan, fb = kv.process(StepProposal(1, [ScheduledRequest("a", 7, [], (0, 0.0, 0))]))
     assert plan.context_lens.tolist() == [7] and plan.query_lens.tolist() == [3]
     assert plan.token_ids.tolist() == [7, 8, 9] and plan.sample.tolist() == [True]
-    assert fb.scheduled == {"a": (7, 3)}
+    assert fb.scheduled == {"a": (7, 3, True)}
 
 
 def test_prefix_hit_shares_blocks_and_skips_compute():
@@ -41,7 +41,7 @@ def test_prefix_hit_shares_blocks_and_skips_compute():
                                            admit("b", [*range(8), 50, 51, 52], 11, (0, 1.0, 1))]))
     assert kv.requests["b"].block_ids[:2] == [0, 1]
     assert [kv.pool.blocks[i].ref_cnt for i in (0, 1)] == [2, 2]
-    assert fb.cached_tokens["b"] == 8 and fb.scheduled["b"] == (8, 3)
+    assert fb.cached_tokens["b"] == 8 and fb.scheduled["b"] == (8, 3, True)
     assert plan.token_ids.tolist() == [99, 50, 51, 52]
     assert kv.prefix_hits == 8 and kv.prefix_queries == 21
 
@@ -50,7 +50,7 @@ def test_full_prompt_hit_still_computes_last_token():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     kv.process(StepProposal(0, [admit("a", range(8), 8, (0, 0.0, 0))]))
     plan, fb = kv.process(StepProposal(1, [admit("b", range(8), 8, (0, 1.0, 1))]))
-    assert fb.scheduled["b"] == (4, 4)  # only the first block is reused: its last token must be computed
+    assert fb.scheduled["b"] == (4, 4, True)  # only the first block is reused: its last token must be computed
     assert kv.requests["b"].block_ids[0] == 0
 
 
@@ -101,3 +101,17 @@ def test_salted_requests_share_only_within_their_group():
     assert fb.cached_tokens == {"p#0": 0, "p#1": 8, "q#0": 0, "plain": 0}
     assert kv.requests["p#1"].block_ids[:2] == kv.requests["p#0"].block_ids[:2]
     assert kv.prefix_queries == 9  # only unsalted requests count towards the shared cache's hit rate
+
+
+def test_placeholder_is_resolved_before_its_block_is_hashed():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv.process(StepProposal(0, [admit("a", range(7), 7, (0, 0.0, 0))]))  # samples token 7, still unknown
+    # Next step planned before that token is known: it rides as a placeholder and fills block 1.
+    plan, fb = kv.process(StepProposal(1, [ScheduledRequest("a", 1, [-1], (0, 0.0, 0))]))
+    assert plan.token_ids.tolist() == [-1] and fb.scheduled["a"] == (7, 1, True)
+    req = kv.requests["a"]
+    assert len(req.block_hashes) == 1 and kv.pool.blocks[req.block_ids[1]].block_hash is None
+    # The step after: the real token replaces the placeholder, the block is hashed, a new one rides.
+    plan, fb = kv.process(StepProposal(2, [ScheduledRequest("a", 1, [70, -1], (0, 0.0, 0))]))
+    assert req.token_ids[-2:] == [70, -1] and plan.context_lens.tolist() == [8]
+    assert len(req.block_hashes) == 2 and kv.pool.lookup(req.block_hashes[1]) == req.block_ids[1]

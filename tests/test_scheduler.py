@@ -17,8 +17,9 @@ def accept_all(s, proposal):
     """Feedback as if the KV manager fitted every entry without cache hits."""
     sched = {}
     for e in proposal.entries:
-        before = s.requests[e.req_id].num_computed
-        sched[e.req_id] = (before, e.num_tokens)
+        req = s.requests[e.req_id]
+        before = req.num_computed
+        sched[e.req_id] = (before, e.num_tokens, before + e.num_tokens == len(req.token_ids) + req.pending)
     s.on_feedback(StepFeedback(proposal.step_id, sched, [], [], {}, 0.0, 0, 0))
 
 
@@ -97,3 +98,22 @@ def test_abort_removes_request_and_frees_next_step():
     assert not s.running and s.schedule().freed == ["a"]
     # A result for the aborted request is discarded.
     assert s.on_result(StepResult(p.step_id, ["a"], [5])).updates == []
+
+
+def test_async_scheduling_plans_on_placeholders_and_stops_at_max_tokens():
+    s = make_scheduler()
+    add(s, "a", 3, 0.0, max_tokens=3)
+    p0 = s.schedule()
+    accept_all(s, p0)  # step 0 in flight: its token is pending
+    p1 = s.schedule()
+    assert [(e.req_id, e.num_tokens, e.new_token_ids) for e in p1.entries] == [("a", 1, [-1])]
+    accept_all(s, p1)
+    assert s.requests["a"].pending == 2
+    s.on_result(StepResult(p0.step_id, ["a"], [10]))  # token 1 of 3 arrives
+    p2 = s.schedule()
+    assert [(e.req_id, e.new_token_ids) for e in p2.entries] == [("a", [10, -1])]
+    accept_all(s, p2)
+    s.on_result(StepResult(p1.step_id, ["a"], [11]))
+    assert s.schedule().entries == []  # the token in flight is the third and last: nothing to plan
+    out = s.on_result(StepResult(p2.step_id, ["a"], [12]))
+    assert out.updates[0].finish_reason == "length" and s.requests == {}

@@ -79,6 +79,9 @@ class SchedulerConfig:
     """fcfs | priority (lower `priority` value runs first; ties by arrival)."""
     log_interval_s: float = 5.0
     """Seconds between engine statistics lines; 0 turns them off."""
+    async_scheduling: bool = True
+    """Plan the next step while the current one runs (a request that stops on EOS may compute one
+    token more, which is discarded)."""
 
     def __post_init__(self) -> None:
         _check(self.max_num_batched_tokens >= 1, "scheduler", "max_num_batched_tokens", ">= 1", self.max_num_batched_tokens)

@@ -150,7 +150,8 @@ class Engine:
         actors = [
             RequestActor(self.tokenizer, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
                          seed=self.config.model.seed, inbox=req_recv, to_scheduler=sched_send.clone()),
-            SchedulerActor(self.scheduler, self.stats, inbox=sched_recv, to_kv=kv_send, to_requests=req_send.clone()),
+            SchedulerActor(self.scheduler, self.stats, inbox=sched_recv, to_kv=kv_send, to_requests=req_send.clone(),
+                           async_scheduling=self.config.scheduler.async_scheduling),
             KVActor(self.kv, inbox=kv_recv, to_executor=exec_send, to_scheduler=sched_send.clone()),
             ExecutorActor(self.runner, inbox=exec_recv, to_scheduler=sched_send.clone()),
         ]

@@ -16,6 +16,10 @@ import numpy as np
 from llmserve.sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1
+"""Stands for a token still being sampled by the step in flight; the executor fills it in."""
+
+
 # ---- request actor -> scheduler -------------------------------------------------------------
 
 @dataclass(slots=True)
@@ -45,7 +49,8 @@ class ScheduledRequest:
     num_tokens: int
     """Tokens the scheduler wants computed this step; a prefix-cache hit may shrink it."""
     new_token_ids: list[int]
-    """Tokens the KV manager has not seen yet: the whole sequence when admitted, else the last sampled."""
+    """Tokens the KV manager has not seen yet: the whole sequence when admitted, else the sampled
+    ones since; replaces a trailing PLACEHOLDER the KV manager holds, and may end in a new one."""
     priority_key: tuple[int, float, int]
     admitted: "Admission | None" = None
     """Set when the request (re)enters the running set this step."""
@@ -107,8 +112,8 @@ class StepPlan:
 @dataclass(slots=True)
 class StepFeedback:
     step_id: int
-    scheduled: dict[str, tuple[int, int]]
-    """req_id -> (num_computed before the step, tokens computed this step)."""
+    scheduled: dict[str, tuple[int, int, bool]]
+    """req_id -> (num_computed before the step, tokens computed this step, samples a token)."""
     preempted: list[str]
     """Requests whose blocks were taken back; they restart from their tokens (recompute)."""
     not_admitted: list[str]

@@ -42,11 +42,15 @@ class EngineStats:
 
 class SchedulerActor:
     def __init__(self, scheduler: Scheduler, stats: EngineStats, *, inbox: ObjectReceiveStream,
-                 to_kv: ObjectSendStream, to_requests: ObjectSendStream) -> None:
+                 to_kv: ObjectSendStream, to_requests: ObjectSendStream, async_scheduling: bool = True) -> None:
         self.scheduler = scheduler
         self.stats = stats
         self.inbox, self.to_kv, self.to_requests = inbox, to_kv, to_requests
-        self.in_flight = False
+        # Steps proposed whose results have not arrived. With async scheduling the next step is
+        # planned while one runs, so the device never waits for the CPU's bookkeeping.
+        self.max_in_flight = 2 if async_scheduling else 1
+        self.in_flight = 0
+        self.awaiting_feedback = False
         self.stalled = False  # the last step scheduled nothing: wait for news before trying again
         self.outputs: list[EngineOutputs] = []
 
@@ -65,9 +69,13 @@ class SchedulerActor:
                     await self._handle(msg)
                 # The next step goes out before the last step's outputs: detokenizing and waking
                 # the requests' readers then happens while the device runs it.
-                if not self.in_flight and not self.stalled and self.scheduler.has_work():
-                    self.in_flight = True
-                    await self.to_kv.send(self.scheduler.schedule())
+                if (self.in_flight < self.max_in_flight and not self.awaiting_feedback and not self.stalled
+                        and self.scheduler.has_work()):
+                    proposal = self.scheduler.schedule()
+                    if proposal.entries or proposal.freed:
+                        self.in_flight += 1
+                        self.awaiting_feedback = True
+                        await self.to_kv.send(proposal)
                 for outputs in self.outputs:
                     await self.to_requests.send(outputs)
                 self.outputs.clear()
@@ -83,12 +91,13 @@ class SchedulerActor:
                      else RequestStatus.FINISHED_ABORTED)
             self.stalled = False
         elif isinstance(msg, StepFeedback):
+            self.awaiting_feedback = False
             s.on_feedback(msg)
             self.stalled = not msg.scheduled and not s.running
             self.stats.kv_usage = msg.kv_usage
             self.stats.prefix_queries, self.stats.prefix_hits = msg.prefix_queries, msg.prefix_hits
         elif isinstance(msg, StepResult):
-            self.in_flight = False
+            self.in_flight -= 1
             outputs = s.on_result(msg)
             if outputs.updates:
                 self.outputs.append(outputs)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmserve.core.block_pool import BlockPool
-from llmserve.messages import NewSequence, StepFeedback, StepPlan, StepProposal, ScheduledRequest
+from llmserve.messages import PLACEHOLDER, NewSequence, StepFeedback, StepPlan, StepProposal, ScheduledRequest
 
 _ROOT_HASH = 0x5EED_C0DE
 
@@ -105,13 +105,18 @@ class KVCacheManager:
         return n
 
     def _commit(self, req: KVRequest, n: int) -> None:
-        """Count the step's tokens as computed and hash the blocks they fill."""
+        """Count the step's tokens as computed and hash the full blocks whose tokens are all known
+        (a block ending in a placeholder is hashed once the real token arrives)."""
         req.num_computed += n
+        self._hash_full_blocks(req)
+
+    def _hash_full_blocks(self, req: KVRequest) -> None:
         if not req.use_prefix_cache:
             return
         B = self.block_size
+        known = len(req.token_ids) - (req.token_ids[-1:] == [PLACEHOLDER])
         parent = req.block_hashes[-1] if req.block_hashes else req.root_hash
-        for i in range(len(req.block_hashes), req.num_computed // B):
+        for i in range(len(req.block_hashes), min(req.num_computed, known) // B):
             parent = chain_hash(parent, req.token_ids[i * B:(i + 1) * B])
             req.block_hashes.append(parent)
             self.pool.cache(req.block_ids[i], parent)
@@ -161,7 +166,11 @@ class KVCacheManager:
                                                     e.admitted.use_prefix_cache,
                                                     _ROOT_HASH if salt is None else hash((_ROOT_HASH, salt)))
             else:
-                self.requests[e.req_id].token_ids.extend(e.new_token_ids)
+                req = self.requests[e.req_id]
+                if req.token_ids[-1] == PLACEHOLDER:
+                    req.token_ids.pop()  # resolved: the real token leads new_token_ids
+                req.token_ids.extend(e.new_token_ids)
+                self._hash_full_blocks(req)
 
         scheduled: list[tuple[KVRequest, int, int]] = []  # (request, computed before, new tokens)
         preempted: list[str] = []
@@ -192,7 +201,7 @@ class KVCacheManager:
         plan = self._build_plan(proposal, scheduled)
         feedback = StepFeedback(
             step_id=proposal.step_id,
-            scheduled={r.req_id: (before, n) for r, before, n in scheduled},
+            scheduled={r.req_id: (before, n, before + n == len(r.token_ids)) for r, before, n in scheduled},
             preempted=preempted,
             not_admitted=not_admitted,
             cached_tokens=cached_tokens,

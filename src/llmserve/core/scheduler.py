@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from llmserve.messages import (Admission, EngineOutputs, NewRequest, ScheduledRequest, SequenceUpdate,
-                               StepFeedback, StepProposal, StepResult)
+from llmserve.messages import (PLACEHOLDER, Admission, EngineOutputs, NewRequest, ScheduledRequest,
+                               SequenceUpdate, StepFeedback, StepProposal, StepResult)
 from llmserve.sampling_params import SamplingParams
 
 
@@ -41,7 +41,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed: int = 0
     num_sent: int = 0
-    """Tokens the KV manager has been told about."""
+    """Known tokens the KV manager has been told about."""
+    pending: int = 0
+    """Tokens sampled by steps in flight, not yet known here."""
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     queue_time_s: float | None = None
@@ -106,6 +108,10 @@ class Scheduler:
         prefilled, so decodes and prefill chunks share one batch. A waiting request also needs a
         free seat under max_num_seqs. Stop when the budget is spent. The KV manager then admits,
         shrinks (prefix-cache hits) or preempts entries from the tail of this order to fit the pool.
+
+        With a step in flight (async scheduling), a request whose token is still being sampled is
+        scheduled on a PLACEHOLDER for it, unless that token will be its last (max_tokens or
+        max_model_len); a request with tokens in flight is not (re)admitted until they arrive.
         """
         budget = self.max_num_batched_tokens
         seats = self.max_num_seqs - len(self.running)
@@ -115,11 +121,13 @@ class Scheduler:
                 break
             admitting = req.status != RequestStatus.RUNNING
             if admitting:
-                if seats == 0:
+                if seats == 0 or req.pending:
                     continue
                 seats -= 1
                 req.num_sent = 0
-            n = min(len(req.token_ids) - req.num_computed, budget)
+            elif req.pending and self._is_last(req):
+                continue
+            n = min(len(req.token_ids) + req.pending - req.num_computed, budget)
             admission = None
             if admitting:
                 # Siblings of an n > 1 request share prompt blocks even with prefix caching off,
@@ -128,19 +136,27 @@ class Scheduler:
                 use_cache = shared and req.params.prompt_logprobs is None
                 salt = None if self.enable_prefix_caching else req.group
                 admission = Admission(req.prompt_len, req.params, use_cache, salt)
-            entries.append(ScheduledRequest(req.req_id, n, req.token_ids[req.num_sent:], req.key, admission))
+            new_tokens = req.token_ids[req.num_sent:] + [PLACEHOLDER] * req.pending
+            entries.append(ScheduledRequest(req.req_id, n, new_tokens, req.key, admission))
             req.num_sent = len(req.token_ids)
             budget -= n
         freed, self._to_free = self._to_free, []
         return StepProposal(next(self._step), entries, freed)
 
+    def _is_last(self, req: Request) -> bool:
+        """The token in flight ends the request by length."""
+        p = req.params
+        return ((p.max_tokens is not None and req.num_output + req.pending >= p.max_tokens)
+                or len(req.token_ids) + req.pending >= self.max_model_len)
+
     def on_feedback(self, fb: StepFeedback) -> None:
         """Follow what the KV manager did with the proposal."""
-        for req_id, (before, n) in fb.scheduled.items():
+        for req_id, (before, n, samples) in fb.scheduled.items():
             req = self.requests.get(req_id)
             if req is None:
                 continue
             req.num_computed = before + n
+            req.pending += samples
             self.prompt_tokens += max(0, min(before + n, req.prompt_len) - before)
             if req.status != RequestStatus.RUNNING:
                 self.waiting.remove(req)
@@ -178,8 +194,9 @@ class Scheduler:
                 self.requests[req_id].pending_logprobs.extend(prompt_lps)
         for req_id, token in zip(result.req_ids, result.token_ids):
             req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # finished or preempted while the step ran: its token is discarded
+            if req is None:
+                continue  # finished while the step ran: its token is discarded
+            req.pending -= 1
             req.token_ids.append(token)
             self.generation_tokens += 1
             update = SequenceUpdate(req_id, [token], num_cached_tokens=req.num_cached_tokens,

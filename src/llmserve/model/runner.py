@@ -93,6 +93,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None
         self.timing = StepTiming()
+        self.placeholders_filled = 0
 
     # ---- KV cache ------------------------------------------------------------------------------
 
@@ -210,6 +211,7 @@ class ModelRunner:
             return StepResult(plan.step_id, [], [])
         qsl = np.zeros(len(plan.req_ids) + 1, dtype=np.int32)
         np.cumsum(plan.query_lens, out=qsl[1:])
+        self._fill_placeholders(plan, qsl)
         if self.graphs is not None and plan.num_tokens == len(plan.req_ids) and self.graphs.fits(plan.num_tokens):
             positions, slots = self._positions_and_slots(plan.query_lens, plan.context_lens, plan.block_tables, qsl)
             hidden = self.graphs.run(plan.token_ids, positions, slots, plan.context_lens + 1, plan.block_tables)
@@ -242,6 +244,15 @@ class ModelRunner:
         for state, token in zip(states, result.token_ids):
             state.output_ids.append(token)
         return result
+
+    def _fill_placeholders(self, plan: StepPlan, qsl: np.ndarray) -> None:
+        """A PLACEHOLDER input is the token its request sampled in the previous step (planned
+        before that step had finished); this runner sampled it, so it is the request's last output."""
+        holes = np.flatnonzero(plan.token_ids < 0)
+        if holes.size:
+            owners = np.searchsorted(qsl[1:], holes, side="right")
+            plan.token_ids[holes] = [self.seqs[plan.req_ids[r]].output_ids[-1] for r in owners]
+            self.placeholders_filled += holes.size
 
     def _prompt_logprobs(self, plan: StepPlan, qsl: np.ndarray, hidden: torch.Tensor, result: StepResult) -> None:
         """Logprobs of each prompt token given the ones before it, for the prompt positions this step computed."""
