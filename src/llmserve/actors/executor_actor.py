@@ -28,4 +28,10 @@ class ExecutorActor:
                 except Exception as exc:  # a failed step fails its requests, not the engine
                     log.exception("step failed", step=plan.step_id, num_reqs=len(plan.req_ids))
                     result = StepResult(plan.step_id, list(plan.req_ids), [], error=exc)
-                await self.to_scheduler.send(result)
+                # The scheduler's inbox is unbounded: this never blocks and, unlike `await send`,
+                # never yields, so the next plan (already queued under async scheduling) starts
+                # on the device before the scheduler digests this result.
+                try:
+                    self.to_scheduler.send_nowait(result)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    return  # the engine is shutting down: nobody is left to read the result

@@ -16,6 +16,7 @@ Plain synchronous code: no event loop, no device.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -212,27 +213,26 @@ class KVCacheManager:
         return plan, feedback
 
     def _build_plan(self, proposal: StepProposal, scheduled: list[tuple[KVRequest, int, int]]) -> StepPlan:
-        num_reqs = len(scheduled)
-        max_blocks = max((len(r.block_ids) for r, _, _ in scheduled), default=0)
-        block_tables = np.zeros((num_reqs, max(max_blocks, 1)), dtype=np.int32)
-        token_chunks = []
-        new_sequences = {}
-        admitted = {e.req_id: e.admitted for e in proposal.entries if e.admitted is not None}
-        for i, (req, before, n) in enumerate(scheduled):
-            block_tables[i, :len(req.block_ids)] = req.block_ids
-            token_chunks.append(req.token_ids[before:before + n])
-            adm = admitted.get(req.req_id)
-            if adm is not None:
-                new_sequences[req.req_id] = NewSequence(adm.params, req.token_ids[:adm.prompt_len],
-                                                        req.token_ids[adm.prompt_len:])
+        reqs = [r for r, _, _ in scheduled]
         query_lens = np.array([n for _, _, n in scheduled], dtype=np.int32)
         context_lens = np.array([before for _, before, _ in scheduled], dtype=np.int32)
-        totals = np.array([len(r.token_ids) for r, _, _ in scheduled], dtype=np.int32)
-        token_ids = (np.fromiter((t for chunk in token_chunks for t in chunk), dtype=np.int64,
-                                 count=int(query_lens.sum())) if num_reqs else np.zeros(0, np.int64))
+        totals = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int32, count=len(reqs))
+        num_blocks = np.fromiter((len(r.block_ids) for r in reqs), dtype=np.int64, count=len(reqs))
+        # Ragged block lists -> a zero-padded [num_reqs, max_blocks] table in one scatter.
+        block_tables = np.zeros((len(reqs), max(int(num_blocks.max(initial=0)), 1)), dtype=np.int32)
+        block_tables[np.arange(block_tables.shape[1]) < num_blocks[:, None]] = np.fromiter(
+            chain.from_iterable(r.block_ids for r in reqs), dtype=np.int32, count=int(num_blocks.sum()))
+        token_ids = np.fromiter(chain.from_iterable(r.token_ids[b:b + n] for r, b, n in scheduled), dtype=np.int64,
+                                count=int(query_lens.sum()))
+        new_sequences = {}
+        for e in proposal.entries:
+            adm = e.admitted
+            if adm is not None and e.req_id in self.requests:  # admitted and scheduled
+                tokens = self.requests[e.req_id].token_ids
+                new_sequences[e.req_id] = NewSequence(adm.params, tokens[:adm.prompt_len], tokens[adm.prompt_len:])
         return StepPlan(
             step_id=proposal.step_id,
-            req_ids=[r.req_id for r, _, _ in scheduled],
+            req_ids=[r.req_id for r in reqs],
             token_ids=token_ids,
             query_lens=query_lens,
             context_lens=context_lens,
