@@ -350,7 +350,7 @@ def test_websocket_cancel_close_and_errors(server):
             conn.send(json.dumps({"id": f"r{i}", "body": long}))
         got = collect_ws(conn, ["r3"])
         assert got["r3"][-1]["error"]["code"] == "too_many_requests"
-        assert sum(1 for r in server.engine.scheduler.requests if r.startswith("cmpl-")) >= 1
+        wait_for(lambda: any(r.startswith("cmpl-") for r in server.engine.scheduler.requests))
     # Closing the socket aborted r0..r2 long before their 3 x 400 tokens.
     wait_for(server.idle)
     assert server.engine.snapshot().generation_tokens - before < 600
@@ -376,13 +376,19 @@ def test_full_queue_answers_503_with_retry_after():
     with running_server(max_waiting_requests=1, scheduler={"max_num_seqs": 1}) as s:
         body = {"model": MODEL, "prompt": "The list type", "max_tokens": 300, "ignore_eos": True}
 
+        async def until(cond):
+            deadline = time.monotonic() + 15
+            while not cond(s.engine.snapshot()):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+
         async def main():
             async with httpx.AsyncClient(timeout=60) as http:
-                busy = [asyncio.create_task(http.post(f"{s.url}/v1/completions", json=body)) for _ in range(2)]
-                deadline = time.monotonic() + 15
-                while s.engine.snapshot().waiting < 1:
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.01)
+                post = lambda: asyncio.create_task(http.post(f"{s.url}/v1/completions", json=body))  # noqa: E731
+                busy = [post()]
+                await until(lambda snap: snap.running == 1)  # the one seat is taken...
+                busy.append(post())
+                await until(lambda snap: snap.waiting == 1)  # ...and the queue is full
                 rejected = await http.post(f"{s.url}/v1/completions", json=body)
                 return rejected, await asyncio.gather(*busy)
 

@@ -2,6 +2,8 @@
 
     llmserve --config config.toml [--host H] [--port P] [--model DIR]   serve the OpenAI-compatible API
     llmserve --config config.toml --prompt "..." [--prompt ...]         generate offline, one JSON line each
+    llmserve bench throughput --workload w-small [--peer hf]           offline throughput vs the roofline
+    llmserve bench serve --url URL --workload w-small --rate inf       online serving metrics (a client)
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from llmserve.config import EngineConfig
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     ap = argparse.ArgumentParser(prog="llmserve", description="llmserve: OpenAI-compatible LLM inference server")
     ap.add_argument("--config", required=True, help="TOML file (see config.example.toml)")
     ap.add_argument("--model", help='checkpoint directory or "builtin"; overrides [model] model')
@@ -43,6 +48,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from llmserve.server.run import serve
     anyio.run(serve, config, backend="asyncio")
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    kinds = {"throughput": "llmserve.bench.throughput", "serve": "llmserve.bench.serve"}
+    if not argv or argv[0] not in kinds:
+        print(f"usage: llmserve bench {{{','.join(kinds)}}} [options]  (--help on either)", file=sys.stderr)
+        return 2
+    import importlib
+    importlib.import_module(kinds[argv[0]]).main(argv[1:])
     return 0
 
 

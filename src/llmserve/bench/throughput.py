@@ -155,8 +155,8 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
     return result
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="llmserve bench throughput", description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="w-small")
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -165,7 +165,7 @@ def main() -> None:
     ap.add_argument("--peer-requests", type=int, default=64, help="size of the peer's subset (its first requests)")
     ap.add_argument("--profile", metavar="PREFIX", help="torch profiler over 5 steady decode steps: PREFIX.txt, .trace.json")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     result = run(args.workload, peer=args.peer, peer_requests=args.peer_requests, profile=args.profile,
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  enforce_eager=args.enforce_eager, log_interval_s=10.0)

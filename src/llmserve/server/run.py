@@ -45,13 +45,27 @@ async def serve(config: EngineConfig, *, stop: anyio.Event | None = None, handle
         if handle_signals:
             tg.start_soon(watch_signals)
 
-        @app.before_serving
-        async def announce() -> None:
-            log.info("serving", url=f"http://{config.server.host}:{config.server.port}",
-                     model=served_model_name(config), device=str(engine.device), kv_tokens=engine.kv.pool.num_blocks
-                     * engine.config.cache.block_size, max_model_len=engine.max_model_len)
-            task_status.started()
+        async def http() -> None:
+            await hypercorn_serve(app, hc, shutdown_trigger=stop.wait)
+            engine.stop()
+            tg.cancel_scope.cancel()
 
-        await hypercorn_serve(app, hc, shutdown_trigger=stop.wait)
-        engine.stop()
-        tg.cancel_scope.cancel()
+        tg.start_soon(http)
+        await _until_listening(config.server.host, config.server.port)
+        log.info("serving", url=f"http://{config.server.host}:{config.server.port}", model=served_model_name(config),
+                 device=str(engine.device), kv_tokens=engine.kv.pool.num_blocks * engine.config.cache.block_size,
+                 max_model_len=engine.max_model_len)
+        task_status.started()
+
+
+async def _until_listening(host: str, port: int, timeout: float = 60.0) -> None:
+    """Hypercorn binds after the app's startup hooks: readiness means the port accepts connections."""
+    with anyio.fail_after(timeout):
+        while True:
+            try:
+                stream = await anyio.connect_tcp(host, port)
+            except OSError:
+                await anyio.sleep(0.02)
+                continue
+            await stream.aclose()
+            return

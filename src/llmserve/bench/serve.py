@@ -1,0 +1,149 @@
+"""Online serving benchmark: a client process streaming requests to a running server's
+/v1/completions with Poisson arrivals, reporting vLLM's `bench serve` metrics.
+
+    llmserve bench serve --url http://127.0.0.1:8000 --workload w-small --rate inf [--json out.json]
+
+Definitions (client side, as vLLM defines them): TTFT = send -> first streamed chunk with text;
+ITL = gaps between consecutive chunks; TPOT per request = (E2E - TTFT) / (output tokens - 1);
+E2E = send -> last chunk. Output tokens are the server's usage counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llmserve.bench.workloads import WORKLOADS
+
+
+@dataclass(slots=True)
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str = ""
+
+
+def random_workload(num: int, input_len: int, output_len: int, vocab: int, seed: int = 0):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num)], [output_len] * num
+
+
+async def _one(client, url: str, model: str | None, prompt: list[int], max_tokens: int, temperature: float) -> Result:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    start = time.perf_counter()
+    res = Result(ok=False)
+    last = None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices"):
+                    if last is None:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.e2e = (last or time.perf_counter()) - start
+        res.ok = True
+    except Exception as exc:  # a failed request is counted, not fatal
+        res.error = repr(exc)
+    return res
+
+
+def _stats(values: list[float], scale: float = 1e3) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+    a = np.asarray(values) * scale
+    return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99))}
+
+
+async def run(url: str, prompts: list[list[int]], max_tokens: list[int], *, rate: float, model: str | None = None,
+              temperature: float = 1.0, seed: int = 0, max_concurrency: int | None = None) -> dict:
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    limit = asyncio.Semaphore(max_concurrency or len(prompts))
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=httpx.Limits(max_connections=None)) as client:
+        async def launch(i: int) -> Result:
+            async with limit:
+                return await _one(client, url, model, prompts[i], max_tokens[i], temperature)
+
+        tasks = []
+        start = time.perf_counter()
+        for i in range(len(prompts)):
+            tasks.append(asyncio.create_task(launch(i)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    done = [r for r in results if r.ok]
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    out_tokens = sum(r.output_tokens for r in done)
+    return {
+        "rate": rate, "requests": len(prompts), "completed": len(done), "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if not r.ok})[:5], "duration_s": duration,
+        "request_throughput": len(done) / duration, "output_throughput": out_tokens / duration,
+        "output_tokens": out_tokens, "ttft_ms": _stats([r.ttft for r in done]), "tpot_ms": _stats(tpot),
+        "itl_ms": _stats([x for r in done for x in r.itl]), "e2e_ms": _stats([r.e2e for r in done]),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="llmserve bench serve", description=__doc__.splitlines()[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--model", help="model name to send (the server's default when omitted)")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS) + ["random"], default="w-small")
+    ap.add_argument("--rate", type=float, default=float("inf"), help="requests per second (Poisson); inf = all at once")
+    ap.add_argument("--num-requests", type=int, help="first N requests of the workload")
+    ap.add_argument("--random-input-len", type=int, default=128)
+    ap.add_argument("--random-output-len", type=int, default=64)
+    ap.add_argument("--random-vocab", type=int, default=1000)
+    ap.add_argument("--max-concurrency", type=int)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the result here")
+    args = ap.parse_args(argv)
+    if args.workload == "random":
+        prompts, max_tokens = random_workload(args.num_requests or 100, args.random_input_len, args.random_output_len,
+                                              args.random_vocab, args.seed)
+        temperature = 1.0
+    else:
+        w = WORKLOADS[args.workload]()
+        prompts, max_tokens = w.prompts, [p.max_tokens for p in w.params]
+        temperature = w.params[0].temperature
+        if args.num_requests:
+            prompts, max_tokens = prompts[:args.num_requests], max_tokens[:args.num_requests]
+    result = asyncio.run(run(args.url, prompts, max_tokens, rate=args.rate, model=args.model, temperature=temperature,
+                             seed=args.seed, max_concurrency=args.max_concurrency))
+    result["workload"] = args.workload
+    print(f"{'requests':<22}{result['completed']}/{result['requests']} in {result['duration_s']:.2f} s")
+    print(f"{'output tok/s':<22}{result['output_throughput']:.1f}   requests/s {result['request_throughput']:.2f}")
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        s = result[name]
+        print(f"{name:<22}mean {s['mean']:9.2f}  median {s['median']:9.2f}  p99 {s['p99']:9.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The benchmark tools: workloads exactly as WORKLOADS.md defines them, the roofline, and the
+serving client against a real server."""
+
+import json
+
+from test_server import running_server
+
+from llmserve.bench.throughput import roofline_seconds
+from llmserve.bench.workloads import w_large, w_small
+from llmserve.cli import main
+from llmserve.model.spec import ModelSpec
+
+
+def test_workloads_match_their_definitions():
+    w = w_small()
+    assert (len(w.prompts), w.prompt_tokens, w.output_tokens) == (256, 142827, 133966)
+    assert all(p.ignore_eos and p.temperature == 0.6 for p in w.params)
+    big = w_large()
+    assert (len(big.prompts), big.prompt_tokens, big.output_tokens) == (1000, 1024000, 128000)
+
+
+def test_w_small_roofline_on_an_h100_is_about_5_2_seconds():
+    w = w_small()
+    roof = roofline_seconds(w, ModelSpec.from_dict(w.model_config), bandwidth=3.0e12, flops=785e12)
+    assert 5.1 < roof["roofline_s"] < 5.4 and 0.2 < roof["prefill_s"] < 0.26  # WORKLOADS.md: 5.23 s, 0.23 s
+
+
+def test_bench_serve_against_a_running_server(tmp_path, capsys):
+    with running_server() as server:
+        out = tmp_path / "serve.json"
+        for rate in ("inf", "40"):
+            main(["bench", "serve", "--url", server.url, "--workload", "random", "--num-requests", "6",
+                  "--random-input-len", "12", "--random-output-len", "8", "--rate", rate, "--json", str(out)])
+            result = json.loads(out.read_text())
+            assert result["completed"] == 6 and result["failed"] == 0 and result["output_tokens"] == 48
+            assert 0 < result["ttft_ms"]["median"] <= result["e2e_ms"]["median"]
+            assert result["itl_ms"]["mean"] > 0 and result["tpot_ms"]["p99"] > 0
+    printed = capsys.readouterr().out
+    assert "ttft_ms" in printed and "output tok/s" in printed
+    assert main(["bench", "nope"]) == 2
