@@ -48,7 +48,7 @@ class Request:
     num_preemptions: int = 0
     queue_time_s: float | None = None
     group: str | None = None
-    pending_logprobs: list = field(default_factory=list)
+    held_prompt_logprobs: list = field(default_factory=list)
 
     @property
     def num_output(self) -> int:
@@ -191,7 +191,7 @@ class Scheduler:
             return EngineOutputs([SequenceUpdate(r, [], "abort", error=repr(result.error)) for r in failed])
         for req_id, prompt_lps in result.prompt_logprobs.items():
             if req_id in self.requests:
-                self.requests[req_id].pending_logprobs.extend(prompt_lps)
+                self.requests[req_id].held_prompt_logprobs.extend(prompt_lps)
         for req_id, token in zip(result.req_ids, result.token_ids):
             req = self.requests.get(req_id)
             if req is None:
@@ -203,8 +203,8 @@ class Scheduler:
                                     queue_time_s=req.queue_time_s)
             if req_id in result.logprobs:
                 update.logprobs.append(result.logprobs[req_id])
-            if req.pending_logprobs:
-                update.prompt_logprobs, req.pending_logprobs = req.pending_logprobs, []
+            if req.held_prompt_logprobs:
+                update.prompt_logprobs, req.held_prompt_logprobs = req.held_prompt_logprobs, []
             self._check_stop(req, token, update)
             updates.append(update)
         return EngineOutputs(updates)

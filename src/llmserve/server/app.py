@@ -143,23 +143,20 @@ def create_app(engine: Engine, config: EngineConfig) -> Quart:
 
     # ---- OpenAI endpoints -------------------------------------------------------------------------
 
-    @app.post("/v1/completions")
-    async def completions():
-        job = serving.completion_job(parse(CompletionRequest, await body_json()))
+    async def respond(job) -> Response:
         admit()
         if job.body.stream:
             chunks = await _first(serving.stream(job))
             return Response(_sse(chunks), content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return _json(await serving.full_response(job))
 
+    @app.post("/v1/completions")
+    async def completions():
+        return await respond(serving.completion_job(parse(CompletionRequest, await body_json())))
+
     @app.post("/v1/chat/completions")
     async def chat_completions():
-        job = serving.chat_job(parse(ChatCompletionRequest, await body_json()))
-        admit()
-        if job.body.stream:
-            chunks = await _first(serving.stream(job))
-            return Response(_sse(chunks), content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return _json(await serving.full_response(job))
+        return await respond(serving.chat_job(parse(ChatCompletionRequest, await body_json())))
 
     @app.websocket("/v1/ws")
     async def ws():
