@@ -3,8 +3,9 @@
 #
 #   here (has pip and the registry):  bash scripts/gpu_suite.sh prepare
 #       -> .whl/: llmserve itself plus the packages the GPU box lacks (structlog, trio and its needs)
-#   on the GPU box (device tool, carry [".whl"]):  bash scripts/gpu_suite.sh run [w-small|none]
-#       -> installs .whl into /tmp/site, runs the GPU and kernel tests, then the benchmark;
+#   on the GPU box (device tool, carry [".whl"]):  bash scripts/gpu_suite.sh run [w-small|w-large|w-serve|none]
+#       -> installs .whl into /tmp/site, runs the GPU and kernel tests, then the benchmark
+#          (w-serve: the server plus `llmserve bench serve` at rate inf and at half the max);
 #          logs and JSON results under $OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,10 @@ prepare)
     rm -rf .whl && mkdir -p .whl
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .whl structlog==26.1.0 trio==0.35.0 outcome==1.3.0.post0 sniffio==1.3.1
+        -d .whl structlog==26.1.0 trio==0.35.0 outcome==1.3.0.post0 sniffio==1.3.1 \
+        quart==0.22.0 hypercorn==0.18.0 flask==3.1.3 blinker==1.9.0 itsdangerous==2.2.0 wsproto==1.3.2 h2==4.4.1 \
+        priority==2.0.0 hpack==4.2.0 hyperframe==6.1.0 pydantic==2.14.3 pydantic_core==2.50.4 \
+        annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0
     "$PY" -m pip wheel -q --no-deps -w .whl .
     ls -la .whl
     ;;
@@ -29,7 +33,20 @@ run)
     set +e
     timeout 200 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 tests/test_gpu.py tests/test_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     bench=${2:-w-small}
-    if [ "$bench" != none ]; then
+    if [ "$bench" = w-serve ]; then
+        # W-serve: the server on W-small's model shape (dummy weights), driven over HTTP streaming
+        # by a separate client process at rate inf, then at half the throughput that reached.
+        "$PY" -c 'from llmserve.bench.workloads import w_small; w_small().write_model_dir("/tmp/w-small-model")'
+        printf '[model]\nmodel = "/tmp/w-small-model"\nload_format = "dummy"\n[scheduler]\nlog_interval_s = 10.0\n[server]\nport = 8000\nmax_waiting_requests = 100000\n' > /tmp/w-serve.toml
+        "$PY" -m llmserve.cli --config /tmp/w-serve.toml > "$OUT/w-serve-server.log" 2>&1 &
+        server=$!
+        for _ in $(seq 1 120); do curl -sf localhost:8000/health >/dev/null && break; sleep 1; done
+        "$PY" -m llmserve.cli bench serve --workload w-small --rate inf --json "$OUT/w-serve-inf.json"
+        half=$("$PY" -c "import json; print(json.load(open('$OUT/w-serve-inf.json'))['request_throughput'] / 2)")
+        "$PY" -m llmserve.cli bench serve --workload w-small --rate "$half" --json "$OUT/w-serve-half.json"
+        kill -TERM $server; wait $server
+        tail -5 "$OUT/w-serve-server.log"
+    elif [ "$bench" != none ]; then
         timeout 330 "$PY" -m llmserve.bench.throughput --workload "$bench" ${BENCH_ARGS:---peer hf} \
             --profile "$OUT/$bench-profile" --json "$OUT/$bench.json" \
             > "$OUT/$bench.log" 2>&1
@@ -37,7 +54,7 @@ run)
     fi
     ;;
 *)
-    echo "usage: $0 prepare | run [w-small|w-large|none]" >&2
+    echo "usage: $0 prepare | run [w-small|w-large|w-serve|none]" >&2
     exit 2
     ;;
 esac

@@ -174,7 +174,8 @@ class OpenAIServing:
                 new_text = c.text[sent.text:]
                 new_lps = (c.logprobs or [])[sent.logprobs:]
                 finish = c.finish_reason if c.finish_reason is not None else None
-                if not new_text and finish is None and not (first and job.echo):
+                new_tokens = len(c.token_ids) > sent.tokens
+                if not (new_text or new_tokens or finish is not None or (first and job.echo)):
                     continue
                 choices.append(self._choice(job, i, out, c, new_text, c.token_ids[sent.tokens:], new_lps, finish,
                                             first=first, offset=sent.text))
