@@ -121,7 +121,9 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
 
     peer_result = None
     with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
         llm = LLM(w.write_model_dir(tmp), load_format="dummy", **engine_kwargs)
+        startup = time.perf_counter() - start  # weights, profiling step, KV cache, graph capture
         llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         timing = llm.engine.runner.timing
         timing.records.clear()
@@ -141,7 +143,7 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
         peer_result = {"peer": "hf-transformers-generate", **hf, "llmserve_wall_s": sub_wall,
                        "llmserve_output_tok_s": ours, "speedup": ours / hf["output_tok_s"]}
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    result = {"workload": workload, **device, "wall_s": wall, "prompt_tokens": w.prompt_tokens,
+    result = {"workload": workload, **device, "startup_s": startup, "wall_s": wall, "prompt_tokens": w.prompt_tokens,
               "output_tokens": generated, "expected_output_tokens": w.output_tokens,
               "output_tok_s": generated / wall, "preemptions": preemptions, "leaked_blocks": leaked,
               "decode_steps": step_summary,
