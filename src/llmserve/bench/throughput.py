@@ -75,7 +75,8 @@ def peer_hf(w: Workload, num_requests: int, batch_size: int) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
     with tempfile.TemporaryDirectory() as tmp:
         config = AutoConfig.from_pretrained(w.write_model_dir(tmp))
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+    with torch.device("cuda"):  # initialise on the GPU: an 8B model's random init on the CPU takes minutes
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     prompts, params = w.prompts[:num_requests], w.params[:num_requests]
     p0 = params[0]
 
