@@ -38,3 +38,13 @@ def test_bench_serve_against_a_running_server(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "ttft_ms" in printed and "output tok/s" in printed
     assert main(["bench", "nope"]) == 2
+
+
+def test_step_timing_counts_idle_time_before_each_decode_step_only():
+    from llmserve.model.runner import StepTiming
+    t = StepTiming()
+    # (requests, tokens, start, end): a prefill step, a decode step, a mixed step, a decode step.
+    t.records = [(4, 100, 0.0, 1.0), (4, 4, 1.5, 2.0), (4, 50, 2.1, 3.0), (4, 4, 3.2, 3.5)]
+    s = t.summary()
+    assert s["steps"] == 2 and round(s["execute_ms"]) == 400 and round(s["between_ms"]) == 350
+    assert t.summary(decode_only=False)["steps"] == 3

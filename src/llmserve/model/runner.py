@@ -61,15 +61,16 @@ class StepTiming:
                 self._prof = None
 
     def summary(self, decode_only: bool = True) -> dict:
-        """Mean ms inside execute and between executes, over decode steps (tokens == requests)."""
-        rows = [(r, s, e) for r, t, s, e in self.records if not decode_only or r == t]
-        if len(rows) < 2:
+        """Mean ms inside execute, and idle before it (since the previous step of any kind ended),
+        over decode steps (tokens == requests) or all steps."""
+        rows = [(r, s, e, s - prev[3]) for prev, (r, t, s, e) in zip(self.records, self.records[1:])
+                if not decode_only or r == t]
+        if not rows:
             return {}
-        inside = [e - s for _, s, e in rows[1:]]
-        gaps = [s - prev_e for (_, _, prev_e), (_, s, _) in zip(rows, rows[1:])]
-        n = len(inside)
-        return {"steps": n, "mean_batch": sum(r for r, _, _ in rows[1:]) / n,
-                "execute_ms": 1e3 * sum(inside) / n, "between_ms": 1e3 * sum(max(g, 0.0) for g in gaps) / n}
+        n = len(rows)
+        return {"steps": n, "mean_batch": sum(r[0] for r in rows) / n,
+                "execute_ms": 1e3 * sum(e - s for _, s, e, _ in rows) / n,
+                "between_ms": 1e3 * sum(max(gap, 0.0) for *_, gap in rows) / n}
 
 
 @dataclass(slots=True)
