@@ -101,7 +101,7 @@ def peer_hf(w: Workload, num_requests: int, batch_size: int) -> dict:
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
     tokens = sum(q.max_tokens for q in params)
-    del model
+    model = None  # the closure's reference too: free the peer's weights before our engine runs again
     torch.cuda.empty_cache()
     return {"requests": len(prompts), "batch_size": batch_size, "wall_s": wall, "output_tokens": tokens,
             "output_tok_s": tokens / wall}

@@ -21,7 +21,7 @@ from itertools import chain
 import numpy as np
 
 from llmserve.core.block_pool import BlockPool
-from llmserve.messages import PLACEHOLDER, NewSequence, StepFeedback, StepPlan, StepProposal, ScheduledRequest
+from llmserve.messages import PLACEHOLDER, NewSequence, StepFeedback, StepPlan, StepProposal
 
 _ROOT_HASH = 0x5EED_C0DE
 
