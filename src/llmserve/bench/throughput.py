@@ -168,7 +168,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--peer-requests", type=int, default=64, help="size of the peer's subset (its first requests)")
     ap.add_argument("--profile", metavar="PREFIX", help="torch profiler over 5 steady decode steps: PREFIX.txt, .trace.json")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this run (seconds)")
     args = ap.parse_args(argv)
+    if args.switch_interval:
+        import sys
+        sys.setswitchinterval(args.switch_interval)
     result = run(args.workload, peer=args.peer, peer_requests=args.peer_requests, profile=args.profile,
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  enforce_eager=args.enforce_eager, log_interval_s=10.0)
