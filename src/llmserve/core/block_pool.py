@@ -43,9 +43,6 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def allocate(self, n: int) -> list[int] | None:
         """Take `n` blocks (ref_cnt 1 each), evicting cached ones as needed; None if too few are free."""
         if n > len(self._free):
@@ -94,9 +91,3 @@ class BlockPool:
     def num_evictable_among(self, block_ids: list[int]) -> int:
         """How many of these blocks are free now (touching them takes them out of the free queue)."""
         return sum(1 for b in block_ids if self.blocks[b].ref_cnt == 0)
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block (e.g. after weights change)."""
-        for block in self.blocks:
-            block.block_hash = None
-        self._cached.clear()
