@@ -31,6 +31,7 @@ from llmserve.model.runner import ModelRunner
 from llmserve.model.spec import ModelSpec
 from llmserve.outputs import RequestOutput
 from llmserve.plugin_manager import Plugins
+from llmserve.quantization import QuantizationMethod, Unquantized
 from llmserve.sampling_params import SamplingParams
 
 log = structlog.get_logger("llmserve.engine")
@@ -91,24 +92,39 @@ def resolve_model_dir(name: str) -> str:
     return str(BUILTIN_MODEL_DIR) if name == "builtin" else name
 
 
+def resolve_quantization(name: str | None, spec: ModelSpec, plugins: Plugins) -> QuantizationMethod:
+    """The method named by model.quantization, or the one that reads a pre-quantized checkpoint's
+    quantization_config (its quant_method is a registered name), or none."""
+    methods = plugins.quantization_methods()
+    ckpt = spec.quantization_config
+    ckpt_method = ckpt.get("quant_method") if ckpt else None
+    if name is None and ckpt_method is None:
+        return Unquantized()
+    if name is not None and ckpt_method is not None and name != ckpt_method:
+        raise ValueError(f"model.quantization {name!r} conflicts with the checkpoint, which is quantized with "
+                         f"{ckpt_method!r} (config.json quantization_config); leave model.quantization unset")
+    name = name or ckpt_method
+    if name not in methods:
+        where = "model.quantization" if ckpt_method is None else "the checkpoint's quantization_config.quant_method"
+        raise ValueError(f"{where} {name!r} is not available; registered methods: {sorted(methods) or 'none'}")
+    return methods[name](ckpt)
+
+
 class Engine:
     def __init__(self, config: EngineConfig, plugins: Plugins | None = None) -> None:
         config.model.model = resolve_model_dir(config.model.model)
         self.config = config
         self.plugins = plugins or Plugins()
         m = config.model
-        if m.quantization is not None:
-            methods = self.plugins.quantization_methods()
-            if m.quantization not in methods:
-                raise ValueError(f"model.quantization {m.quantization!r} is not available; registered methods: "
-                                 f"{sorted(methods) or 'none'}")
         self.spec = ModelSpec.from_dir(m.model)
+        self.quant = resolve_quantization(m.quantization, self.spec, self.plugins)
         self.device = resolve_device(m.device)
         self.dtype = resolve_dtype(m.dtype, self.spec, self.device)
         self.max_model_len = resolve_max_model_len(config, self.spec)
         self.tokenizer = load_tokenizer(m.tokenizer or m.model)
         self.backend = self.plugins.select_backend(self.device, config)
-        self.runner = ModelRunner(config, self.spec, self.backend, self.device, self.dtype, self.max_model_len)
+        self.runner = ModelRunner(config, self.spec, self.backend, self.device, self.dtype, self.max_model_len,
+                                  self.quant)
         num_blocks = self.runner.determine_num_blocks()
         bs = config.cache.block_size
         if num_blocks * bs < self.max_model_len:

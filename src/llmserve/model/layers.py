@@ -1,7 +1,8 @@
 """Building blocks of the decoder: linear layers with shard-aware loading, RMSNorm, rotary embedding.
 
-Parameters are created uninitialised on the target device: the loader fills them in place from
-the checkpoint (or with random values for dummy weights), so weights exist once.
+Parameters are created uninitialised on the target device, in the default dtype the loader sets:
+the loader fills them in place from the checkpoint (or with random values for dummy weights), so
+weights exist once.
 """
 
 from __future__ import annotations
@@ -13,50 +14,55 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.attention import AttentionBackend
-
-
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+from llmserve.quantization import QuantizationMethod, Unquantized, copy_checked, empty_param, shard_rows
 
 
 class Linear(nn.Module):
     """y = x W^T (+ b). A merged layer lists its shards' output sizes; the loader fills each slice.
 
     `shard_sizes` maps a shard id (e.g. "q", "k", "v" or 0, 1) to its number of output rows, in
-    order. The seam where quantization methods will decide how weights are created and applied.
+    order. How the weight is stored, loaded and multiplied is the quantization method's business
+    (quantization.py); the bias, when there is one, stays in the model dtype.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 shard_sizes: dict[object, int] | None = None) -> None:
+                 shard_sizes: dict[object, int] | None = None, quant: QuantizationMethod | None = None) -> None:
         super().__init__()
-        self.weight = _param(out_features, in_features)
-        self.bias = _param(out_features) if bias else None
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype = torch.get_default_dtype()
         self.shard_offsets: dict[object, tuple[int, int]] = {}
         offset = 0
         for shard, size in (shard_sizes or {}).items():
             self.shard_offsets[shard] = (offset, size)
             offset += size
         assert not shard_sizes or offset == out_features
+        self.quant = quant or Unquantized()
+        self.quant.create_weights(self)
+        self.bias = empty_param(out_features) if bias else None
 
-    def load(self, name: str, tensor: torch.Tensor, shard: object = None) -> None:
-        """Copy a checkpoint tensor (weight or bias) into this layer, into `shard`'s rows if merged."""
-        param = self.weight if name == "weight" else self.bias
-        if shard is not None:
-            start, size = self.shard_offsets[shard]
-            param = param.narrow(0, start, size)
-        if param.shape != tensor.shape:
-            raise ValueError(f"shape mismatch loading {name}{'' if shard is None else f'[{shard}]'}: "
-                             f"checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
-        param.copy_(tensor)
+    def load(self, leaf: str, tensor: torch.Tensor, shard: object = None) -> bool:
+        """Copy a checkpoint tensor (weight, bias, or a quantization method's own tensors) into this
+        layer, into `shard`'s rows if merged; False if nothing here uses `leaf`."""
+        if leaf == "bias" and self.bias is not None:
+            copy_checked(shard_rows(self, self.bias, shard), tensor, f"bias{'' if shard is None else f'[{shard}]'}")
+            return True
+        return self.quant.load(self, leaf, tensor, shard)
+
+    def fill_dummy(self, generator: torch.Generator, std: float) -> None:
+        """Random weights as a full-precision checkpoint would hold them, loaded through the method."""
+        w = torch.empty(self.out_features, self.in_features, dtype=self.dtype, device=next(self.parameters()).device)
+        self.quant.load(self, "weight", w.normal_(0.0, std, generator=generator))
+        if self.bias is not None:
+            self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant.apply(self, x)
 
 
 class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int) -> None:
         super().__init__()
-        self.weight = _param(num_embeddings, dim)
+        self.weight = empty_param(num_embeddings, dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
@@ -68,7 +74,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float, backend: AttentionBackend) -> None:
         super().__init__()
-        self.weight = _param(dim)
+        self.weight = empty_param(dim)
         self.eps = eps
         self.backend = backend
 

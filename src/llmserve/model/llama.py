@@ -13,16 +13,18 @@ from torch import nn
 from llmserve.attention import AttentionBackend, AttentionMetadata
 from llmserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
 from llmserve.model.spec import ModelSpec
+from llmserve.quantization import QuantizationMethod
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 quant: QuantizationMethod) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.attention_bias,
-                               shard_sizes={"q": q_size, "k": kv_size, "v": kv_size})
-        self.o_proj = Linear(q_size, spec.hidden_size)
+                               shard_sizes={"q": q_size, "k": kv_size, "v": kv_size}, quant=quant)
+        self.o_proj = Linear(q_size, spec.hidden_size, quant=quant)
         self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
         self.rotary = rotary
@@ -47,11 +49,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend) -> None:
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, quant: QuantizationMethod) -> None:
         super().__init__()
         self.inter = spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * self.inter, shard_sizes={0: self.inter, 1: self.inter})
-        self.down_proj = Linear(self.inter, spec.hidden_size)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * self.inter, shard_sizes={0: self.inter, 1: self.inter},
+                                   quant=quant)
+        self.down_proj = Linear(self.inter, spec.hidden_size, quant=quant)
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,10 +62,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 quant: QuantizationMethod) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, rotary, backend)
-        self.mlp = MLP(spec, backend)
+        self.self_attn = Attention(spec, rotary, backend, quant)
+        self.mlp = MLP(spec, backend, quant)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
 
@@ -84,12 +88,14 @@ class LlamaForCausalLM(nn.Module):
     STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, max_positions: int,
+                 quant: QuantizationMethod) -> None:
+        """Decoder layers' linear layers use `quant`; embeddings and lm_head stay in the model dtype."""
         super().__init__()
         self.spec = spec
         rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, backend)
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, rotary, backend) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, rotary, backend, quant) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
 
@@ -123,8 +129,7 @@ class LlamaForCausalLM(nn.Module):
             self.norm.weight.copy_(tensor)
             return True
         if parts[0] == "lm_head":
-            self.lm_head.load(leaf, tensor)
-            return True
+            return self.lm_head.load(leaf, tensor)
         if parts[0] != "layers":
             return False
         module = self.layers[int(parts[1])]
@@ -133,9 +138,26 @@ class LlamaForCausalLM(nn.Module):
         target = parts[-2]
         if target in self.STACKED:
             merged, shard = self.STACKED[target]
-            getattr(module, merged).load(leaf, tensor, shard)
-        elif isinstance(sub := getattr(module, target), Linear):
-            sub.load(leaf, tensor)
-        else:
-            getattr(sub, leaf).copy_(tensor)
+            return getattr(module, merged).load(leaf, tensor, shard)
+        if isinstance(sub := getattr(module, target), Linear):
+            return sub.load(leaf, tensor)
+        getattr(sub, leaf).copy_(tensor)
         return True
+
+    def checkpoint_names(self) -> list[str]:
+        """The transformers tensor names (without the "model." prefix) that must fill this model."""
+        unstack: dict[str, list[str]] = {}
+        for hf_name, (merged, _) in self.STACKED.items():
+            unstack.setdefault(merged, []).append(hf_name)
+        names = []
+        for prefix, module in self.named_modules():
+            if isinstance(module, Linear):
+                leaves = module.quant.checkpoint_leaves(module) + (["bias"] if module.bias is not None else [])
+            elif isinstance(module, (Embedding, RMSNorm)):
+                leaves = ["weight"]
+            else:
+                continue
+            head, _, last = prefix.rpartition(".")
+            for part in unstack.get(last, [last]):
+                names += [f"{head}.{part}.{leaf}".lstrip(".") for leaf in leaves]
+        return names

@@ -14,8 +14,10 @@ import torch
 from safetensors import safe_open
 
 from llmserve.attention import AttentionBackend
+from llmserve.model.layers import Embedding, Linear, RMSNorm
 from llmserve.model.llama import LlamaForCausalLM
 from llmserve.model.spec import ModelSpec
+from llmserve.quantization import QuantizationMethod, Unquantized
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -32,36 +34,47 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 @torch.no_grad()
 def load_model(model_dir: str, spec: ModelSpec, backend: AttentionBackend, *, dtype: torch.dtype,
-               device: torch.device, max_positions: int, load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
-    with torch.device(device):
-        model = LlamaForCausalLM(spec, backend, max_positions)
-    for p in model.parameters():
-        p.data = p.data.to(dtype)
+               device: torch.device, max_positions: int, quant: QuantizationMethod | None = None,
+               load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
+    """Build the model on `device` with parameters in `dtype` (a quantization method picks its own
+    dtypes for the tensors it owns) and fill it from the checkpoint or with random values."""
+    quant = quant or Unquantized()
+    quant.check_device(device)
+    default_dtype = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            model = LlamaForCausalLM(spec, backend, max_positions, quant)
+    finally:
+        torch.set_default_dtype(default_dtype)
     if load_format == "dummy":
-        gen = torch.Generator(device=device).manual_seed(seed)
-        for p in model.parameters():
-            p.uniform_(-1e-3, 1e-3, generator=gen)
-        return model.eval()
-    loaded: set[str] = set()
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if model.load_weight(name, f.get_tensor(name)):
-                    loaded.add(name.removeprefix("model."))
-    missing = sorted(set(checkpoint_names(model)) - loaded)
-    if missing:
-        raise ValueError(f"checkpoint in {model_dir!r} lacks {len(missing)} weight(s), e.g. {missing[:3]}")
+        fill_dummy(model, seed)
+    else:
+        loaded: set[str] = set()
+        for path in checkpoint_files(model_dir):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if model.load_weight(name, f.get_tensor(name)):
+                        loaded.add(name.removeprefix("model."))
+        missing = sorted(set(model.checkpoint_names()) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint in {model_dir!r} lacks {len(missing)} weight(s), e.g. {missing[:3]}")
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.quant.finish_loading(module)
     return model.eval()
 
 
-def checkpoint_names(model: LlamaForCausalLM) -> list[str]:
-    """The transformers tensor names (without the "model." prefix) that fill every parameter."""
-    unstack: dict[str, list[str]] = {}
-    for hf_name, (merged, _) in model.STACKED.items():
-        unstack.setdefault(merged, []).append(hf_name)
-    names = []
-    for name, _ in model.named_parameters():
-        parts = name.split(".")
-        for part in unstack.get(parts[-2], [parts[-2]]) if len(parts) > 1 else [parts[-2]]:
-            names.append(".".join(parts[:-2] + [part, parts[-1]]))
-    return names
+def fill_dummy(model: LlamaForCausalLM, seed: int, std: float = 0.02) -> None:
+    """Random weights as a freshly initialised transformers model has them (normal(0, std) matrices,
+    unit norm weights), module by module in a fixed order, so every quantization method sees the same
+    full-precision numbers for the same seed."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.fill_dummy(gen, std)
+        elif isinstance(module, Embedding):
+            module.weight.normal_(0.0, std, generator=gen)
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)

@@ -26,6 +26,7 @@ from llmserve.model.cuda_graphs import DecodeGraphs
 from llmserve.model.loader import load_model
 from llmserve.model.sampler import (Penalties, SamplingBatch, gather_logprobs, sample, to_token_logprobs)
 from llmserve.model.spec import ModelSpec
+from llmserve.quantization import QuantizationMethod
 from llmserve.sampling_params import SamplingParams
 
 log = structlog.get_logger("llmserve.runner")
@@ -82,13 +83,13 @@ class SeqState:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, backend: AttentionBackend, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int) -> None:
+                 dtype: torch.dtype, max_model_len: int, quant: QuantizationMethod | None = None) -> None:
         self.config, self.spec, self.backend, self.device, self.dtype = config, spec, backend, device, dtype
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = list(spec.eos_token_ids)
         self.model = load_model(config.model.model, spec, backend, dtype=dtype, device=device,
-                                max_positions=max_model_len, load_format=config.model.load_format,
+                                max_positions=max_model_len, quant=quant, load_format=config.model.load_format,
                                 seed=config.model.seed)
         self.seqs: dict[str, SeqState] = {}
         self.num_blocks = 0

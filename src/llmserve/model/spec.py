@@ -38,6 +38,8 @@ class ModelSpec:
     sliding_window: int | None
     torch_dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
+    quantization_config: dict[str, Any] | None = None
+    """config.json's `quantization_config` (a pre-quantized checkpoint), or None."""
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelSpec:
@@ -85,6 +87,7 @@ class ModelSpec:
             sliding_window=cfg.get("sliding_window") if use_window else None,
             torch_dtype=getattr(torch, dtype_name) if isinstance(dtype_name, str) else torch.float32,
             eos_token_ids=eos_ids,
+            quantization_config=cfg.get("quantization_config"),
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
