@@ -15,6 +15,10 @@ gathering each key's row through the block table (so BLOCK_N is independent of b
 keeps an online softmax (running max m, running sum l, float32 accumulator). It stops at the last
 key its last query may see: causal masking against the already-cached context is just
 key_pos <= ctx_len + query_index. Programs whose tile lies past their sequence's queries exit at once.
+
+FP8 cache: K and V tiles load as e4m3 (half the bytes) and convert exactly to the query's dtype;
+the per-token scales are applied to the [BLOCK_M, BLOCK_N] tiles, not to K and V: scores are
+multiplied by each key's k_scale after the dot, and probabilities by each key's v_scale before it.
 """
 
 from __future__ import annotations
@@ -27,12 +31,12 @@ import triton.language as tl
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    scale,
+    k_scale_ptr, v_scale_ptr, scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_ct, stride_ch, stride_bt,
+    stride_cb, stride_ct, stride_ch, stride_bt, stride_sb, stride_st,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -65,14 +69,25 @@ def _paged_attention_kernel(
         kv_off = blk[:, None] * stride_cb + (k_pos % BLOCK_SIZE)[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s_off = blk * stride_sb + (k_pos % BLOCK_SIZE) * stride_st + kv_head  # FP8 scales of these keys
+        if FP8:
+            k = k.to(q.dtype)
+            k_sc = tl.load(k_scale_ptr + s_off, mask=k_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (k_sc * scale)[None, :]
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if FP8:
+            v = v.to(q.dtype)
+            v_sc = tl.load(v_scale_ptr + s_off, mask=k_ok, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot((p * v_sc[None, :]).to(v.dtype), v, input_precision=PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     acc = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -81,7 +96,8 @@ def _paged_attention_kernel(
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as reference.paged_attention_reference; `max_query_len` sizes the grid."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -95,13 +111,17 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or num_tokens == 0:
         return out
+    fp8 = k_scale is not None
+    assert not fp8 or (k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1)
+    scales = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)  # unused pointers without FP8
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _paged_attention_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+        out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, *scales, scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_P=group_p, HEAD_D=head_dim,
         HEAD_P=max(triton.next_power_of_2(head_dim), 16), BLOCK_Q=block_q, BLOCK_N=32,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", FP8=fp8,
     )
     return out

@@ -5,6 +5,11 @@ KV cache layout (shared with the Triton kernels), one pair per layer:
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     slot s  ->  block s // block_size, row s % block_size
 
+FP8 cache (kv_cache_dtype = "fp8"): k_cache/v_cache hold float8_e4m3fn and k_scale/v_scale
+[num_blocks, block_size, num_kv_heads] float32 hold one scale per token and KV head:
+stored = key / scale with scale = max|key over head_dim| / 448, so a token's keys use e4m3's whole
+range whatever their magnitude; the attention reads stored * scale.
+
 A step's batch is flattened: request i owns query rows [query_start_loc[i], query_start_loc[i+1])
 and its sequence is seq_lens[i] tokens long, the last query_len of which are this step's queries
 (positions seq_len - query_len .. seq_len - 1). Query t attends keys at positions <= its own.
@@ -15,22 +20,40 @@ from __future__ import annotations
 import torch
 
 
+FP8_MAX = 448.0
+_MIN_SCALE = 1e-12
+
+
+def quantize_kv_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (float8_e4m3fn [..., D], float32 scale [...]) with one scale per vector."""
+    x = x.float()
+    scale = x.abs().amax(-1).clamp_min(_MIN_SCALE * FP8_MAX) / FP8_MAX
+    return (x / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
 def write_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
-    """Store key/value [T, Hkv, D] into the cache slots slot_mapping [T] (int64; < 0 skips the token)."""
+                       slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> None:
+    """Store key/value [T, Hkv, D] into the cache slots slot_mapping [T] (int64; < 0 skips the token);
+    with scale tensors (an FP8 cache), quantize per token and head first."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+    for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        x = x[keep]
+        if scales is not None:
+            x, s = quantize_kv_reference(x)
+            scales.view(-1, scales.shape[2])[slots] = s
+        cache.view(-1, *cache.shape[2:])[slots] = x.to(cache.dtype)
 
 
 def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                              scale: float) -> torch.Tensor:
+                              scale: float, k_scale: torch.Tensor | None = None,
+                              v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over the paged cache; returns [T, Hq, D] in query's dtype.
 
     block_tables [B, max_blocks] int32, query_start_loc [B + 1] int32, seq_lens [B] int32.
-    Scores and softmax in float32.
+    Scores and softmax in float32; an FP8 cache is dequantized with k_scale/v_scale.
     """
     out = torch.empty_like(query)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -44,6 +67,9 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         blocks = block_tables[i, :-(-seq_len // block_size)].long()
         k = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len].float()
         v = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len].float()
+        if k_scale is not None:
+            k = k * k_scale[blocks].reshape(-1, num_kv_heads)[:seq_len, :, None]
+            v = v * v_scale[blocks].reshape(-1, num_kv_heads)[:seq_len, :, None]
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from llmserve.attention import AttentionBackend, AttentionMetadata
+from llmserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from llmserve.hookspecs import hookimpl
 from llmserve.kernels.reference import paged_attention_reference, write_kv_reference
 from llmserve.kernels.fused import rms_norm_reference, rotary_reference, silu_and_mul_reference
@@ -16,12 +16,12 @@ from llmserve.kernels.sampling import gumbel_argmax_reference
 class CPUBackend(AttentionBackend):
     name = "cpu"
 
-    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+    def write_kv(self, key, value, cache: KVCache, slot_mapping) -> None:
+        write_kv_reference(key, value, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale)
 
-    def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention_reference(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                         meta.seq_lens, scale)
+    def attention(self, query, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention_reference(query, cache.k, cache.v, meta.block_tables, meta.query_start_loc,
+                                         meta.seq_lens, scale, cache.k_scale, cache.v_scale)
 
     def rms_norm(self, x, weight, eps, residual=None):
         return rms_norm_reference(x, weight, eps, residual)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.attention import AttentionBackend, AttentionMetadata
+from llmserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from llmserve.hookspecs import hookimpl
 
 
@@ -22,12 +22,13 @@ class CUDABackend(AttentionBackend):
         self._gumbel_argmax = gumbel_argmax
         self._fused = fused
 
-    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        self._write_kv(key, value, k_cache, v_cache, slot_mapping)
+    def write_kv(self, key, value, cache: KVCache, slot_mapping) -> None:
+        self._write_kv(key, value, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale)
 
-    def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self._paged_attention(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                     meta.seq_lens, scale, meta.max_query_len)
+    def attention(self, query, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._paged_attention(query, cache.k, cache.v, meta.block_tables, meta.query_start_loc,
+                                     meta.seq_lens, scale, meta.max_query_len, k_scale=cache.k_scale,
+                                     v_scale=cache.v_scale)
 
     def rms_norm(self, x, weight, eps, residual=None):
         return self._fused.rms_norm(x, weight, eps, residual)

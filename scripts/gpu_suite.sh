@@ -3,9 +3,12 @@
 #
 #   here (has pip and the registry):  bash scripts/gpu_suite.sh prepare
 #       -> .whl/: llmserve itself plus the packages the GPU box lacks (structlog, trio and its needs)
-#   on the GPU box (device tool, carry [".whl"]):  bash scripts/gpu_suite.sh run [w-small|w-large|w-serve|none]
+#   on the GPU box (device tool, carry [".whl"]):
+#       bash scripts/gpu_suite.sh run [w-small|w-large|w-serve|quant-1|quant-2|none]
 #       -> installs .whl into /tmp/site, runs the GPU and kernel tests, then the benchmark
-#          (w-serve: the server plus `llmserve bench serve` at rate inf and at half the max);
+#          (w-serve: the server plus `llmserve bench serve` at rate inf and at half the max;
+#          quant-1: int8 kernel sweep, batch-1 decode bf16 vs int8, quantization quality;
+#          quant-2: W-small with a bf16 vs FP8 KV cache, W-large bf16 vs fp8);
 #          logs and JSON results under $OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +34,7 @@ run)
     { nvidia-smi; "$PY" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'; } \
         > "$OUT/env.txt" 2>&1
     set +e
-    [ -n "${SKIP_TESTS:-}" ] || timeout 200 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 tests/test_gpu.py tests/test_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    [ -n "${SKIP_TESTS:-}" ] || timeout 300 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 tests/test_gpu.py tests/test_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     bench=${2:-w-small}
     if [ "$bench" = w-serve ]; then
         # W-serve: the server on W-small's model shape (dummy weights), driven over HTTP streaming
@@ -46,6 +49,25 @@ run)
         "$PY" -m llmserve.cli bench serve --workload w-small --rate "$half" --json "$OUT/w-serve-half.json"
         kill -TERM $server; wait $server
         tail -5 "$OUT/w-serve-server.log"
+    elif [ "$bench" = quant-1 ]; then
+        timeout 120 "$PY" scripts/int8_sweep.py --json "$OUT/int8-sweep.json" > "$OUT/int8-sweep.log" 2>&1
+        tail -12 "$OUT/int8-sweep.log"
+        for q in none int8; do
+            args=(--workload decode-b1 --json "$OUT/decode-b1-$q.json")
+            [ $q = none ] || args+=(--quantization $q)
+            timeout 120 "$PY" -m llmserve.bench.throughput "${args[@]}" > "$OUT/decode-b1-$q.log" 2>&1
+            grep -E '"(wall_s|output_tok_s|roofline_fraction|startup_s)"' "$OUT/decode-b1-$q.json"
+        done
+        timeout 240 "$PY" -m llmserve.bench.quality --json "$OUT/quality.json" > "$OUT/quality.log" 2>&1
+        tail -60 "$OUT/quality.log"
+    elif [ "$bench" = quant-2 ]; then
+        for run in "w-small none" "w-small fp8kv" "w-large none" "w-large fp8"; do
+            set -- $run
+            args=(--workload $1 --json "$OUT/$1-$2.json")
+            case $2 in fp8kv) args+=(--kv-cache-dtype fp8);; fp8) args+=(--quantization fp8);; esac
+            timeout 150 "$PY" -m llmserve.bench.throughput "${args[@]}" > "$OUT/$1-$2.log" 2>&1
+            echo "$1 $2"; grep -E '"(wall_s|output_tok_s|roofline_fraction|startup_s|preemptions)"' "$OUT/$1-$2.json"
+        done
     elif [ "$bench" != none ]; then
         timeout 330 "$PY" -m llmserve.bench.throughput --workload "$bench" ${BENCH_ARGS:---peer hf} \
             --profile "$OUT/$bench-profile" --json "$OUT/$bench.json" \

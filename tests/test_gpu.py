@@ -80,3 +80,56 @@ def test_cuda_graphs_replay_decode_steps_with_the_same_tokens(checkpoint):
     with LLM(path, dtype="float32", device="cuda", num_blocks=2048, max_num_seqs=24, log_interval_s=0) as graphed:
         assert run(graphed, prompts * 4) == expected  # 20 requests: padded to the captured size 24
         assert graphed.engine.runner.graphs.replays > MAX_TOKENS // 2
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_cuda_quantized_kernels_match_the_cpu_reference_through_the_engine(checkpoint, method):
+    """The Triton W8A16 kernel / torch._scaled_mm on the GPU against the CPU's float32 reference of
+    the same method, same checkpoint, same prompt."""
+    path = checkpoint("qwen2")  # biases too
+    ids = list(range(3, 60))
+    with LLM(path, dtype="float32", device="cuda", num_blocks=256, quantization=method, log_interval_s=0) as llm:
+        gpu = llm.engine.runner.prompt_logits(ids).cpu()
+    with LLM(path, dtype="float32", device="cpu", quantization=method, log_interval_s=0) as llm:
+        cpu = llm.engine.runner.prompt_logits(ids)
+    # fp8: _scaled_mm rounds its output to bf16 before the float32 model continues
+    tol = 1e-3 if method == "int8" else 3e-2
+    assert torch.allclose(gpu, cpu, atol=tol * cpu.abs().max().item()), (gpu - cpu).abs().max()
+
+
+@pytest.mark.parametrize("options", [{"kv_cache_dtype": "fp8"}, {"quantization": "int8"}, {"quantization": "fp8"}])
+def test_cuda_graphs_replay_quantized_decode_with_the_same_tokens(options):
+    """Graph capture bakes in the FP8 cache's scale tensors and the quantized weights; replay must
+    match eager decode token for token (bf16, the built-in trained model)."""
+    prompts = ["The json module", "import os\nos.path.", "Raises ValueError if", "class Foo:\n    def"] * 3
+    params = SamplingParams(max_tokens=32, temperature=0)
+    results = []
+    for eager in (True, False):
+        with LLM("builtin", dtype="bfloat16", device="cuda", num_blocks=512, max_num_seqs=16, enforce_eager=eager,
+                 log_interval_s=0, **options) as llm:
+            results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            if not eager:
+                assert llm.engine.runner.graphs.replays > 0
+    assert results[0] == results[1]
+
+
+def test_cuda_quantized_perplexity_within_bounds():
+    from llmserve.bench.quality import perplexity
+    from llmserve.engine import BUILTIN_MODEL_DIR
+    text = (BUILTIN_MODEL_DIR / "heldout.txt").read_text()
+    ppl = {name: perplexity("builtin", text, ctx=512, max_chunks=16, device="cuda", dtype="bfloat16", **kw)["perplexity"]
+           for name, kw in [("none", {}), ("int8", {"quantization": "int8"}), ("fp8", {"quantization": "fp8"}),
+                            ("fp8-kv", {"kv_cache_dtype": "fp8"})]}
+    assert all(ppl[k] / ppl["none"] < 1.02 for k in ppl), ppl
+
+
+def test_cuda_prequantized_checkpoint_equals_fp8_at_load(checkpoint, tmp_path):
+    from test_quantization import compressed_tensors_checkpoint
+    src = checkpoint("llama", dtype=torch.bfloat16)
+    ct = compressed_tensors_checkpoint(src, tmp_path / "ct", "channel")
+    ids = list(range(5, 40))
+    with LLM(str(ct), device="cuda", num_blocks=256, log_interval_s=0) as llm:
+        pre = llm.engine.runner.prompt_logits(ids)
+    with LLM(src, device="cuda", num_blocks=256, quantization="fp8", log_interval_s=0) as llm:
+        at_load = llm.engine.runner.prompt_logits(ids)
+    assert torch.equal(pre, at_load)

@@ -150,3 +150,91 @@ def test_silu_and_mul_matches_reference(dtype):
     x = torch.randn(6, 2 * 40, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
     tol = 1e-6 if dtype == torch.float32 else 1e-3
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_reference(x), atol=tol, rtol=tol)
+
+
+def assert_fp8_equal(a, b):
+    """Bit-equal on the GPU. Triton's interpreter (3.9) converts some float32 values to e4m3 wrongly
+    when rounding carries into the exponent (124.5 -> 64 instead of 128), so on the CPU a few
+    elements may differ; the GPU run of this test is the exact check."""
+    diff = (a.view(torch.uint8) != b.view(torch.uint8)).sum().item()
+    assert diff == 0 if DEVICE == "cuda" else diff <= max(2, a.numel() // 50), f"{diff} of {a.numel()} differ"
+
+
+def fp8_cache(k_cache, v_cache):
+    """The same cache contents quantized as the FP8 write would store them, plus the dequantized copy."""
+    from llmserve.kernels.reference import quantize_kv_reference
+    (kq, ks), (vq, vs) = quantize_kv_reference(k_cache), quantize_kv_reference(v_cache)
+    deq = lambda q, s: (q.float() * s[..., None]).to(k_cache.dtype)  # noqa: E731
+    return kq, vq, ks, vs, deq(kq, ks), deq(vq, vs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", ["mixed", "decode"])
+def test_paged_attention_fp8_cache_matches_dequantized_reference(case, dtype):
+    q, kc, vc, tables, qsl, seq_lens = make_batch(*CASES[case], block_size=4, num_kv_heads=2, group=2,
+                                                  head_dim=16, dtype=dtype, seed=5)
+    kq, vq, ks, vs, k_deq, v_deq = fp8_cache(kc * 3, vc)
+    ref = paged_attention_reference(q, k_deq, v_deq, tables, qsl, seq_lens, 0.25)
+    assert torch.allclose(paged_attention_reference(q, kq, vq, tables, qsl, seq_lens, 0.25, ks, vs), ref,
+                          atol=1e-5 if dtype == torch.float32 else 2e-3)
+    out = paged_attention(q, kq, vq, tables, qsl, seq_lens, 0.25, max(CASES[case][0]), k_scale=ks, v_scale=vs)
+    atol = 1e-4 if dtype == torch.float32 else 2e-2  # fp16 kernels feed fp16 probabilities to the dot
+    assert torch.allclose(out.float(), ref.float(), atol=atol)
+    # FP8 is close to the unquantized cache, not equal: e4m3 keeps 3 mantissa bits.
+    exact = paged_attention_reference(q, kc * 3, vc, tables, qsl, seq_lens, 0.25)
+    assert 0 < (out.float() - exact.float()).abs().max() < 0.25
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_fp8_quantizes_per_token_and_head_like_the_reference(dtype):
+    g = torch.Generator().manual_seed(2)
+    key = (torch.randn(5, 2, 16, generator=g) * torch.tensor([0.01, 300.0])[None, :, None]).to(dtype).to(DEVICE)
+    value = torch.randn(5, 2, 16, generator=g).to(dtype).to(DEVICE)
+    slots = torch.tensor([3, -1, 17, 0, 30], device=DEVICE)
+    caches = [torch.zeros((4, 8, 2, 16), dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(4)]
+    scales = [torch.full((4, 8, 2), -1.0, device=DEVICE) for _ in range(4)]
+    write_kv_reference(key, value, caches[0], caches[1], slots, scales[0], scales[1])
+    write_kv(key, value, caches[2], caches[3], slots, scales[2], scales[3])
+    for a, b in ((0, 2), (1, 3)):
+        assert_fp8_equal(caches[a], caches[b])
+        assert torch.allclose(scales[a], scales[b], rtol=1e-6)
+    assert scales[2].view(-1, 2)[1].tolist() == [-1.0, -1.0]  # padding token wrote nothing
+    restored = caches[2].view(-1, 2, 16)[17].float() * scales[2].view(-1, 2)[17][:, None]
+    # per-head scales: the tiny head (0.01) keeps its relative precision next to the huge one (300)
+    assert torch.allclose(restored, key[2].float(), rtol=0.07, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M", [1, 5, 70])
+def test_int8_matmul_matches_reference(M, dtype):
+    from llmserve.kernels.int8_matmul import int8_matmul, int8_matmul_reference, quantize_int8_rows
+    g = torch.Generator().manual_seed(M)
+    w, scale = quantize_int8_rows(torch.randn(48, 96, generator=g))
+    x = torch.randn(M, 96, generator=g).to(dtype)
+    bias = torch.randn(48, generator=g).to(dtype)
+    w, scale, x, bias = w.to(DEVICE), scale.to(DEVICE), x.to(DEVICE), bias.to(DEVICE)
+    ref = int8_matmul_reference(x, w, scale, bias)
+    # a small config so the interpreter also walks several K steps and N tiles with masked edges
+    out = int8_matmul(x, w, scale, bias, config=(16, 32, 64, 4, 1))
+    assert out.dtype == dtype and out.shape == (M, 48)
+    assert torch.allclose(out.float(), ref.float(), rtol=1e-3 if dtype == torch.float16 else 1e-5, atol=1e-2)
+
+
+def test_quantize_int8_rows_round_trips_within_half_a_step():
+    from llmserve.kernels.int8_matmul import quantize_int8_rows
+    w = torch.randn(8, 64) * torch.logspace(-3, 2, 8)[:, None]
+    q, scale = quantize_int8_rows(w)
+    assert q.dtype == torch.int8 and q.abs().max() == 127
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_per_token_fp8_matches_reference(dtype):
+    from llmserve.kernels.fp8 import per_token_fp8, per_token_fp8_reference
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(5, 40, generator=g) * torch.tensor([1e-3, 1.0, 50.0, 0.0, 3.0])[:, None]).to(dtype).to(DEVICE)
+    q, s = per_token_fp8(x)
+    q_ref, s_ref = per_token_fp8_reference(x)
+    assert s.shape == (5, 1) and torch.allclose(s, s_ref, rtol=1e-6)
+    assert_fp8_equal(q, q_ref)
+    assert q.float().abs().amax(1)[[0, 1, 2, 4]].eq(448).all() and q[3].float().eq(0).all()

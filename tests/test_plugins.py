@@ -1,6 +1,12 @@
-"""Plugins: built-ins come from the entry-point group, every hook is documented and exercised."""
+"""Plugins: built-ins and entry-point plugins load alike, can be blocked or allow-listed, fail
+loudly naming the plugin, and every hook is documented and exercised."""
 
 import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pluggy
 import pytest
@@ -9,16 +15,18 @@ import torch
 from llmserve import hookspecs
 from llmserve.config import EngineConfig
 from llmserve.hookspecs import hookimpl
-from llmserve.plugin_manager import Plugins, get_plugin_manager
+from llmserve.plugin_manager import DEFAULT_PLUGINS, PluginError, Plugins, _build, get_plugin_manager
 
 HOOKS = [name for name, _ in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("llmserve_")]
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "plugins" / "third_party_example"
 
 
-def test_builtin_backends_load_through_the_entry_point_group():
-    from importlib.metadata import entry_points
-    names = {ep.name for ep in entry_points(group="llmserve")}
-    assert {"cpu", "cuda"} <= names
-    assert {"cpu", "cuda"} <= {name for name, _ in get_plugin_manager().list_name_plugin()}
+def test_builtin_plugins_register_like_third_party_ones():
+    pm = get_plugin_manager()
+    assert set(DEFAULT_PLUGINS) <= {name for name, _ in pm.list_name_plugin()}
+    assert all(pm.sources[name] == "built-in" for name in DEFAULT_PLUGINS)
+    assert {"int8", "fp8", "compressed-tensors"} <= set(Plugins(pm).quantization_methods())
 
 
 @pytest.mark.parametrize("hook", HOOKS)
@@ -28,6 +36,8 @@ def test_every_hook_is_documented(hook):
     assert len(doc) > 40
     for p in params:
         assert f":param {p}:" in doc, f"{hook} does not document {p}"
+    guide = (REPO / "docs" / "plugins.md").read_text()
+    assert f"`{hook}(" in guide, f"docs/plugins.md does not document {hook}"
 
 
 def test_every_hook_has_a_test():
@@ -106,5 +116,112 @@ def test_misspelled_hook_implementation_fails_loudly():
 
 def test_unknown_quantization_lists_what_is_available(checkpoint):
     from llmserve import LLM
-    with pytest.raises(ValueError, match=r"model.quantization 'nope' is not available; registered methods: none"):
+    with pytest.raises(ValueError, match=r"model.quantization 'nope' is not available; registered methods: "
+                                         r"\['compressed-tensors', 'fp8', 'int8'\]"):
         LLM(checkpoint("llama"), device="cpu", quantization="nope")
+
+
+def fake_distribution(root: Path, name: str, module_source: str) -> None:
+    """An installed distribution `name` whose module `name` is an entry point of the llmserve group."""
+    dist = root / f"{name}-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[llmserve]\n{name} = {name}\n")
+    (root / f"{name}.py").write_text(module_source)
+
+
+def test_a_plugin_that_fails_to_import_stops_start_up_naming_it(tmp_path, monkeypatch):
+    fake_distribution(tmp_path, "brokenplug", "import not_a_module_anywhere\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError, match=r"plugin 'brokenplug' \(brokenplug 0.1, brokenplug\) failed to load: "
+                                          r"ModuleNotFoundError"):
+        _build.__wrapped__(frozenset(), None)
+    assert "brokenplug" not in {n for n, _ in _build.__wrapped__(frozenset({"brokenplug"}), None).list_name_plugin()}
+
+
+def test_a_misspelled_hook_in_an_installed_plugin_stops_start_up_naming_it(tmp_path, monkeypatch):
+    fake_distribution(tmp_path, "typoplug", "from llmserve.hookspecs import hookimpl\n\n"
+                                            "@hookimpl\ndef llmserve_register_quantisation_methods(register):\n"
+                                            "    register('x', object)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError, match=r"plugin 'typoplug' \(typoplug 0.1\) is invalid: .*"
+                                          r"llmserve_register_quantisation_methods"):
+        _build.__wrapped__(frozenset(), None)
+
+
+def test_block_and_allow_lists_from_config_and_environment(tmp_path, monkeypatch):
+    fake_distribution(tmp_path, "extraplug", "from llmserve.hookspecs import hookimpl\n\n"
+                                             "@hookimpl\ndef llmserve_register_quantization_methods(register):\n"
+                                             "    register('extra', object)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _build.cache_clear()
+    try:
+        names = lambda pm: {n for n, _ in pm.list_name_plugin()}  # noqa: E731
+        assert "extraplug" in names(get_plugin_manager())
+        pm = get_plugin_manager(allow=["someone-else"])
+        assert "extraplug" not in names(pm) and set(DEFAULT_PLUGINS) <= names(pm)  # built-ins ignore allow
+        assert pm.skipped == {"extraplug": "not in the allow list"}
+        pm = get_plugin_manager(block=["extraplug", "int8"])
+        assert names(pm) == set(DEFAULT_PLUGINS) - {"int8"}
+        monkeypatch.setenv("LLMSERVE_PLUGINS_BLOCK", "fp8")
+        assert "fp8" not in names(get_plugin_manager(block=["extraplug"]))
+        monkeypatch.setenv("LLMSERVE_PLUGINS_ALLOW", "extraplug")
+        assert "extraplug" in names(get_plugin_manager(allow=["someone-else"]))  # the environment wins
+        config = EngineConfig.from_dict({"plugins": {"block": ["extraplug"]}})
+        monkeypatch.delenv("LLMSERVE_PLUGINS_ALLOW")
+        assert "extra" not in Plugins.from_config(config.plugins).quantization_methods()
+    finally:
+        _build.cache_clear()
+    with pytest.raises(ValueError, match=r"plugins.block must be a list of plugin names, got 'int8'"):
+        EngineConfig.from_dict({"plugins": {"block": "int8"}})
+
+
+def test_llmserve_plugins_lists_plugins_and_what_they_register(capsys):
+    from llmserve.cli import main
+    assert main(["plugins", "--json"]) == 0
+    rows = {r["name"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert rows["fp8"]["quantization_methods"] == ["compressed-tensors", "fp8"]
+    assert rows["cuda"]["hooks"] == ["llmserve_select_backend"] and rows["cuda"]["source"] == "built-in"
+
+
+@pytest.fixture(scope="module")
+def example_installed(tmp_path_factory):
+    """The example plugin package, pip-installed (offline, no build isolation) into its own folder."""
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+                    "--no-build-isolation", "--target", str(target), str(EXAMPLE)], check=True)
+    return target
+
+
+def run_with(site: Path, code: str, **env) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]), **env}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ, timeout=300)
+
+
+def test_third_party_package_is_discovered_selectable_and_runs(example_installed, checkpoint):
+    path = checkpoint("llama")
+    listing = run_with(example_installed, "from llmserve.cli import main; main(['plugins', '--json'])")
+    rows = {r["name"]: r for r in map(json.loads, listing.stdout.splitlines())}
+    assert rows["int4_example"] == {
+        "name": "int4_example", "source": "llmserve-int4-example 0.1.0", "status": "loaded",
+        "hooks": ["llmserve_register_quantization_methods"], "quantization_methods": ["int4-rtn"],
+        "decoding_strategies": []}
+    generate = run_with(example_installed, f"""
+import json, torch
+from llmserve import LLM, SamplingParams
+with LLM({path!r}, device="cpu", quantization="int4-rtn", log_interval_s=0) as llm:
+    qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj
+    out = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    print(json.dumps({{"method": llm.engine.quant.name, "qweight": str(qkv.qweight.dtype),
+                      "shape": list(qkv.qweight.shape), "tokens": out}}))
+""")
+    assert generate.returncode == 0, generate.stderr
+    result = json.loads(generate.stdout.splitlines()[-1])
+    assert result["method"] == "int4-rtn" and result["qweight"] == "torch.uint8" and len(result["tokens"]) == 6
+    assert result["shape"][1] == 32  # 64 input features, two 4-bit weights a byte
+    blocked = run_with(example_installed, f"""
+from llmserve import LLM
+LLM({path!r}, device="cpu", quantization="int4-rtn")
+""", LLMSERVE_PLUGINS_BLOCK="int4_example")
+    assert "model.quantization 'int4-rtn' is not available" in blocked.stderr

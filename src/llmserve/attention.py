@@ -21,18 +21,29 @@ class AttentionMetadata:
     max_query_len: int
 
 
+@dataclass(slots=True)
+class KVCache:
+    """One layer's paged KV cache (layout in kernels/reference.py).
+
+    k, v: [num_blocks, block_size, num_kv_heads, head_dim] in the model dtype, or float8_e4m3fn
+    with k_scale, v_scale [num_blocks, block_size, num_kv_heads] float32 (value = stored * scale).
+    """
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
 class AttentionBackend:
     """Base class of hardware backends. Subclasses implement the two kernels for their device."""
 
     name: str = "base"
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """Store key/value [T, Hkv, D] into the paged cache at slot_mapping [T]."""
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor) -> None:
+        """Store key/value [T, Hkv, D] into the paged cache at slot_mapping [T] (quantizing for FP8)."""
         raise NotImplementedError
 
-    def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(self, query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Causal paged attention of query [T, Hq, D]; returns [T, Hq, D]."""
         raise NotImplementedError
 

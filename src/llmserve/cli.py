@@ -4,6 +4,8 @@
     llmserve --config config.toml --prompt "..." [--prompt ...]         generate offline, one JSON line each
     llmserve bench throughput --workload w-small [--peer hf]           offline throughput vs the roofline
     llmserve bench serve --url URL --workload w-small --rate inf       online serving metrics (a client)
+    llmserve bench quality [--shapes w-small,w-large]                  perplexity / logits of quantized variants
+    llmserve plugins [--config config.toml] [--json]                   the plugins found, what each registers
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
+    if argv[:1] == ["plugins"]:
+        return _plugins(argv[1:])
     ap = argparse.ArgumentParser(prog="llmserve", description="llmserve: OpenAI-compatible LLM inference server")
     ap.add_argument("--config", required=True, help="TOML file (see config.example.toml)")
     ap.add_argument("--model", help='checkpoint directory or "builtin"; overrides [model] model')
@@ -52,12 +56,36 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    kinds = {"throughput": "llmserve.bench.throughput", "serve": "llmserve.bench.serve"}
+    kinds = {"throughput": "llmserve.bench.throughput", "serve": "llmserve.bench.serve",
+             "quality": "llmserve.bench.quality"}
     if not argv or argv[0] not in kinds:
         print(f"usage: llmserve bench {{{','.join(kinds)}}} [options]  (--help on either)", file=sys.stderr)
         return 2
     import importlib
     importlib.import_module(kinds[argv[0]]).main(argv[1:])
+    return 0
+
+
+def _plugins(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="llmserve plugins", description="List plugins: built-in, installed, skipped.")
+    ap.add_argument("--config", help="TOML file whose [plugins] block/allow lists apply")
+    ap.add_argument("--json", action="store_true", help="one JSON object per plugin")
+    args = ap.parse_args(argv)
+    from llmserve.plugin_manager import PluginError, Plugins
+    try:
+        config = EngineConfig.from_toml(args.config) if args.config else EngineConfig()
+        rows = Plugins.from_config(config.plugins).describe()
+    except (OSError, ValueError, PluginError) as exc:
+        print(f"llmserve plugins: {exc}", file=sys.stderr)
+        return 1
+    for row in rows:
+        if args.json:
+            print(json.dumps(row))
+            continue
+        provides = [f"quantization: {', '.join(row['quantization_methods'])}"] if row["quantization_methods"] else []
+        provides += [f"decoding: {', '.join(row['decoding_strategies'])}"] if row["decoding_strategies"] else []
+        provides += [f"hooks: {', '.join(row['hooks'])}"]
+        print(f"{row['name']:<16} {row['status']:<22} {row['source'] or '-':<28} {'; '.join(provides)}")
     return 0
 
 

@@ -61,8 +61,12 @@ class CacheConfig:
     cpu_kv_cache_gib: float = 1.0
     """KV cache size on the CPU device."""
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    """auto (the model dtype) | fp8 / fp8_e4m3 (FP8-e4m3 values with a float32 scale per token and KV head)."""
 
     def __post_init__(self) -> None:
+        _check(self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"), "cache", "kv_cache_dtype",
+               "'auto', 'fp8' or 'fp8_e4m3'", self.kv_cache_dtype)
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "cache", "block_size", "a power of two in [1, 128]", self.block_size)
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "cache", "gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
         _check(self.num_blocks is None or self.num_blocks >= 1, "cache", "num_blocks", ">= 1", self.num_blocks)
@@ -126,8 +130,23 @@ class ServerConfig:
         _check(self.shutdown_grace_s >= 0, "server", "shutdown_grace_s", ">= 0", self.shutdown_grace_s)
 
 
+@dataclass(slots=True)
+class PluginsConfig:
+    block: list[str] = field(default_factory=list)
+    """Plugins never loaded, built-ins included (LLMSERVE_PLUGINS_BLOCK=a,b adds to it)."""
+    allow: list[str] | None = None
+    """When set, the only entry-point (third-party) plugins loaded; built-ins load unless blocked
+    (LLMSERVE_PLUGINS_ALLOW=a,b replaces it)."""
+
+    def __post_init__(self) -> None:
+        for key, value in (("block", self.block), ("allow", self.allow)):
+            if value is not None:
+                _check(isinstance(value, list) and all(isinstance(n, str) for n in value),
+                       "plugins", key, "a list of plugin names", value)
+
+
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-             "parallel": ParallelConfig, "server": ServerConfig}
+             "parallel": ParallelConfig, "server": ServerConfig, "plugins": PluginsConfig}
 
 
 @dataclass(slots=True)
@@ -137,6 +156,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, dict[str, Any]]) -> EngineConfig:

@@ -114,7 +114,7 @@ class Engine:
     def __init__(self, config: EngineConfig, plugins: Plugins | None = None) -> None:
         config.model.model = resolve_model_dir(config.model.model)
         self.config = config
-        self.plugins = plugins or Plugins()
+        self.plugins = plugins or Plugins.from_config(config.plugins)
         m = config.model
         self.spec = ModelSpec.from_dir(m.model)
         self.quant = resolve_quantization(m.quantization, self.spec, self.plugins)

@@ -43,16 +43,25 @@ def measure_device() -> dict:
 
     bw = 2 * x.numel() / timed(lambda: y.copy_(x), 20)
     flops = 2 * 8192**3 / timed(lambda: a @ b, 10)
-    return {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": bw, "bf16_flop_per_s": flops}
+    result = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": bw, "bf16_flop_per_s": flops}
+    if torch.cuda.get_device_capability() >= (8, 9):
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+        one = torch.ones(1, device="cuda")
+        result["fp8_flop_per_s"] = 2 * 8192**3 / timed(
+            lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 10)
+    return result
 
 
-def roofline_seconds(w: Workload, spec: ModelSpec, bandwidth: float, flops: float) -> dict:
+def roofline_seconds(w: Workload, spec: ModelSpec, bandwidth: float, flops: float, *,
+                     weight_itemsize: int = 2, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """weight_itemsize: bytes per decoder-layer weight (1 for int8/fp8; embeddings and lm_head stay
+    bf16); flops: the matmul rate of the weights' format."""
     h, inter, layers = spec.hidden_size, spec.intermediate_size, spec.num_layers
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
     params = layers * per_layer + spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
-    weight_bytes = params * 2
-    kv_token = spec.kv_bytes_per_token(torch.bfloat16)
+    weight_bytes = layers * per_layer * weight_itemsize + (params - layers * per_layer) * 2
+    kv_token = spec.kv_bytes_per_token(kv_dtype)
     prompt = np.array([len(p) for p in w.prompts], dtype=np.float64)
     out = np.array([p.max_tokens for p in w.params], dtype=np.float64)
     # Decode: step t reads the weights and the KV of requests with out > t (context prompt + t).
@@ -150,8 +159,12 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
               "decode_steps": step_summary,
               "date": time.strftime("%Y-%m-%d"), "engine_kwargs": engine_kwargs}
     if "copy_bytes_per_s" in device:
-        roof = roofline_seconds(w, ModelSpec.from_dict(w.model_config), device["copy_bytes_per_s"],
-                                device["bf16_flop_per_s"])
+        quant = engine_kwargs.get("quantization")
+        fp8_kv = engine_kwargs.get("kv_cache_dtype", "auto") != "auto"
+        flops = device.get("fp8_flop_per_s", device["bf16_flop_per_s"]) if quant == "fp8" else device["bf16_flop_per_s"]
+        roof = roofline_seconds(w, ModelSpec.from_dict(w.model_config), device["copy_bytes_per_s"], flops,
+                                weight_itemsize=1 if quant in ("int8", "fp8") else 2,
+                                kv_dtype=torch.float8_e4m3fn if fp8_kv else torch.bfloat16)
         result.update(roof, roofline_fraction=roof["roofline_s"] / wall)
     if peer_result is not None:
         result["peer"] = peer_result
@@ -169,13 +182,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", metavar="PREFIX", help="torch profiler over 5 steady decode steps: PREFIX.txt, .trace.json")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this run (seconds)")
+    ap.add_argument("--quantization", help="model.quantization (int8, fp8, ...)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="cache.kv_cache_dtype (auto, fp8)")
     args = ap.parse_args(argv)
     if args.switch_interval:
         import sys
         sys.setswitchinterval(args.switch_interval)
     result = run(args.workload, peer=args.peer, peer_requests=args.peer_requests, profile=args.profile,
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                 enforce_eager=args.enforce_eager, log_interval_s=10.0)
+                 enforce_eager=args.enforce_eager, log_interval_s=10.0, quantization=args.quantization,
+                 kv_cache_dtype=args.kv_cache_dtype)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

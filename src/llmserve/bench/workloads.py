@@ -64,4 +64,12 @@ def w_large() -> Workload:
     return Workload("w-large", LLAMA31_8B, prompts, params)
 
 
-WORKLOADS = {"w-small": w_small, "w-large": w_large}
+def decode_b1() -> Workload:
+    """Single-request decode on the 8B shape (issue-defined, not in WORKLOADS.md): one random
+    128-token prompt, 512 greedy output tokens; memory-bound, each step reads every weight."""
+    random.seed(0)
+    prompts = [[random.randint(0, 100000) for _ in range(128)]]
+    return Workload("decode-b1", LLAMA31_8B, prompts, [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=512)])
+
+
+WORKLOADS = {"w-small": w_small, "w-large": w_large, "decode-b1": decode_b1}

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.attention import AttentionBackend, AttentionMetadata
+from llmserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from llmserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
 from llmserve.model.spec import ModelSpec
 from llmserve.quantization import QuantizationMethod
@@ -30,8 +30,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.scale = self.head_dim ** -0.5
-        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], set by the runner
-        self.v_cache: torch.Tensor | None = None
+        self.kv_cache: KVCache | None = None  # set by the runner
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
@@ -43,8 +42,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         self.rotary(positions, q, k)
-        self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = self.backend.attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        self.backend.write_kv(k, v, self.kv_cache, meta.slot_mapping)
+        out = self.backend.attention(q, self.kv_cache, meta, self.scale)
         return self.o_proj(out.view(T, -1))
 
 
@@ -111,9 +110,9 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
-    def set_kv_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for layer, (k, v) in zip(self.layers, caches):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+    def set_kv_caches(self, caches: list[KVCache | None]) -> None:
+        for layer, cache in zip(self.layers, caches):
+            layer.self_attn.kv_cache = cache
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
         """Load one checkpoint tensor by its transformers name; False if the model has no use for it."""

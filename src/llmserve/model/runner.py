@@ -19,7 +19,7 @@ import numpy as np
 import structlog
 import torch
 
-from llmserve.attention import AttentionBackend, AttentionMetadata
+from llmserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from llmserve.config import EngineConfig
 from llmserve.messages import StepPlan, StepResult
 from llmserve.model.cuda_graphs import DecodeGraphs
@@ -86,6 +86,7 @@ class ModelRunner:
                  dtype: torch.dtype, max_model_len: int, quant: QuantizationMethod | None = None) -> None:
         self.config, self.spec, self.backend, self.device, self.dtype = config, spec, backend, device, dtype
         self.block_size = config.cache.block_size
+        self.kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.max_model_len = max_model_len
         self.eos_token_ids = list(spec.eos_token_ids)
         self.model = load_model(config.model.model, spec, backend, dtype=dtype, device=device,
@@ -100,13 +101,20 @@ class ModelRunner:
     # ---- KV cache ------------------------------------------------------------------------------
 
     def block_bytes(self) -> int:
-        return self.block_size * self.spec.kv_bytes_per_token(self.dtype)
+        return self.block_size * self.spec.kv_bytes_per_token(self.kv_dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        self.model.set_kv_caches([(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                                   torch.zeros(shape, dtype=self.dtype, device=self.device))
-                                  for _ in range(self.spec.num_layers)])
+
+        def layer_cache() -> KVCache:
+            cache = KVCache(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                            torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            if self.kv_dtype == torch.float8_e4m3fn:
+                cache.k_scale = torch.zeros(shape[:3], dtype=torch.float32, device=self.device)
+                cache.v_scale = torch.zeros(shape[:3], dtype=torch.float32, device=self.device)
+            return cache
+
+        self.model.set_kv_caches([layer_cache() for _ in range(self.spec.num_layers)])
         self.num_blocks = num_blocks
 
     def determine_num_blocks(self) -> int:
@@ -154,14 +162,14 @@ class ModelRunner:
         torch.log_softmax(logits, -1).topk(batch.max_logprobs, -1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        self.model.set_kv_caches([(None, None)] * self.spec.num_layers)
+        self.model.set_kv_caches([None] * self.spec.num_layers)
         del hidden, logits, ids
         torch.cuda.empty_cache()
         return peak
 
     def release(self) -> None:
         """Drop weights and KV cache so their device memory returns to the system."""
-        self.model.set_kv_caches([(None, None)] * self.spec.num_layers)
+        self.model.set_kv_caches([None] * self.spec.num_layers)
         self.model = None
         self.graphs = None
         self.seqs.clear()
@@ -192,6 +200,20 @@ class ModelRunner:
             max_query_len=int(query_lens.max()) if len(query_lens) else 0,
         )
         return meta, torch.from_numpy(positions).to(dev, non_blocking=True)
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 logits [len(token_ids), vocab] of one prompt run as a single prefill in KV blocks
+        0, 1, ... (overwriting them: only while no request is running). For quality measurements."""
+        n = len(token_ids)
+        blocks = -(-n // self.block_size)
+        if blocks > self.num_blocks or n > self.max_model_len:
+            raise ValueError(f"a prompt of {n} tokens needs {blocks} KV blocks and max_model_len >= {n}")
+        qsl = np.array([0, n], dtype=np.int32)
+        meta, positions = self._metadata(np.array([n], dtype=np.int32), np.zeros(1, dtype=np.int32),
+                                         np.arange(blocks, dtype=np.int32)[None], qsl)
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(self.model(ids, positions, meta))
 
     def capture_graphs(self, max_batch: int) -> None:
         """Capture decode-step CUDA graphs (after the KV cache is allocated: they bake in its address)."""

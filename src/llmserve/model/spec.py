@@ -91,4 +91,6 @@ class ModelSpec:
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+        """K and V of one token over all layers; an FP8 cache adds a float32 scale per token and head."""
+        per_head = self.head_dim * dtype.itemsize + (4 if dtype.itemsize == 1 else 0)
+        return 2 * self.num_layers * self.num_kv_heads * per_head
