@@ -19,7 +19,7 @@ def _store(x_ptr, cache_ptr, scale_ptr, dst, scale_dst, h_ok, mask, FP8: tl.cons
     x = tl.load(x_ptr, mask=mask, other=0.0)
     if FP8:
         x = x.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-12 * 448.0) / 448.0
+        scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-12 * 448.0) * (1.0 / 448.0)
         tl.store(scale_ptr + scale_dst, scale, mask=h_ok)
         x = tl.clamp(x / scale[:, None], -448.0, 448.0)
     tl.store(cache_ptr + dst, x.to(cache_ptr.dtype.element_ty), mask=mask)

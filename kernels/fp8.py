@@ -23,7 +23,8 @@ _MIN_SCALE = 1e-12  # an all-zero row still gets a positive scale
 def quantize_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [rows, in] -> (float8_e4m3fn [rows, in], float32 scale [rows]), w ~= q * scale."""
     w = w.float()
-    scale = w.abs().amax(dim=-1).clamp_min(_MIN_SCALE * FP8_MAX) / FP8_MAX
+    # times the reciprocal, as the Triton kernels do: CPU and GPU then agree bit for bit
+    scale = w.abs().amax(dim=-1).clamp_min(_MIN_SCALE * FP8_MAX) * (1.0 / FP8_MAX)
     return (w / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -39,7 +40,7 @@ def _per_token_fp8_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK:
     m = tl.program_id(0)
     k = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + m * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0), MIN_SCALE * FP8_MAX) / FP8_MAX
+    scale = tl.maximum(tl.max(tl.abs(x), 0), MIN_SCALE * FP8_MAX) * (1.0 / FP8_MAX)
     q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
     tl.store(scale_ptr + m, scale)
     tl.store(q_ptr + m * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=k < K)

@@ -80,7 +80,8 @@ def _config(M: int) -> tuple[int, int, int, int, int]:
 
 def int8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                 config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """Same contract as int8_matmul_reference (x may have leading dims; the last one is K)."""
+    """Same contract as int8_matmul_reference (x may have leading dims; the last one is K);
+    `config` overrides the tile choice (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(1) != 1:

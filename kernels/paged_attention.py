@@ -16,9 +16,11 @@ keeps an online softmax (running max m, running sum l, float32 accumulator). It 
 key its last query may see: causal masking against the already-cached context is just
 key_pos <= ctx_len + query_index. Programs whose tile lies past their sequence's queries exit at once.
 
-FP8 cache: K and V tiles load as e4m3 (half the bytes) and convert exactly to the query's dtype;
-the per-token scales are applied to the [BLOCK_M, BLOCK_N] tiles, not to K and V: scores are
-multiplied by each key's k_scale after the dot, and probabilities by each key's v_scale before it.
+FP8 cache: K and V tiles load as e4m3 (half the bytes) and convert exactly to DOT_TY: float16
+for half-precision queries (one hardware conversion per pair of values; e4m3 fits fp16 exactly,
+and fp16 probabilities keep more mantissa than bf16), float32 otherwise. The per-token scales are
+applied to the [BLOCK_M, BLOCK_N] tiles, not to K and V: scores are multiplied by each key's
+k_scale after the dot, and probabilities by each key's v_scale before it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def _paged_attention_kernel(
     stride_cb, stride_ct, stride_ch, stride_bt, stride_sb, stride_st,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, FP8: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr, DOT_TY: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -57,6 +59,8 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = ctx_len + tok
+    if FP8:
+        q = q.to(DOT_TY)
 
     m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_P], dtype=tl.float32)
@@ -71,7 +75,7 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         s_off = blk * stride_sb + (k_pos % BLOCK_SIZE) * stride_st + kv_head  # FP8 scales of these keys
         if FP8:
-            k = k.to(q.dtype)
+            k = k.to(DOT_TY)
             k_sc = tl.load(k_scale_ptr + s_off, mask=k_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (k_sc * scale)[None, :]
         else:
@@ -83,9 +87,8 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if FP8:
-            v = v.to(q.dtype)
             v_sc = tl.load(v_scale_ptr + s_off, mask=k_ok, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot((p * v_sc[None, :]).to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + tl.dot((p * v_sc[None, :]).to(DOT_TY), v.to(DOT_TY), input_precision=PRECISION)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -94,11 +97,24 @@ def _paged_attention_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+# (BLOCK_N, num_warps, num_stages), chosen on an H200 with scripts/attention_bench.py (BENCHMARKS.md).
+# Decode steps stream the cache: wider key tiles keep more bytes in flight, most of all when few
+# sequences leave SMs idle. Prefill keeps 32-key tiles against its 64-row query tiles.
+PREFILL_TILES = (32, 4, 3)
+
+
+def decode_tiles(num_seqs: int, fp8: bool) -> tuple[int, int, int]:
+    if fp8:
+        return (128, 4, 4)
+    return (128, 4, 3) if num_seqs <= 16 else (64, 4, 3)
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
                     out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as reference.paged_attention_reference; `max_query_len` sizes the grid."""
+                    v_scale: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Same contract as reference.paged_attention_reference; `max_query_len` sizes the grid.
+    `tiles` overrides (BLOCK_N, num_warps, num_stages)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and query.stride(2) == 1
@@ -114,6 +130,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     fp8 = k_scale is not None
     assert not fp8 or (k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1)
     scales = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)  # unused pointers without FP8
+    block_n, warps, stages = tiles or (decode_tiles(num_seqs, fp8) if max_query_len == 1 else PREFILL_TILES)
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, *scales, scale,
@@ -121,7 +138,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_P=group_p, HEAD_D=head_dim,
-        HEAD_P=max(triton.next_power_of_2(head_dim), 16), BLOCK_Q=block_q, BLOCK_N=32,
+        HEAD_P=max(triton.next_power_of_2(head_dim), 16), BLOCK_Q=block_q, BLOCK_N=block_n,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32", FP8=fp8,
+        DOT_TY=tl.float32 if query.dtype == torch.float32 else tl.float16,
+        num_warps=warps, num_stages=stages,
     )
     return out

@@ -27,7 +27,7 @@ _MIN_SCALE = 1e-12
 def quantize_kv_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (float8_e4m3fn [..., D], float32 scale [...]) with one scale per vector."""
     x = x.float()
-    scale = x.abs().amax(-1).clamp_min(_MIN_SCALE * FP8_MAX) / FP8_MAX
+    scale = x.abs().amax(-1).clamp_min(_MIN_SCALE * FP8_MAX) * (1.0 / FP8_MAX)
     return (x / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 

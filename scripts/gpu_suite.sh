@@ -8,7 +8,8 @@
 #       -> installs .whl into /tmp/site, runs the GPU and kernel tests, then the benchmark
 #          (w-serve: the server plus `llmserve bench serve` at rate inf and at half the max;
 #          quant-1: int8 kernel sweep, batch-1 decode bf16 vs int8, quantization quality;
-#          quant-2: W-small with a bf16 vs FP8 KV cache, W-large bf16 vs fp8);
+#          quant-2: decode attention bf16 vs FP8 cache, W-small with a bf16 vs FP8 KV cache,
+#          W-large bf16 vs fp8);
 #          logs and JSON results under $OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,12 +62,13 @@ run)
         timeout 240 "$PY" -m llmserve.bench.quality --json "$OUT/quality.json" > "$OUT/quality.log" 2>&1
         tail -60 "$OUT/quality.log"
     elif [ "$bench" = quant-2 ]; then
-        for run in "w-small none" "w-small fp8kv" "w-large none" "w-large fp8"; do
-            set -- $run
-            args=(--workload $1 --json "$OUT/$1-$2.json")
-            case $2 in fp8kv) args+=(--kv-cache-dtype fp8);; fp8) args+=(--quantization fp8);; esac
-            timeout 150 "$PY" -m llmserve.bench.throughput "${args[@]}" > "$OUT/$1-$2.log" 2>&1
-            echo "$1 $2"; grep -E '"(wall_s|output_tok_s|roofline_fraction|startup_s|preemptions)"' "$OUT/$1-$2.json"
+        timeout 100 "$PY" scripts/attention_bench.py --json "$OUT/attention-fp8.json" 2>&1 | tail -4
+        for run in ${QUANT_RUNS:-w-small:none w-small:fp8kv w-large:none w-large:fp8}; do
+            w=${run%:*} v=${run#*:}
+            args=(--workload "$w" --json "$OUT/$w-$v.json")
+            case $v in fp8kv) args+=(--kv-cache-dtype fp8 --profile "$OUT/$w-$v-profile");; fp8) args+=(--quantization fp8);; esac
+            timeout 150 "$PY" -m llmserve.bench.throughput "${args[@]}" > "$OUT/$w-$v.log" 2>&1
+            echo "$w $v"; grep -E '"(wall_s|output_tok_s|roofline_fraction|startup_s|preemptions|execute_ms|between_ms)"' "$OUT/$w-$v.json"
         done
     elif [ "$bench" != none ]; then
         timeout 330 "$PY" -m llmserve.bench.throughput --workload "$bench" ${BENCH_ARGS:---peer hf} \

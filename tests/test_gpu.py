@@ -82,19 +82,17 @@ def test_cuda_graphs_replay_decode_steps_with_the_same_tokens(checkpoint):
         assert graphed.engine.runner.graphs.replays > MAX_TOKENS // 2
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_cuda_quantized_kernels_match_the_cpu_reference_through_the_engine(checkpoint, method):
-    """The Triton W8A16 kernel / torch._scaled_mm on the GPU against the CPU's float32 reference of
-    the same method, same checkpoint, same prompt."""
+def test_cuda_int8_kernel_matches_the_cpu_reference_through_the_engine(checkpoint):
+    """The Triton W8A16 kernels (tiled and GEMV) on the GPU against the CPU's float32 reference,
+    same checkpoint, same prompt (FP8 is compared per matmul in test_kernels.py: its bf16 output
+    rounding makes whole-model logits of a random tiny model drift too far for a tolerance)."""
     path = checkpoint("qwen2")  # biases too
-    ids = list(range(3, 60))
-    with LLM(path, dtype="float32", device="cuda", num_blocks=256, quantization=method, log_interval_s=0) as llm:
-        gpu = llm.engine.runner.prompt_logits(ids).cpu()
-    with LLM(path, dtype="float32", device="cpu", quantization=method, log_interval_s=0) as llm:
-        cpu = llm.engine.runner.prompt_logits(ids)
-    # fp8: _scaled_mm rounds its output to bf16 before the float32 model continues
-    tol = 1e-3 if method == "int8" else 3e-2
-    assert torch.allclose(gpu, cpu, atol=tol * cpu.abs().max().item()), (gpu - cpu).abs().max()
+    with LLM(path, dtype="float32", device="cuda", num_blocks=256, quantization="int8", log_interval_s=0) as llm:
+        gpu = [llm.engine.runner.prompt_logits(ids).cpu() for ids in (list(range(3, 60)), [7])]
+    with LLM(path, dtype="float32", device="cpu", quantization="int8", log_interval_s=0) as llm:
+        cpu = [llm.engine.runner.prompt_logits(ids) for ids in (list(range(3, 60)), [7])]
+    for g, c in zip(gpu, cpu):
+        assert torch.allclose(g, c, atol=1e-3 * c.abs().max().item()), (g - c).abs().max()
 
 
 @pytest.mark.parametrize("options", [{"kv_cache_dtype": "fp8"}, {"quantization": "int8"}, {"quantization": "fp8"}])
@@ -126,7 +124,7 @@ def test_cuda_quantized_perplexity_within_bounds():
 def test_cuda_prequantized_checkpoint_equals_fp8_at_load(checkpoint, tmp_path):
     from test_quantization import compressed_tensors_checkpoint
     src = checkpoint("llama", dtype=torch.bfloat16)
-    ct = compressed_tensors_checkpoint(src, tmp_path / "ct", "channel")
+    ct = compressed_tensors_checkpoint(src, tmp_path / "ct", "channel", device="cuda")  # as fp8 at load does
     ids = list(range(5, 40))
     with LLM(str(ct), device="cuda", num_blocks=256, log_interval_s=0) as llm:
         pre = llm.engine.runner.prompt_logits(ids)

@@ -214,10 +214,37 @@ def test_int8_matmul_matches_reference(M, dtype):
     bias = torch.randn(48, generator=g).to(dtype)
     w, scale, x, bias = w.to(DEVICE), scale.to(DEVICE), x.to(DEVICE), bias.to(DEVICE)
     ref = int8_matmul_reference(x, w, scale, bias)
-    # a small config so the interpreter also walks several K steps and N tiles with masked edges
-    out = int8_matmul(x, w, scale, bias, config=(16, 32, 64, 4, 1))
-    assert out.dtype == dtype and out.shape == (M, 48)
-    assert torch.allclose(out.float(), ref.float(), rtol=1e-3 if dtype == torch.float16 else 1e-5, atol=1e-2)
+    # small tiles so the interpreter also walks several K steps and N tiles with masked edges
+    for config in [(16, 32, 64, 4, 1), None]:
+        out = int8_matmul(x, w, scale, bias, config=config)
+        assert out.dtype == dtype and out.shape == (M, 48)
+        assert torch.allclose(out.float(), ref.float(), rtol=1e-3 if dtype == torch.float16 else 1e-5, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_fp8_matmul_on_tensor_cores_matches_the_float32_emulation():
+    from llmserve.kernels.fp8 import fp8_matmul, fp8_matmul_reference, quantize_fp8_rows
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    g = torch.Generator().manual_seed(6)
+    wq, ws = quantize_fp8_rows(torch.randn(256, 512, generator=g).cuda())
+    bias = torch.randn(256, generator=g).cuda().bfloat16()
+    for M in (1, 7, 300):
+        x = torch.randn(M, 512, generator=g).cuda().bfloat16()
+        ref = fp8_matmul_reference(x, wq, ws, bias).float()
+        out = fp8_matmul(x, wq, ws, bias).float()
+        assert torch.allclose(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_fp8_weight_quantization_is_the_same_on_cpu_and_gpu():
+    from llmserve.kernels.fp8 import quantize_fp8_rows
+    w = torch.randn(512, 1024, generator=torch.Generator().manual_seed(7)).bfloat16() * 0.02
+    (qc, sc), (qg, sg) = quantize_fp8_rows(w), quantize_fp8_rows(w.cuda())
+    assert torch.equal(sc, sg.cpu())
+    differ = (qc.view(torch.uint8) != qg.cpu().view(torch.uint8))
+    assert differ.sum() == 0, (differ.sum().item(), qc[differ][:5].float().tolist(), qg.cpu()[differ][:5].float().tolist(),
+                               (w.float() / sc[:, None])[differ][:5].tolist())
 
 
 def test_quantize_int8_rows_round_trips_within_half_a_step():

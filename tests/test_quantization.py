@@ -110,8 +110,9 @@ def test_fp8_kv_cache_generates_like_the_full_precision_cache_with_preemption(ch
     assert sum(a[:8] == b[:8] for a, b in zip(roomy, full)) >= 2  # close to bf16, not bit-identical
 
 
-def compressed_tensors_checkpoint(src: str, dst: Path, strategy: str) -> Path:
-    """Re-save a checkpoint the way FP8 quantization tools publish one (compressed-tensors layout)."""
+def compressed_tensors_checkpoint(src: str, dst: Path, strategy: str, device: str = "cpu") -> Path:
+    """Re-save a checkpoint the way FP8 quantization tools publish one (compressed-tensors layout),
+    quantizing on `device`."""
     dst.mkdir()
     for f in Path(src).iterdir():
         if f.suffix != ".safetensors":
@@ -121,8 +122,8 @@ def compressed_tensors_checkpoint(src: str, dst: Path, strategy: str) -> Path:
         for name, t in load_file(f).items():
             if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
                 if strategy == "channel":
-                    q, scale = quantize_fp8_rows(t)
-                    tensors[name], tensors[name + "_scale"] = q, scale[:, None]
+                    q, scale = quantize_fp8_rows(t.to(device))
+                    tensors[name], tensors[name + "_scale"] = q.cpu(), scale[:, None].cpu()
                 else:
                     scale = t.abs().max().float() / 448.0
                     tensors[name], tensors[name + "_scale"] = (t.float() / scale).to(FP8), scale.reshape(1)

@@ -1,0 +1,65 @@
+"""Decode attention with a bf16 vs an FP8 KV cache (GPU): time per call and KV bytes read per second.
+
+    python scripts/attention_bench.py [--json out.json]
+
+W-small's attention shape (16 query heads, 8 KV heads, head_dim 128, blocks of 16), a decode step
+of `batch` requests with `context` cached tokens each, blocks scattered over the pool.
+"""
+
+import argparse
+import itertools
+import json
+
+import torch
+import triton
+
+from llmserve.kernels.paged_attention import paged_attention
+from llmserve.kernels.reference import quantize_kv_reference
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--sweep", action="store_true", help="also time every (BLOCK_N, warps, stages)")
+    args = ap.parse_args()
+    rows = []
+    heads, kv_heads, dim, bs = 16, 8, 128, 16
+    for batch, context in [(256, 512), (256, 1024), (64, 2048), (8, 4096)]:
+        blocks = batch * context // bs
+        perm = torch.randperm(blocks, device="cuda", dtype=torch.int32)
+        tables = perm.view(batch, context // bs)
+        k = torch.randn(blocks, bs, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        (kq, ks), (vq, vs) = quantize_kv_reference(k), quantize_kv_reference(v)
+        q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+        qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+        lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+        bf16 = triton.testing.do_bench(lambda: paged_attention(q, k, v, tables, qsl, lens, 0.088, 1))
+        fp8 = triton.testing.do_bench(lambda: paged_attention(q, kq, vq, tables, qsl, lens, 0.088, 1,
+                                                              k_scale=ks, v_scale=vs))
+        sweep = {}
+        if args.sweep:
+            for tiles in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+                for name, kv in (("bf16", (k, v, None, None)), ("fp8", (kq, vq, ks, vs))):
+                    try:
+                        sweep[f"{name} {tiles}"] = triton.testing.do_bench(lambda: paged_attention(
+                            q, kv[0], kv[1], tables, qsl, lens, 0.088, 1, k_scale=kv[2], v_scale=kv[3], tiles=tiles))
+                    except Exception:  # out of resources
+                        pass
+        kv_bytes = 2 * batch * context * kv_heads * dim
+        row = {"batch": batch, "context": context, "bf16_ms": bf16, "fp8_ms": fp8, "fp8_speedup": bf16 / fp8,
+               "bf16_gb_s": 2 * kv_bytes / bf16 / 1e6, "fp8_gb_s": (kv_bytes + 2 * batch * context * kv_heads * 4) / fp8 / 1e6}
+        for name in ("bf16", "fp8"):
+            mine = {t: ms for t, ms in sweep.items() if t.startswith(name)}
+            if mine:
+                row[f"{name}_best"] = min(mine, key=mine.get)
+                row[f"{name}_best_ms"] = min(mine.values())
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
