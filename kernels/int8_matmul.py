@@ -10,6 +10,14 @@ converts the weights to x's dtype (exact: |w| <= 127), and accumulates on the te
 float32. The per-channel scale is applied once to the finished tile, not per K step.
 Small M (decode) wants narrow N tiles so that enough programs stream the weight matrix; large M
 (prefill) wants square tiles that reuse each weight tile across many rows.
+
+Split-K (small M, matrices with few N tiles): grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K).
+Program k walks only its 1/SPLIT_K of K, so a 4096-row matrix keeps SPLIT_K times more programs
+streaming. Each stores its float32 partial tile in a workspace slice [k, M, N], then bumps the
+tile's counter; the program that arrives last sums the SPLIT_K partials, applies scale and bias,
+writes the output and resets the counter to 0 for the next call. One launch, no memset, and
+graph-safe: the workspace and counters are allocated once per device and only ever grow before
+CUDA-graph capture (the warm-up runs every layer first).
 """
 
 from __future__ import annotations
@@ -38,50 +46,100 @@ def int8_matmul_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
 
 @triton.jit
 def _int8_matmul_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K,
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    k_per = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per
+    k_hi = tl.minimum(k_lo + k_per, K)
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
+    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = rk + k0 < K
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = rk + k0 < k_hi
         a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0)
         acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    tile_mask = m_ok[:, None] & n_ok[None, :]
+    out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    if SPLIT_K == 1:
+        _epilogue(acc, scale_ptr, bias_ptr, out_ptrs, rn, n_ok, tile_mask, HAS_BIAS)
+    else:
+        tile_off = rm[:, None] * N + rn[None, :]
+        tl.store(ws_ptr + pid_k * M * N + tile_off, acc, mask=tile_mask)
+        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:  # the last partial is in
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k in tl.static_range(SPLIT_K):
+                total += tl.load(ws_ptr + k * M * N + tile_off, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            _epilogue(total, scale_ptr, bias_ptr, out_ptrs, rn, n_ok, tile_mask, HAS_BIAS)
+            tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _epilogue(acc, scale_ptr, bias_ptr, out_ptrs, rn, n_ok, tile_mask, HAS_BIAS: tl.constexpr):
     acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=tile_mask)
+
+
+_SPLIT_M_MAX = 16  # split-K only for batches up to this; the workspace is sized for it
+_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, numel: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 partials and int32 per-tile counters (zero between calls), grown on demand."""
+    ws, counts = _workspaces.get(device, (None, None))
+    if ws is None or ws.numel() < numel or counts.numel() < tiles:
+        ws = torch.empty(max(numel, 0 if ws is None else ws.numel()), dtype=torch.float32, device=device)
+        counts = torch.zeros(max(tiles, 0 if counts is None else counts.numel()), dtype=torch.int32, device=device)
+        _workspaces[device] = ws, counts
+    return ws, counts
+
+
+def _split_k(M: int, N: int, K: int, block_n: int, block_k: int) -> int:
+    """Enough programs to cover every SM a few times over when N alone gives too few tiles."""
+    if M > _SPLIT_M_MAX:
+        return 1
+    tiles = triton.cdiv(N, block_n)
+    split = 1
+    while tiles * split < SPLIT_TARGET_PROGRAMS and K // (2 * split) >= 2 * block_k and split < 8:
+        split *= 2
+    return split
+
+
+SPLIT_TARGET_PROGRAMS = 384  # chosen on an H200 with scripts/int8_sweep.py (BENCHMARKS.md)
 
 
 def _config(M: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by batch size (chosen on an H100; see BENCHMARKS.md)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by batch size (swept on an H200; BENCHMARKS.md)."""
     if M <= 16:
         return 16, 32, 256, 4, 4
     if M <= 64:
-        return triton.next_power_of_2(M), 64, 128, 4, 4
+        return triton.next_power_of_2(M), 32, 128, 4, 4
     if M <= 256:
         return 64, 128, 64, 4, 4
     return 128, 128, 64, 8, 3
 
 
 def int8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                config: tuple[int, int, int, int, int] | None = None, split_k: int | None = None) -> torch.Tensor:
     """Same contract as int8_matmul_reference (x may have leading dims; the last one is K);
-    `config` overrides the tile choice (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    `config` overrides the tile choice (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) and
+    `split_k` the number of K slices."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(1) != 1:
@@ -91,11 +149,17 @@ def int8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: tor
     if M == 0:
         return out.reshape(*lead, N)
     bm, bn, bk, warps, stages = config or _config(M)
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
+    split = split_k or _split_k(M, N, K, bn, bk)
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
+    if split > 1:
+        # sized for the largest split batch, so CUDA-graph replays of smaller ones never regrow it
+        ws, counts = _workspace(x.device, 8 * max(M, _SPLIT_M_MAX) * N, grid[0] * grid[1])
+    else:
+        ws, counts = out, out  # unused
     _int8_matmul_kernel[grid](
-        x2, w, scale, bias if bias is not None else scale, out, M, N, K,
+        x2, w, scale, bias if bias is not None else scale, out, ws, counts, M, N, K,
         x2.stride(0), w.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages,
     )

@@ -215,8 +215,11 @@ def test_int8_matmul_matches_reference(M, dtype):
     w, scale, x, bias = w.to(DEVICE), scale.to(DEVICE), x.to(DEVICE), bias.to(DEVICE)
     ref = int8_matmul_reference(x, w, scale, bias)
     # small tiles so the interpreter also walks several K steps and N tiles with masked edges
-    for config in [(16, 32, 64, 4, 1), None]:
-        out = int8_matmul(x, w, scale, bias, config=config)
+    for config, split_k in [((16, 32, 64, 4, 1), None), (None, None), ((16, 32, 32, 4, 1), 3)]:
+        if split_k and M > 16:
+            continue
+        out = int8_matmul(x, w, scale, bias, config=config, split_k=split_k)  # split-K twice: counters reset
+        out = int8_matmul(x, w, scale, bias, config=config, split_k=split_k)
         assert out.dtype == dtype and out.shape == (M, 48)
         assert torch.allclose(out.float(), ref.float(), rtol=1e-3 if dtype == torch.float16 else 1e-5, atol=1e-2)
 
