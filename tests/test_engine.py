@@ -273,3 +273,25 @@ def test_engine_logs_an_interval_line(checkpoint, capsys):
     assert lines, "no engine statistics line"
     for key in ("running=", "waiting=", "kv_usage=", "prefix_hit_rate=", "prompt_tok_s=", "gen_tok_s="):
         assert key in lines[-1]
+
+
+@pytest.mark.parametrize("stage", ["_launch", "_finish"])
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(checkpoint, monkeypatch, stage):
+    from llmserve import LLM, SamplingParams
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
+    with LLM(checkpoint("llama"), device="cpu", log_interval_s=0) as llm:
+        runner = llm.engine.runner
+        original, calls = getattr(runner, stage), []
+
+        def flaky(*args):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("device fell over")
+            return original(*args)
+
+        monkeypatch.setattr(runner, stage, flaky)
+        with pytest.raises(RuntimeError, match="engine step failed: RuntimeError\\('device fell over'\\)"):
+            llm.generate(["the quick brown"], params, use_tqdm=False)
+        again = llm.generate(["the quick brown"], params, use_tqdm=False)[0].outputs[0]
+        assert again.finish_reason == "length" and len(again.token_ids) == 8
+        assert llm.engine.kv.num_free_blocks() == llm.engine.kv.pool.num_blocks

@@ -1,16 +1,18 @@
 """Executor actor: runs each StepPlan on the model runner in a worker thread, so the event loop
-keeps serving while the device works, and sends the StepResult to the scheduler."""
+keeps serving while the device works, and sends the StepResults to the scheduler.
+
+The runner keeps one step in flight (model/runner.py): each call launches the next step on the
+device before it waits for the previous one's tokens. When no plan is queued, the actor finishes
+the step in flight instead of holding its results back.
+"""
 
 from __future__ import annotations
 
 import anyio
-import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from llmserve.messages import StepResult
+from llmserve.messages import StepPlan
 from llmserve.model.runner import ModelRunner
-
-log = structlog.get_logger("llmserve.executor")
 
 
 class ExecutorActor:
@@ -22,16 +24,30 @@ class ExecutorActor:
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         async with self.inbox:
-            async for plan in self.inbox:
-                try:
-                    result = await anyio.to_thread.run_sync(self.runner.execute, plan, limiter=self._thread)
-                except Exception as exc:  # a failed step fails its requests, not the engine
-                    log.exception("step failed", step=plan.step_id, num_reqs=len(plan.req_ids))
-                    result = StepResult(plan.step_id, list(plan.req_ids), [], error=exc)
+            while True:
+                plan = await self._next_plan()
+                if plan is None and self.runner.in_flight is None:
+                    return  # inbox closed, nothing left to finish
+                # A failed step comes back as an error result for its requests (the runner logs it).
+                if plan is None:
+                    results = await anyio.to_thread.run_sync(self.runner.flush, limiter=self._thread)
+                else:
+                    results = await anyio.to_thread.run_sync(self.runner.step, plan, limiter=self._thread)
                 # The scheduler's inbox is unbounded: this never blocks and, unlike `await send`,
                 # never yields, so the next plan (already queued under async scheduling) starts
-                # on the device before the scheduler digests this result.
-                try:
-                    self.to_scheduler.send_nowait(result)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    return  # the engine is shutting down: nobody is left to read the result
+                # on the device before the scheduler digests these results.
+                for result in results:
+                    try:
+                        self.to_scheduler.send_nowait(result)
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        return  # the engine is shutting down: nobody is left to read the result
+
+    async def _next_plan(self) -> StepPlan | None:
+        """The next queued plan; with a step in flight, None at once if nothing is queued (finish it
+        first), otherwise wait for one. None as well once the inbox is closed."""
+        try:
+            if self.runner.in_flight is not None:
+                return self.inbox.receive_nowait()
+            return await self.inbox.receive()
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            return None

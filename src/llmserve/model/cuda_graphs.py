@@ -74,8 +74,9 @@ class DecodeGraphs:
         return num_reqs <= self.max_batch
 
     def run(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-            block_tables: np.ndarray) -> torch.Tensor:
-        """Replay for B decoding requests; returns hidden states [B, hidden] (a view of the graph's output)."""
+            block_tables: np.ndarray, from_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Replay for B decoding requests; returns hidden states [B, hidden] (a view of the graph's output).
+        from_device: (rows, token ids) already on the device that overwrite those rows of token_ids."""
         B = len(token_ids)
         b = next(s for s in self.sizes if s >= B)
         host = self._host64.numpy()
@@ -87,6 +88,8 @@ class DecodeGraphs:
         width = block_tables.shape[1]
         self._host_tables.numpy()[:B, :width] = block_tables
         self.input_ids[:b].copy_(self._host64[0, :b], non_blocking=True)
+        if from_device is not None:
+            self.input_ids[from_device[0]] = from_device[1]
         self.positions[:b].copy_(self._host64[1, :b], non_blocking=True)
         self.slot_mapping[:b].copy_(self._host64[2, :b], non_blocking=True)
         self.seq_lens[:b].copy_(self._host32[:b], non_blocking=True)

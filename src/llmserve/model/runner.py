@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import structlog
@@ -79,6 +79,21 @@ class SeqState:
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]
+    in_flight: int = 0  # tokens sampled by a launched step, not yet appended to output_ids
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A launched step: its result so far and, if it samples, the device tokens on their way to
+    pinned host memory (`ready` is recorded after that copy)."""
+    result: StepResult
+    req_ids: list[str]  # every request of the plan (failed together if finishing fails)
+    states: list[SeqState] = field(default_factory=list)
+    tokens: torch.Tensor | None = None  # int64 [num sampled], on the device
+    rows: dict[str, int] = field(default_factory=dict)  # req_id -> row of `tokens`
+    tokens_host: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+    logprob_parts: tuple[torch.Tensor, ...] | None = None
 
 
 class ModelRunner:
@@ -97,6 +112,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.timing = StepTiming()
         self.placeholders_filled = 0
+        self.in_flight: InFlight | None = None
 
     # ---- KV cache ------------------------------------------------------------------------------
 
@@ -221,62 +237,150 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.device, max_batch, max_blocks)
         self.graphs.capture()
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    # Steps are launched, then finished. launch() queues the forward pass and the sampler on the
+    # device and starts a non-blocking copy of the sampled tokens to pinned memory; finish() waits
+    # for that copy alone and builds the StepResult. step(N + 1) launches N + 1 *before* finishing
+    # N, so the device does not wait for the host between two steps:
+    #
+    #     host:    launch N+1 | finish N (wait) | launch N+2 | finish N+1 (wait) | ...
+    #     device:  ... N ........| N+1 .........................| N+2 ...
+    #
+    # N+1's inputs that are N's sampled tokens (PLACEHOLDER) are copied device to device from N's
+    # token tensor. A request whose sampling needs N's token on the host (penalties, min_tokens)
+    # makes step() finish N first.
+
+    def step(self, plan: StepPlan) -> list[StepResult]:
+        """Launch `plan`; return the results finished meanwhile (the step before it), in order."""
         with self.timing.step(len(plan.req_ids), plan.num_tokens):
-            return self._execute(plan)
+            done: list[StepResult] = []
+            previous, self.in_flight = self.in_flight, None
+            if previous is not None and self._needs_host_tokens(plan, previous):
+                done.append(self._finish_or_fail(previous))
+                previous = None
+            failed = None
+            try:
+                self.in_flight = self._launch(plan, previous)
+            except Exception as exc:  # a failed step fails its requests, not the engine
+                log.exception("step failed", step=plan.step_id, num_reqs=len(plan.req_ids))
+                failed = StepResult(plan.step_id, list(plan.req_ids), [], error=exc)
+            if previous is not None:
+                done.append(self._finish_or_fail(previous))
+            if failed is not None:
+                done.append(failed)
+            return done
+
+    def flush(self) -> list[StepResult]:
+        """Finish the step in flight, if any."""
+        previous, self.in_flight = self.in_flight, None
+        return [] if previous is None else [self._finish_or_fail(previous)]
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Launch and finish one step with nothing else in flight; its result."""
+        return (self.flush() + self.step(plan) + self.flush())[-1]
+
+    def _needs_host_tokens(self, plan: StepPlan, previous: InFlight) -> bool:
+        for req_id in plan.req_ids:
+            state = self.seqs.get(req_id)
+            if state is not None and req_id in previous.rows:
+                p = state.params
+                if p.min_tokens > 0 or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                    return True
+        return False
 
     @torch.inference_mode()
-    def _execute(self, plan: StepPlan) -> StepResult:
+    def _launch(self, plan: StepPlan, previous: InFlight | None) -> InFlight:
         for req_id in plan.freed:
             self.seqs.pop(req_id, None)
         for req_id, new in plan.new_sequences.items():
             self.seqs[req_id] = SeqState(new.params, new.prompt_token_ids, list(new.output_token_ids))
+        result = StepResult(plan.step_id, [], [])
         if not plan.req_ids:
-            return StepResult(plan.step_id, [], [])
+            return InFlight(result, [])
         qsl = np.zeros(len(plan.req_ids) + 1, dtype=np.int32)
         np.cumsum(plan.query_lens, out=qsl[1:])
-        self._fill_placeholders(plan, qsl)
+        from_device = self._fill_placeholders(plan, qsl, previous)
         if self.graphs is not None and plan.num_tokens == len(plan.req_ids) and self.graphs.fits(plan.num_tokens):
             positions, slots = self._positions_and_slots(plan.query_lens, plan.context_lens, plan.block_tables, qsl)
-            hidden = self.graphs.run(plan.token_ids, positions, slots, plan.context_lens + 1, plan.block_tables)
+            hidden = self.graphs.run(plan.token_ids, positions, slots, plan.context_lens + 1, plan.block_tables,
+                                     from_device)
         else:
             meta, positions = self._metadata(plan.query_lens, plan.context_lens, plan.block_tables, qsl)
             input_ids = torch.from_numpy(plan.token_ids).to(self.device, non_blocking=True)
+            if from_device is not None:
+                input_ids[from_device[0]] = from_device[1]
             hidden = self.model(input_ids, positions, meta)
 
         rows = np.flatnonzero(plan.sample)
-        sample_ids = [plan.req_ids[i] for i in rows]
-        result = StepResult(plan.step_id, sample_ids, [])
+        result.req_ids = [plan.req_ids[i] for i in rows]
         self._prompt_logprobs(plan, qsl, hidden, result)
-        if not sample_ids:
-            return result
+        if not result.req_ids:
+            return InFlight(result, list(plan.req_ids))
         last = torch.from_numpy(qsl[1:][rows] - 1).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[last])
-        states = [self.seqs[r] for r in sample_ids]
+        states = [self.seqs[r] for r in result.req_ids]
         batch = self._sampling_batch(states, logits.shape[-1])
         tokens = sample(logits, batch, self.backend.gumbel_argmax)
-        lp_parts = None
+        flight = InFlight(result, list(plan.req_ids), states, tokens, {r: i for i, r in enumerate(result.req_ids)})
         if batch.max_logprobs >= 0:
-            lp_parts = gather_logprobs(torch.log_softmax(logits, -1), tokens, batch.max_logprobs)
-        result.token_ids = tokens.tolist()
-        if lp_parts is not None:
-            want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-            parts = tuple(p[want] for p in lp_parts)
+            flight.logprob_parts = gather_logprobs(torch.log_softmax(logits, -1), tokens, batch.max_logprobs)
+        if tokens.is_cuda:
+            flight.tokens_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            flight.tokens_host.copy_(tokens, non_blocking=True)
+            flight.ready = torch.cuda.Event()
+            flight.ready.record()
+        else:
+            flight.tokens_host = tokens
+        for state in states:
+            state.in_flight += 1
+        return flight
+
+    def _finish_or_fail(self, flight: InFlight) -> StepResult:
+        try:
+            return self._finish(flight)
+        except Exception as exc:
+            log.exception("step failed", step=flight.result.step_id, num_reqs=len(flight.req_ids))
+            return StepResult(flight.result.step_id, flight.req_ids, [], error=exc)
+
+    def _finish(self, flight: InFlight) -> StepResult:
+        result = flight.result
+        if flight.tokens is None:
+            return result
+        if flight.ready is not None:
+            flight.ready.synchronize()
+        result.token_ids = flight.tokens_host.tolist()
+        if flight.logprob_parts is not None:
+            want = [i for i, s in enumerate(flight.states) if s.params.logprobs is not None]
+            parts = tuple(p[want] for p in flight.logprob_parts)
             for i, lp in zip(want, to_token_logprobs([result.token_ids[i] for i in want], parts,
-                                                     [states[i].params.logprobs for i in want])):
-                result.logprobs[sample_ids[i]] = lp
-        for state, token in zip(states, result.token_ids):
-            state.output_ids.append(token)
+                                                     [flight.states[i].params.logprobs for i in want])):
+                result.logprobs[result.req_ids[i]] = lp
+        for state, token in zip(flight.states, result.token_ids):
+            state.output_ids.append(token)  # harmless for a request freed meanwhile: its state is gone
+            state.in_flight -= 1
         return result
 
-    def _fill_placeholders(self, plan: StepPlan, qsl: np.ndarray) -> None:
-        """A PLACEHOLDER input is the token its request sampled in the previous step (planned
-        before that step had finished); this runner sampled it, so it is the request's last output."""
+    def _fill_placeholders(self, plan: StepPlan, qsl: np.ndarray,
+                           previous: InFlight | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A PLACEHOLDER input is the token its request sampled in the step before (planned before
+        that step had finished). Tokens already on the host go into plan.token_ids; those of the
+        step still in flight come back as (positions, device tokens) to copy on the device."""
         holes = np.flatnonzero(plan.token_ids < 0)
-        if holes.size:
-            owners = np.searchsorted(qsl[1:], holes, side="right")
-            plan.token_ids[holes] = [self.seqs[plan.req_ids[r]].output_ids[-1] for r in owners]
-            self.placeholders_filled += holes.size
+        if not holes.size:
+            return None
+        self.placeholders_filled += holes.size
+        owners = [plan.req_ids[r] for r in np.searchsorted(qsl[1:], holes, side="right")]
+        dst, src = [], []
+        for hole, req_id in zip(holes.tolist(), owners):
+            if previous is not None and req_id in previous.rows:
+                dst.append(hole)
+                src.append(previous.rows[req_id])
+                plan.token_ids[hole] = 0  # overwritten on the device
+            else:
+                plan.token_ids[hole] = self.seqs[req_id].output_ids[-1]
+        if not dst:
+            return None
+        to_dev = lambda xs: torch.from_numpy(np.array(xs, dtype=np.int64)).to(self.device, non_blocking=True)  # noqa: E731
+        return to_dev(dst), previous.tokens[to_dev(src)]
 
     def _prompt_logprobs(self, plan: StepPlan, qsl: np.ndarray, hidden: torch.Tensor, result: StepResult) -> None:
         """Logprobs of each prompt token given the ones before it, for the prompt positions this step computed."""
@@ -297,14 +401,15 @@ class ModelRunner:
     def _sampling_batch(self, states: list[SeqState], vocab: int) -> SamplingBatch:
         dev = self.device
         params = [s.params for s in states]
-        t = lambda xs, dtype: torch.tensor(xs, dtype=dtype, device=dev)  # noqa: E731
+        # from pageable host memory without blocking: a blocking copy would wait for the forward pass
+        t = lambda xs, dtype: torch.tensor(xs, dtype=dtype).to(dev, non_blocking=True)  # noqa: E731
         batch = SamplingBatch(
             temperature=t([p.temperature for p in params], torch.float32),
             top_k=t([p.top_k or vocab for p in params], torch.int64),
             top_p=t([p.top_p for p in params], torch.float32),
             min_p=t([p.min_p for p in params], torch.float32),
             seeds=t([p.seed for p in params], torch.int64),
-            out_index=t([len(s.output_ids) for s in states], torch.int64),
+            out_index=t([len(s.output_ids) + s.in_flight for s in states], torch.int64),
             all_greedy=all(p.temperature == 0 for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
         )

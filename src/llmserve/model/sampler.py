@@ -66,7 +66,7 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         rows, ids, vals = batch.bias
         logits = logits.index_put((rows, ids), vals, accumulate=True)
     if batch.banned is not None:
-        logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+        logits = logits.index_put(batch.banned, torch.full((), float("-inf"), device=logits.device))
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
     return logits
