@@ -295,3 +295,26 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(checkpoi
         again = llm.generate(["the quick brown"], params, use_tqdm=False)[0].outputs[0]
         assert again.finish_reason == "length" and len(again.token_ids) == 8
         assert llm.engine.kv.num_free_blocks() == llm.engine.kv.pool.num_blocks
+
+
+def test_the_runner_launches_the_next_step_before_finishing_the_last(checkpoint):
+    """With async scheduling a step is launched while the one before it is still in flight; the
+    tokens are those of the strictly sequential engine."""
+    from llmserve import LLM, SamplingParams
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=3)
+    prompts = ["the quick brown", "a b c d", "once upon"]
+    with LLM(checkpoint("qwen3"), device="cpu", log_interval_s=0, async_scheduling=False) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(checkpoint("qwen3"), device="cpu", log_interval_s=0) as llm:
+        runner, overlapped = llm.engine.runner, []
+        step = runner.step
+
+        def recording(plan):
+            results = step(plan)
+            overlapped.extend(r.step_id < plan.step_id for r in results)
+            return results
+
+        runner.step = recording
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert sum(overlapped) >= 3  # decode steps finished only after their successor launched

@@ -283,7 +283,8 @@ class ModelRunner:
             state = self.seqs.get(req_id)
             if state is not None and req_id in previous.rows:
                 p = state.params
-                if p.min_tokens > 0 or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                if len(state.output_ids) < p.min_tokens or p.repetition_penalty != 1.0 or p.presence_penalty \
+                        or p.frequency_penalty:
                     return True
         return False
 
