@@ -138,6 +138,12 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
+class FinishInFlight:
+    """Scheduler -> KV manager -> executor: no plan follows until results arrive, so finish the step
+    in flight now instead of waiting for the next plan to launch first."""
+
+
+@dataclass(slots=True)
 class StepResult:
     step_id: int
     req_ids: list[str]

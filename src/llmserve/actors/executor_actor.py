@@ -2,8 +2,9 @@
 keeps serving while the device works, and sends the StepResults to the scheduler.
 
 The runner keeps one step in flight (model/runner.py): each call launches the next step on the
-device before it waits for the previous one's tokens. When no plan is queued, the actor finishes
-the step in flight instead of holding its results back.
+device before it waits for the previous one's tokens. So after a launch the actor waits for the
+next message: a plan (launch it, finish the one before) or FinishInFlight, the scheduler's word
+that no plan comes before a result (finish the step in flight).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from llmserve.messages import StepPlan
+from llmserve.messages import FinishInFlight
 from llmserve.model.runner import ModelRunner
 
 
@@ -25,9 +26,14 @@ class ExecutorActor:
         task_status.started()
         async with self.inbox:
             while True:
-                plan = await self._next_plan()
+                try:
+                    plan = await self.inbox.receive()
+                except anyio.EndOfStream:
+                    plan = None
                 if plan is None and self.runner.in_flight is None:
                     return  # inbox closed, nothing left to finish
+                if isinstance(plan, FinishInFlight):
+                    plan = None
                 # A failed step comes back as an error result for its requests (the runner logs it).
                 if plan is None:
                     results = await anyio.to_thread.run_sync(self.runner.flush, limiter=self._thread)
@@ -41,13 +47,3 @@ class ExecutorActor:
                         self.to_scheduler.send_nowait(result)
                     except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                         return  # the engine is shutting down: nobody is left to read the result
-
-    async def _next_plan(self) -> StepPlan | None:
-        """The next queued plan; with a step in flight, None at once if nothing is queued (finish it
-        first), otherwise wait for one. None as well once the inbox is closed."""
-        try:
-            if self.runner.in_flight is not None:
-                return self.inbox.receive_nowait()
-            return await self.inbox.receive()
-        except (anyio.WouldBlock, anyio.EndOfStream):
-            return None

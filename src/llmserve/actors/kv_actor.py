@@ -7,6 +7,7 @@ import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.messages import FinishInFlight
 
 
 class KVActor:
@@ -19,6 +20,9 @@ class KVActor:
         task_status.started()
         async with self.inbox:
             async for proposal in self.inbox:
+                if isinstance(proposal, FinishInFlight):
+                    await self.to_executor.send(proposal)  # in order behind the plans before it
+                    continue
                 plan, feedback = self.manager.process(proposal)
                 # Feedback first: the scheduler must know the step's shape before its result arrives.
                 await self.to_scheduler.send(feedback)

@@ -10,7 +10,7 @@ import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from llmserve.core.scheduler import RequestStatus, Scheduler
-from llmserve.messages import EngineOutputs, FinishRequests, NewRequest, StepFeedback, StepResult
+from llmserve.messages import EngineOutputs, FinishInFlight, FinishRequests, NewRequest, StepFeedback, StepResult
 
 log = structlog.get_logger("llmserve.engine")
 
@@ -52,6 +52,7 @@ class SchedulerActor:
         self.in_flight = 0
         self.awaiting_feedback = False
         self.stalled = False  # the last step scheduled nothing: wait for news before trying again
+        self.finish_sent = False  # told the executor no plan follows until results arrive
         self.outputs: list[EngineOutputs] = []
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
@@ -75,7 +76,14 @@ class SchedulerActor:
                     if proposal.entries or proposal.freed:
                         self.in_flight += 1
                         self.awaiting_feedback = True
+                        self.finish_sent = False
                         await self.to_kv.send(proposal)
+                # The executor launches each plan before it finishes the step before, so with one
+                # step out it waits for the next plan; when none comes before that step's result,
+                # it must hear so. (With two out, launching the second returns the first's result.)
+                if self.in_flight == 1 and not self.awaiting_feedback and not self.finish_sent:
+                    self.finish_sent = True
+                    await self.to_kv.send(FinishInFlight())
                 for outputs in self.outputs:
                     await self.to_requests.send(outputs)
                 self.outputs.clear()
