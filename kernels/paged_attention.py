@@ -21,6 +21,15 @@ for half-precision queries (one hardware conversion per pair of values; e4m3 fit
 and fp16 probabilities keep more mantissa than bf16), float32 otherwise. The per-token scales are
 applied to the [BLOCK_M, BLOCK_N] tiles, not to K and V: scores are multiplied by each key's
 k_scale after the dot, and probabilities by each key's v_scale before it.
+
+Split-KV (decode steps with too few sequences to fill the GPU): grid (num_seqs, NUM_SPLITS,
+num_kv_heads). Program (seq, s, h) walks only the s-th of NUM_SPLITS equal, BLOCK_N-aligned slices
+of the sequence's keys and writes its unnormalised accumulator with its running max m and sum l;
+a second kernel, one program per (token, head), merges the slices with their log-sum-exp weights:
+
+    M = max_s m_s,   out = sum_s exp(m_s - M) * acc_s / sum_s exp(m_s - M) * l_s
+
+The number of splits depends only on the batch size, so a CUDA graph captures it.
 """
 
 from __future__ import annotations
@@ -33,15 +42,20 @@ import triton.language as tl
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    k_scale_ptr, v_scale_ptr, scale,
+    k_scale_ptr, v_scale_ptr, part_ptr, ml_ptr, scale, num_heads, ml_half,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt, stride_sb, stride_st,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, FP8: tl.constexpr, DOT_TY: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr, DOT_TY: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    q_tile = tl.program_id(1)
+    if NUM_SPLITS > 1:  # decode: axis 1 numbers the key slices
+        split = tl.program_id(1)
+        q_tile = 0
+    else:
+        split = 0
+        q_tile = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -66,7 +80,12 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_Q * GROUP_P], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P, HEAD_P], dtype=tl.float32)
     kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
-    for start in range(0, kv_end, BLOCK_N):
+    kv_lo = 0
+    if NUM_SPLITS > 1:
+        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = split * chunk
+        kv_end = tl.minimum(kv_lo + chunk, kv_end)
+    for start in range(kv_lo, kv_end, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < kv_end
         blk = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
@@ -92,15 +111,54 @@ def _paged_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    acc = acc / l_i[:, None]
-    tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if NUM_SPLITS > 1:  # partials [T, Hq, S, D] and (m, l) [2, T, Hq, S], float32
+        slot = ((q_start + tok) * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_ptr + slot[:, None] * HEAD_D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(ml_ptr + slot, m_i, mask=row_ok)
+        tl.store(ml_ptr + ml_half + slot, l_i, mask=row_ok)
+    else:
+        acc = acc / l_i[:, None]
+        tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, part_ptr, ml_ptr, num_heads, ml_half, stride_ot, stride_oh,
+                         NUM_SPLITS: tl.constexpr, HEAD_D: tl.constexpr, HEAD_P: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = (t * num_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m = tl.load(ml_ptr + slot)
+    l = tl.load(ml_ptr + ml_half + slot)
+    d = tl.arange(0, HEAD_P)
+    acc = tl.load(part_ptr + slot[:, None] * HEAD_D + d[None, :], mask=d[None, :] < HEAD_D, other=0.0)
+    w = tl.exp(m - tl.max(m, 0))  # slices without keys have m = -inf: weight 0
+    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_D)
 
 
 # (BLOCK_N, num_warps, num_stages), chosen on an H200 with scripts/attention_bench.py (BENCHMARKS.md).
 # Decode steps stream the cache: wider key tiles keep more bytes in flight, most of all when few
 # sequences leave SMs idle. Prefill keeps 32-key tiles against its 64-row query tiles.
 PREFILL_TILES = (32, 4, 3)
+
+
+MAX_SPLITS = 16
+_sm_count: dict[int, int] = {}
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Key slices per sequence for a decode step: enough programs for two per SM, when the batch
+    alone gives fewer."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_count:
+        _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    programs = num_seqs * num_kv_heads
+    if programs >= _sm_count[index]:
+        return 1
+    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * _sm_count[index], programs)))
 
 
 def decode_tiles(num_seqs: int, fp8: bool) -> tuple[int, int, int]:
@@ -112,9 +170,11 @@ def decode_tiles(num_seqs: int, fp8: bool) -> tuple[int, int, int]:
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
                     out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None,
+                    num_splits: int | None = None) -> torch.Tensor:
     """Same contract as reference.paged_attention_reference; `max_query_len` sizes the grid.
-    `tiles` overrides (BLOCK_N, num_warps, num_stages)."""
+    `tiles` overrides (BLOCK_N, num_warps, num_stages); `num_splits` the decode key slices (a power
+    of two; decode steps only)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and query.stride(2) == 1
@@ -131,16 +191,29 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     assert not fp8 or (k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1)
     scales = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)  # unused pointers without FP8
     block_n, warps, stages = tiles or (decode_tiles(num_seqs, fp8) if max_query_len == 1 else PREFILL_TILES)
-    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    splits = 1 if max_query_len != 1 else (num_splits or decode_splits(num_seqs, num_kv_heads, query.device))
+    if splits > 1:
+        part = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
+        ml = torch.empty(2, num_tokens, num_heads, splits, dtype=torch.float32, device=query.device)
+        grid = (num_seqs, splits, num_kv_heads)
+    else:
+        part = ml = out  # unused
+        grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    ml_half = num_tokens * num_heads * splits
     _paged_attention_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, *scales, scale,
+        out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, *scales, part, ml, scale,
+        num_heads, ml_half,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_P=group_p, HEAD_D=head_dim,
         HEAD_P=max(triton.next_power_of_2(head_dim), 16), BLOCK_Q=block_q, BLOCK_N=block_n,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32", FP8=fp8,
-        DOT_TY=tl.float32 if query.dtype == torch.float32 else tl.float16,
+        DOT_TY=tl.float32 if query.dtype == torch.float32 else tl.float16, NUM_SPLITS=splits,
         num_warps=warps, num_stages=stages,
     )
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, part, ml, num_heads, ml_half, out.stride(0), out.stride(1),
+            NUM_SPLITS=splits, HEAD_D=head_dim, HEAD_P=max(triton.next_power_of_2(head_dim), 16))
     return out

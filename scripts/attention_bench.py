@@ -3,7 +3,8 @@
     python scripts/attention_bench.py [--json out.json]
 
 W-small's attention shape (16 query heads, 8 KV heads, head_dim 128, blocks of 16), a decode step
-of `batch` requests with `context` cached tokens each, blocks scattered over the pool.
+of `batch` requests with `context` cached tokens each, blocks scattered over the pool; each shape
+also without split-KV (one pass per sequence).
 """
 
 import argparse
@@ -24,7 +25,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     heads, kv_heads, dim, bs = 16, 8, 128, 16
-    for batch, context in [(256, 512), (256, 1024), (64, 2048), (8, 4096)]:
+    for batch, context in [(256, 512), (256, 1024), (64, 2048), (8, 4096), (2, 2048), (1, 8192)]:
         blocks = batch * context // bs
         perm = torch.randperm(blocks, device="cuda", dtype=torch.int32)
         tables = perm.view(batch, context // bs)
@@ -37,6 +38,10 @@ def main() -> None:
         bf16 = triton.testing.do_bench(lambda: paged_attention(q, k, v, tables, qsl, lens, 0.088, 1))
         fp8 = triton.testing.do_bench(lambda: paged_attention(q, kq, vq, tables, qsl, lens, 0.088, 1,
                                                               k_scale=ks, v_scale=vs))
+        # split-KV (on by default for small batches) against one pass over each sequence
+        no_split = triton.testing.do_bench(lambda: paged_attention(q, k, v, tables, qsl, lens, 0.088, 1, num_splits=1))
+        no_split_fp8 = triton.testing.do_bench(lambda: paged_attention(q, kq, vq, tables, qsl, lens, 0.088, 1,
+                                                                       k_scale=ks, v_scale=vs, num_splits=1))
         sweep = {}
         if args.sweep:
             for tiles in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
@@ -48,6 +53,7 @@ def main() -> None:
                         pass
         kv_bytes = 2 * batch * context * kv_heads * dim
         row = {"batch": batch, "context": context, "bf16_ms": bf16, "fp8_ms": fp8, "fp8_speedup": bf16 / fp8,
+               "bf16_one_pass_ms": no_split, "fp8_one_pass_ms": no_split_fp8,
                "bf16_gb_s": 2 * kv_bytes / bf16 / 1e6, "fp8_gb_s": (kv_bytes + 2 * batch * context * kv_heads * 4) / fp8 / 1e6}
         for name in ("bf16", "fp8"):
             mine = {t: ms for t, ms in sweep.items() if t.startswith(name)}
