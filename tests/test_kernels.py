@@ -284,5 +284,5 @@ def test_split_kv_decode_matches_reference(splits, fp8):
     else:
         ref = paged_attention_reference(q, kc, vc, tables, qsl, seq_lens, 0.3)
     out = paged_attention(q, kc, vc, tables, qsl, seq_lens, 0.3, 1, k_scale=k_scale, v_scale=v_scale,
-                          tiles=(8, 4, 1), num_splits=splits)
+                          tiles=(16, 4, 1), num_splits=splits)
     assert torch.allclose(out, ref, atol=1e-4 if not fp8 else 1e-3)
