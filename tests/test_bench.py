@@ -41,7 +41,7 @@ def test_bench_serve_against_a_running_server(tmp_path, capsys):
 
 
 def test_step_timing_counts_idle_time_before_each_decode_step_only():
-    from llmserve.model.runner import StepTiming
+    from llmserve.model.step_timing import StepTiming
     t = StepTiming()
     # (requests, tokens, start, end): a prefill step, a decode step, a mixed step, a decode step.
     t.records = [(4, 100, 0.0, 1.0), (4, 4, 1.5, 2.0), (4, 50, 2.1, 3.0), (4, 4, 3.2, 3.5)]
