@@ -318,3 +318,24 @@ def test_the_runner_launches_the_next_step_before_finishing_the_last(checkpoint)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     assert sum(overlapped) >= 3  # decode steps finished only after their successor launched
+
+
+def test_penalties_and_min_tokens_see_every_token_with_steps_in_flight(checkpoint):
+    """Penalties and min_tokens read a request's tokens on the host, so the runner finishes the step
+    in flight before launching theirs: outputs equal the strictly sequential engine's."""
+    from llmserve import LLM, SamplingParams
+    # Token 100 is pushed up by a bias: the penalty must see it the step right after it is drawn, and
+    # as a stop token it must be banned for exactly min_tokens tokens.
+    params = [SamplingParams(max_tokens=16, temperature=0, logit_bias={100: 8.0}, repetition_penalty=10.0,
+                             presence_penalty=2.0, frequency_penalty=2.0, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0, logit_bias={100: 20.0}, stop_token_ids=[100], min_tokens=6),
+              SamplingParams(max_tokens=16, temperature=0.7, seed=1, ignore_eos=True)]
+    prompts = ["the quick brown", "a b c d", "once upon"]
+    outs = []
+    for async_scheduling in (False, True):
+        with LLM(checkpoint("llama"), device="cpu", log_interval_s=0, async_scheduling=async_scheduling) as llm:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            runner = llm.engine.runner
+            assert runner.host_sampled <= set(runner.seqs)  # forgotten with their requests' state
+    assert outs[0] == outs[1]
+    assert outs[1][0].count(100) == 1 and len(outs[1][1]) == 7 and outs[1][1][-1] == 100

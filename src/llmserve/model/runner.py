@@ -70,6 +70,7 @@ class ModelRunner:
         self.timing = StepTiming()
         self.placeholders_filled = 0
         self.in_flight: InFlight | None = None
+        self.host_sampled: set[str] = set()  # requests whose sampling reads their tokens on the host
 
     # ---- KV cache ------------------------------------------------------------------------------
 
@@ -146,6 +147,7 @@ class ModelRunner:
         self.model = None
         self.graphs = None
         self.seqs.clear()
+        self.host_sampled.clear()
         if self.device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
@@ -236,12 +238,17 @@ class ModelRunner:
         return (self.flush() + self.step(plan) + self.flush())[-1]
 
     def _needs_host_tokens(self, plan: StepPlan, previous: InFlight) -> bool:
-        for req_id in plan.req_ids:
-            state = self.seqs.get(req_id)
-            if state is not None and req_id in previous.rows:
+        """Whether a request of `plan` samples with its previous token, still in flight, on the host:
+        penalties count output tokens; min_tokens bans stop tokens until it is reached."""
+        if not self.host_sampled:  # the common case: no such request at all
+            return False
+        planned = set(plan.req_ids)
+        for req_id in self.host_sampled:
+            if req_id in planned and req_id in previous.rows:
+                state = self.seqs[req_id]
                 p = state.params
-                if len(state.output_ids) < p.min_tokens or p.repetition_penalty != 1.0 or p.presence_penalty \
-                        or p.frequency_penalty:
+                if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty \
+                        or len(state.output_ids) < p.min_tokens:
                     return True
         return False
 
@@ -249,8 +256,12 @@ class ModelRunner:
     def _launch(self, plan: StepPlan, previous: InFlight | None) -> InFlight:
         for req_id in plan.freed:
             self.seqs.pop(req_id, None)
+            self.host_sampled.discard(req_id)
         for req_id, new in plan.new_sequences.items():
             self.seqs[req_id] = SeqState(new.params, new.prompt_token_ids, list(new.output_token_ids))
+            p = new.params
+            if p.min_tokens > 0 or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                self.host_sampled.add(req_id)
         result = StepResult(plan.step_id, [], [])
         if not plan.req_ids:
             return InFlight(result, [])
