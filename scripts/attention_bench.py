@@ -14,6 +14,7 @@ import json
 import torch
 import triton
 
+from llmserve.bench.report import report
 from llmserve.kernels.paged_attention import paged_attention
 from llmserve.kernels.reference import quantize_kv_reference
 
@@ -62,9 +63,7 @@ def main() -> None:
                 row[f"{name}_best_ms"] = min(mine.values())
         rows.append(row)
         print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    report(rows, args.json, echo=False)  # each row was printed as it came
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import json
 import torch
 import triton
 
+from llmserve.bench.report import report
 from llmserve.kernels.int8_matmul import _config, _split_k, int8_matmul, quantize_int8_rows
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -52,9 +53,7 @@ def main() -> None:
                    "best_weight_gb_s": N * K / best_ms / 1e6, "speedup_vs_bf16": bf16_ms / best_ms}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    report(rows, args.json, echo=False)  # each row was printed as it came
 
 
 if __name__ == "__main__":

@@ -15,13 +15,14 @@ Every variant runs the full prompt as one prefill, so an FP8 KV cache is written
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import tempfile
 import time
 
 import torch
+
+from llmserve.bench.report import report
 
 VARIANTS = {
     "none": {},
@@ -124,11 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [s for s in args.shapes.split(",") if s]
     result = run(shapes, ctx=args.ctx, max_chunks=args.max_chunks, prompts=args.prompts, prompt_len=args.prompt_len,
                  device=args.device, dtype=args.dtype)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
+    report(result, args.json)
 
 
 if __name__ == "__main__":

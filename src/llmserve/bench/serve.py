@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from llmserve.bench.report import report
 from llmserve.bench.workloads import WORKLOADS
 
 
@@ -140,9 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         s = result[name]
         print(f"{name:<22}mean {s['mean']:9.2f}  median {s['median']:9.2f}  p99 {s['p99']:9.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.json, echo=False)
 
 
 if __name__ == "__main__":

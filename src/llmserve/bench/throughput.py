@@ -11,13 +11,13 @@ are measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 
 import numpy as np
 import torch
 
+from llmserve.bench.report import report
 from llmserve.bench.workloads import WORKLOADS, Workload
 from llmserve.model.spec import ModelSpec
 
@@ -192,11 +192,7 @@ def main(argv: list[str] | None = None) -> None:
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  enforce_eager=args.enforce_eager, log_interval_s=10.0, quantization=args.quantization,
                  kv_cache_dtype=args.kv_cache_dtype)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
+    report(result, args.json)
 
 
 if __name__ == "__main__":

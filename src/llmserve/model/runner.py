@@ -31,6 +31,11 @@ from llmserve.sampling_params import SamplingParams
 log = structlog.get_logger("llmserve.runner")
 
 
+def _penalized(p: SamplingParams) -> bool:
+    """Sampling that counts the request's own tokens (repetition, presence, frequency penalties)."""
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
 @dataclass(slots=True)
 class SeqState:
     params: SamplingParams
@@ -246,9 +251,7 @@ class ModelRunner:
         for req_id in self.host_sampled:
             if req_id in planned and req_id in previous.rows:
                 state = self.seqs[req_id]
-                p = state.params
-                if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty \
-                        or len(state.output_ids) < p.min_tokens:
+                if _penalized(state.params) or len(state.output_ids) < state.params.min_tokens:
                     return True
         return False
 
@@ -259,8 +262,7 @@ class ModelRunner:
             self.host_sampled.discard(req_id)
         for req_id, new in plan.new_sequences.items():
             self.seqs[req_id] = SeqState(new.params, new.prompt_token_ids, list(new.output_token_ids))
-            p = new.params
-            if p.min_tokens > 0 or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            if _penalized(new.params) or new.params.min_tokens > 0:
                 self.host_sampled.add(req_id)
         result = StepResult(plan.step_id, [], [])
         if not plan.req_ids:
@@ -385,7 +387,7 @@ class ModelRunner:
         filtered = [i for i, p in enumerate(params) if p.temperature > 0 and (p.top_k or p.top_p < 1.0 or p.min_p > 0)]
         if filtered:
             batch.filtered_rows = t(filtered, torch.int64)
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
+        if any(_penalized(p) for p in params):
             batch.penalties = Penalties(
                 output_counts=self._scatter_rows([s.output_ids for s in states], vocab, torch.float32, True),
                 prompt_mask=self._scatter_rows([s.prompt_ids for s in states], vocab, torch.bool, False),
