@@ -39,17 +39,29 @@ run)
     bench=${2:-w-small}
     if [ "$bench" = w-serve ]; then
         # W-serve: the server on W-small's model shape (dummy weights), driven over HTTP streaming
-        # by a separate client process at rate inf, then at half the throughput that reached.
+        # by a separate client process at rate inf, then at half the throughput that reached; the
+        # offline W-small first (the figure W-serve is a fraction of), and the server with its
+        # engine on the same event loop (server.engine_process = false) at rate inf for comparison.
+        timeout 150 "$PY" -m llmserve.bench.throughput --workload w-small --json "$OUT/w-small.json" > "$OUT/w-small.log" 2>&1
+        grep -E '"(wall_s|output_tok_s|roofline_fraction)"' "$OUT/w-small.json"
         "$PY" -c 'from llmserve.bench.workloads import w_small; w_small().write_model_dir("/tmp/w-small-model")'
-        printf '[model]\nmodel = "/tmp/w-small-model"\nload_format = "dummy"\n[scheduler]\nlog_interval_s = 10.0\n[server]\nport = 8000\nmax_waiting_requests = 100000\n' > /tmp/w-serve.toml
-        "$PY" -m llmserve.cli --config /tmp/w-serve.toml > "$OUT/w-serve-server.log" 2>&1 &
-        server=$!
-        for _ in $(seq 1 120); do curl -sf localhost:8000/health >/dev/null && break; sleep 1; done
-        "$PY" -m llmserve.cli bench serve --workload w-small --rate inf --json "$OUT/w-serve-inf.json"
-        half=$("$PY" -c "import json; print(json.load(open('$OUT/w-serve-inf.json'))['request_throughput'] / 2)")
-        "$PY" -m llmserve.cli bench serve --workload w-small --rate "$half" --json "$OUT/w-serve-half.json"
-        kill -TERM $server; wait $server
-        tail -5 "$OUT/w-serve-server.log"
+        serve_bench() {  # engine_process (true|false), then the rates to run, in order ("half": half of the first)
+            local proc=$1; shift
+            printf '[model]\nmodel = "/tmp/w-small-model"\nload_format = "dummy"\n[scheduler]\nlog_interval_s = 10.0\n[server]\nport = 8000\nmax_waiting_requests = 100000\nengine_process = %s\n' "$proc" > /tmp/w-serve.toml
+            "$PY" -m llmserve.cli --config /tmp/w-serve.toml > "$OUT/w-serve-server-$proc.log" 2>&1 &
+            local server=$!
+            for _ in $(seq 1 120); do curl -sf localhost:8000/health >/dev/null && break; sleep 1; done
+            local first="" rate
+            for rate in "$@"; do
+                [ "$rate" = half ] && rate=$("$PY" -c "import json; print(json.load(open('$first'))['request_throughput'] / 2)")
+                "$PY" -m llmserve.cli bench serve --workload w-small --rate "$rate" --json "$OUT/w-serve-$proc-$rate.json"
+                first=${first:-$OUT/w-serve-$proc-$rate.json}
+            done
+            kill -TERM $server; wait $server
+            tail -3 "$OUT/w-serve-server-$proc.log"
+        }
+        serve_bench true inf half
+        serve_bench false inf
     elif [ "$bench" = quant-1 ]; then
         timeout 120 "$PY" scripts/int8_sweep.py --json "$OUT/int8-sweep.json" > "$OUT/int8-sweep.log" 2>&1
         tail -12 "$OUT/int8-sweep.log"

@@ -48,3 +48,20 @@ def test_step_timing_counts_idle_time_before_each_decode_step_only():
     s = t.summary()
     assert s["steps"] == 2 and round(s["execute_ms"]) == 400 and round(s["between_ms"]) == 350
     assert t.summary(decode_only=False)["steps"] == 3
+    t.records.append((300, 300, 3.6, 4.5))
+    rows = {r["steps"]: (r["count"], round(r["total_s"], 6)) for r in t.by_batch(edges=(2, 8))}
+    assert rows == {"mixed": (1, 1.0), "decode <= 8": (2, 1.5), "decode > 8": (1, 1.0)}
+
+
+def test_step_timing_profiles_each_window(tmp_path):
+    import torch
+
+    from llmserve.model.step_timing import StepTiming
+    t = StepTiming()
+    t.profile_windows, t.profile_out = [(1, 2), (4, 1)], str(tmp_path / "p")
+    for i in range(6):
+        with t.step(3, 3 if i else 9):
+            torch.ones(64, 64) @ torch.ones(64, 64)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["p-step1.trace.json", "p-step1.txt",
+                                                         "p-step4.trace.json", "p-step4.txt"]
+    assert (tmp_path / "p-step1.txt").read_text().startswith("steps 1..2: [(3, 3), (3, 3)]")

@@ -25,7 +25,8 @@ import websockets.sync.client as ws_client
 from anyio.from_thread import start_blocking_portal
 
 from llmserve.config import EngineConfig
-from llmserve.engine import Engine
+from llmserve.engine import Engine, Frontend
+from llmserve.engine_process import ProcessEngine
 from llmserve.server.run import serve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,18 +42,18 @@ def free_port() -> int:
 @dataclass
 class Server:
     url: str
-    engine: Engine
+    engine: Frontend
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
 
     def idle(self) -> bool:
-        kv = self.engine.kv
-        return kv.num_free_blocks() == kv.pool.num_blocks and not self.engine.scheduler.requests
+        snap = self.engine.snapshot()  # from the engine process: at most one step old
+        return snap.kv_usage == 0 and snap.running == snap.waiting == 0
 
 
 @contextmanager
-def running_server(**server_opts):
+def running_server(engine_process: bool = False, **server_opts):
     port = free_port()
     scheduler = server_opts.pop("scheduler", {})
     config = EngineConfig.from_dict({
@@ -61,7 +62,7 @@ def running_server(**server_opts):
         "scheduler": {"log_interval_s": 0, **scheduler},
         "server": {"port": port, **server_opts},
     })
-    engine = Engine(config)
+    engine = ProcessEngine(config) if engine_process else Engine(config)
     with start_blocking_portal("asyncio") as portal:
         stop = portal.call(anyio.Event)
         future, _ = portal.start_task(partial(serve, config, stop=stop, handle_signals=False, engine=engine))
@@ -72,9 +73,9 @@ def running_server(**server_opts):
             future.result(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server(max_body_bytes=64 * 1024, max_ws_requests=3) as s:
+@pytest.fixture(scope="module", params=["in-process", "engine-process"])
+def server(request):
+    with running_server(request.param == "engine-process", max_body_bytes=64 * 1024, max_ws_requests=3) as s:
         yield s
 
 
@@ -289,7 +290,7 @@ def test_client_disconnect_aborts_stream_and_frees_blocks(server):
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]
             assert any(line.startswith("data: {") for line in got)
-            assert server.engine.scheduler.requests  # still generating when we hang up
+            assert server.engine.snapshot().running  # still generating when we hang up
     wait_for(server.idle)
     assert server.engine.snapshot().generation_tokens - before < 250  # aborted, not run to its 500 tokens
 
@@ -350,7 +351,7 @@ def test_websocket_cancel_close_and_errors(server):
             conn.send(json.dumps({"id": f"r{i}", "body": long}))
         got = collect_ws(conn, ["r3"])
         assert got["r3"][-1]["error"]["code"] == "too_many_requests"
-        wait_for(lambda: any(r.startswith("cmpl-") for r in server.engine.scheduler.requests))
+        wait_for(lambda: server.engine.snapshot().running)
     # Closing the socket aborted r0..r2 long before their 3 x 400 tokens.
     wait_for(server.idle)
     assert server.engine.snapshot().generation_tokens - before < 600

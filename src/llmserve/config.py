@@ -121,6 +121,9 @@ class ServerConfig:
     """Requests in flight on one WebSocket."""
     shutdown_grace_s: float = 10.0
     """Seconds in-flight requests get to finish after SIGINT/SIGTERM."""
+    engine_process: bool = True
+    """Run the scheduler, KV manager and executor in a child process, so HTTP and detokenization never
+    take the step loop's time; false runs everything on the server's event loop."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "server", "port", "in [0, 65535]", self.port)

@@ -9,16 +9,19 @@ task group. Offline (`LLM`) and online (the server) both drive it through `gener
 
 from __future__ import annotations
 
+import abc
 import math
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 import structlog
 import torch
+from anyio.abc import ObjectSendStream
 
 from llmserve.actors.executor_actor import ExecutorActor
 from llmserve.actors.kv_actor import KVActor
@@ -110,90 +113,46 @@ def resolve_quantization(name: str | None, spec: ModelSpec, plugins: Plugins) ->
     return methods[name](ckpt)
 
 
-class Engine:
-    def __init__(self, config: EngineConfig, plugins: Plugins | None = None) -> None:
-        config.model.model = resolve_model_dir(config.model.model)
-        self.config = config
-        self.plugins = plugins or Plugins.from_config(config.plugins)
-        m = config.model
-        self.spec = ModelSpec.from_dir(m.model)
-        self.quant = resolve_quantization(m.quantization, self.spec, self.plugins)
-        self.device = resolve_device(m.device)
-        self.dtype = resolve_dtype(m.dtype, self.spec, self.device)
-        self.max_model_len = resolve_max_model_len(config, self.spec)
-        self.tokenizer = load_tokenizer(m.tokenizer or m.model)
-        self.backend = self.plugins.select_backend(self.device, config)
-        self.runner = ModelRunner(config, self.spec, self.backend, self.device, self.dtype, self.max_model_len,
-                                  self.quant)
-        num_blocks = self.runner.determine_num_blocks()
-        bs = config.cache.block_size
-        if num_blocks * bs < self.max_model_len:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} needs {-(-self.max_model_len // bs)} KV blocks of {bs} tokens, "
-                f"but only {num_blocks} fit ({num_blocks * self.runner.block_bytes() / 2**30:.2f} GiB); lower "
-                f"model.max_model_len or give the cache more memory (cache.gpu_memory_utilization / cache.cpu_kv_cache_gib)")
-        self.runner.allocate_kv_cache(num_blocks)
-        if self.device.type == "cuda" and not m.enforce_eager:
-            start = time.perf_counter()
-            self.runner.capture_graphs(config.scheduler.max_num_seqs)
-            log.info("captured decode CUDA graphs", sizes=len(self.runner.graphs.sizes),
-                     max_batch=config.scheduler.max_num_seqs, seconds=round(time.perf_counter() - start, 2))
-        self.kv = KVCacheManager(num_blocks, bs)
-        eos = set(self.spec.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        s = config.scheduler
-        self.scheduler = Scheduler(max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
-                                   max_model_len=self.max_model_len, policy=s.policy, eos_token_ids=frozenset(eos),
-                                   enable_prefix_caching=config.cache.enable_prefix_caching)
-        self.stats = EngineStats(s.log_interval_s)
-        self._requests_in: anyio.abc.ObjectSendStream | None = None
-        self._stop: anyio.Event | None = None
-        log.info("engine ready", model=m.model, architecture=self.spec.architecture, device=str(self.device),
-                 dtype=str(self.dtype).removeprefix("torch."), backend=self.backend.name, max_model_len=self.max_model_len,
-                 kv_blocks=num_blocks, kv_tokens=num_blocks * bs,
-                 kv_gib=round(num_blocks * self.runner.block_bytes() / 2**30, 3))
+class Frontend(abc.ABC):
+    """What the APIs drive: `generate`, `abort`, `stop` and `snapshot`, through a request actor on
+    this event loop. `Engine` runs the device side on the same loop; `ProcessEngine`
+    (engine_process.py) runs it in a child process, so HTTP work never delays a step."""
 
+    config: EngineConfig
+    spec: ModelSpec
+    tokenizer: Any
+    max_model_len: int
+    device: torch.device | str
+    kv_tokens: int
+    """Tokens the KV cache holds."""
+
+    def __init__(self) -> None:
+        self._requests_in: ObjectSendStream | None = None
+        self._stop: anyio.Event | None = None
+
+    @abc.abstractmethod
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        """Run the actors until `stop()`; reports started once they accept requests."""
-        # Bounded streams give backpressure, except the scheduler's inbox: the request actor and
-        # the scheduler send to each other, so one side must never block; what it holds is bounded
-        # by the requests in the engine (arrivals, finishes) plus one feedback and one result.
-        req_send, req_recv = anyio.create_memory_object_stream(64)
-        sched_send, sched_recv = anyio.create_memory_object_stream(math.inf)
-        kv_send, kv_recv = anyio.create_memory_object_stream(1)
-        exec_send, exec_recv = anyio.create_memory_object_stream(1)
-        actors = [
-            RequestActor(self.tokenizer, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
-                         seed=self.config.model.seed, inbox=req_recv, to_scheduler=sched_send.clone()),
-            SchedulerActor(self.scheduler, self.stats, inbox=sched_recv, to_kv=kv_send, to_requests=req_send.clone(),
-                           async_scheduling=self.config.scheduler.async_scheduling),
-            KVActor(self.kv, inbox=kv_recv, to_executor=exec_send, to_scheduler=sched_send.clone()),
-            ExecutorActor(self.runner, inbox=exec_recv, to_scheduler=sched_send.clone()),
-        ]
-        sched_send.close()
+        """Run until `stop()`; reports started once requests are accepted."""
+
+    @abc.abstractmethod
+    def snapshot(self) -> EngineSnapshot:
+        """The device side's counters and gauges (for metrics and admission control)."""
+
+    def release(self) -> None:
+        """Give device memory back after `run` returned (a no-op where the device side exits with run)."""
+
+    async def _accept_until_stopped(self, requests_in: ObjectSendStream, task_status: anyio.abc.TaskStatus) -> None:
         self._stop = anyio.Event()
-        async with anyio.create_task_group() as tg:
-            for actor in actors:
-                await tg.start(actor.run)
-            self._requests_in = req_send
-            task_status.started()
+        self._requests_in = requests_in
+        task_status.started()
+        try:
             await self._stop.wait()
+        finally:
             self._requests_in = None
-            tg.cancel_scope.cancel()
 
     @property
     def running(self) -> bool:
         return self._requests_in is not None
-
-    def snapshot(self) -> EngineSnapshot:
-        s, kv = self.scheduler, self.kv
-        return EngineSnapshot(s.num_running, s.num_waiting, kv.pool.usage(), kv.prefix_queries, kv.prefix_hits,
-                              s.num_preemptions, s.prompt_tokens, s.generation_tokens)
-
-    def release(self) -> None:
-        """Give the device memory (weights, KV cache) back; the engine cannot run afterwards."""
-        self.runner.release()
 
     def stop(self) -> None:
         if self._stop is not None:
@@ -231,3 +190,92 @@ class Engine:
     async def abort(self, request_id: str) -> None:
         if self._requests_in is not None:
             await self._requests_in.send(Abort(request_id))
+
+
+class Engine(Frontend):
+    """Everything in this process: the request actor and the device side on one event loop."""
+
+    def __init__(self, config: EngineConfig, plugins: Plugins | None = None) -> None:
+        super().__init__()
+        config.model.model = resolve_model_dir(config.model.model)
+        self.config = config
+        self.plugins = plugins or Plugins.from_config(config.plugins)
+        m = config.model
+        self.spec = ModelSpec.from_dir(m.model)
+        self.quant = resolve_quantization(m.quantization, self.spec, self.plugins)
+        self.device = resolve_device(m.device)
+        self.dtype = resolve_dtype(m.dtype, self.spec, self.device)
+        self.max_model_len = resolve_max_model_len(config, self.spec)
+        self.tokenizer = load_tokenizer(m.tokenizer or m.model)
+        self.backend = self.plugins.select_backend(self.device, config)
+        self.runner = ModelRunner(config, self.spec, self.backend, self.device, self.dtype, self.max_model_len,
+                                  self.quant)
+        num_blocks = self.runner.determine_num_blocks()
+        bs = config.cache.block_size
+        if num_blocks * bs < self.max_model_len:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} needs {-(-self.max_model_len // bs)} KV blocks of {bs} tokens, "
+                f"but only {num_blocks} fit ({num_blocks * self.runner.block_bytes() / 2**30:.2f} GiB); lower "
+                f"model.max_model_len or give the cache more memory (cache.gpu_memory_utilization / cache.cpu_kv_cache_gib)")
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv_tokens = num_blocks * bs
+        if self.device.type == "cuda" and not m.enforce_eager:
+            start = time.perf_counter()
+            self.runner.capture_graphs(config.scheduler.max_num_seqs)
+            log.info("captured decode CUDA graphs", sizes=len(self.runner.graphs.sizes),
+                     max_batch=config.scheduler.max_num_seqs, seconds=round(time.perf_counter() - start, 2))
+        self.kv = KVCacheManager(num_blocks, bs)
+        eos = set(self.spec.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        s = config.scheduler
+        self.scheduler = Scheduler(max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
+                                   max_model_len=self.max_model_len, policy=s.policy, eos_token_ids=frozenset(eos),
+                                   enable_prefix_caching=config.cache.enable_prefix_caching)
+        self.stats = EngineStats(s.log_interval_s)
+        log.info("engine ready", model=m.model, architecture=self.spec.architecture, device=str(self.device),
+                 dtype=str(self.dtype).removeprefix("torch."), backend=self.backend.name, max_model_len=self.max_model_len,
+                 kv_blocks=num_blocks, kv_tokens=num_blocks * bs,
+                 kv_gib=round(num_blocks * self.runner.block_bytes() / 2**30, 3))
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run the actors until `stop()`; reports started once they accept requests."""
+        req_send, req_recv = anyio.create_memory_object_stream(64)
+        async with anyio.create_task_group() as tg:
+            to_scheduler = await tg.start(self.run_core, req_send.clone())
+            requests = RequestActor(self.tokenizer, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
+                                    seed=self.config.model.seed, inbox=req_recv, to_scheduler=to_scheduler)
+            await tg.start(requests.run)
+            await self._accept_until_stopped(req_send, task_status)
+            tg.cancel_scope.cancel()
+
+    async def run_core(self, to_requests: ObjectSendStream, *,
+                       task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """The device side alone: the scheduler, the KV manager and the executor, until cancelled.
+        Reports started with the scheduler's inbox (send NewRequest / FinishRequests there);
+        EngineOutputs go to `to_requests`."""
+        # Bounded streams give backpressure, except the scheduler's inbox: the request actor and
+        # the scheduler send to each other, so one side must never block; what it holds is bounded
+        # by the requests in the engine (arrivals, finishes) plus one feedback and one result.
+        sched_send, sched_recv = anyio.create_memory_object_stream(math.inf)
+        kv_send, kv_recv = anyio.create_memory_object_stream(1)
+        exec_send, exec_recv = anyio.create_memory_object_stream(1)
+        actors = [
+            SchedulerActor(self.scheduler, self.stats, inbox=sched_recv, to_kv=kv_send, to_requests=to_requests,
+                           async_scheduling=self.config.scheduler.async_scheduling),
+            KVActor(self.kv, inbox=kv_recv, to_executor=exec_send, to_scheduler=sched_send.clone()),
+            ExecutorActor(self.runner, inbox=exec_recv, to_scheduler=sched_send.clone()),
+        ]
+        async with anyio.create_task_group() as tg:
+            for actor in actors:
+                await tg.start(actor.run)
+            task_status.started(sched_send)
+
+    def snapshot(self) -> EngineSnapshot:
+        s, kv = self.scheduler, self.kv
+        return EngineSnapshot(s.num_running, s.num_waiting, kv.pool.usage(), kv.prefix_queries, kv.prefix_hits,
+                              s.num_preemptions, s.prompt_tokens, s.generation_tokens)
+
+    def release(self) -> None:
+        """Give the device memory (weights, KV cache) back; the engine cannot run afterwards."""
+        self.runner.release()

@@ -171,6 +171,12 @@ class SequenceUpdate:
     error: str | None = None
     """The step that should have produced this token failed; the sequence is ended."""
 
+    def __reduce__(self):
+        # One per running request per step crosses to the server process: positional fields pickle
+        # in under half the time of the default slots state.
+        return SequenceUpdate, (self.req_id, self.new_token_ids, self.finish_reason, self.stop_reason, self.logprobs,
+                                self.prompt_logprobs, self.num_cached_tokens, self.queue_time_s, self.error)
+
 
 @dataclass(slots=True)
 class EngineOutputs:

@@ -138,9 +138,10 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
         timing = llm.engine.runner.timing
         timing.records.clear()
         if profile:
-            timing.profile_window, timing.profile_out = (200, 5), profile  # steady decode, all requests running
+            # A prefill step, steady decode with all requests running, and the long tail's small batches.
+            timing.profile_windows, timing.profile_out = [(2, 2), (200, 5), (980, 5)], profile
         wall, outs = timed_generate(llm, w.prompts, w.params)
-        step_summary = timing.summary()
+        step_summary = {**timing.summary(), "by_batch": timing.by_batch()}
         if peer == "hf":
             # The same subset through our engine, for a like-for-like ratio measured in this run.
             sub_wall, _ = timed_generate(llm, w.prompts[:peer_requests], w.params[:peer_requests])
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--peer", choices=["hf"], help="also run transformers generate on a subset, same run")
     ap.add_argument("--peer-requests", type=int, default=64, help="size of the peer's subset (its first requests)")
-    ap.add_argument("--profile", metavar="PREFIX", help="torch profiler over 5 steady decode steps: PREFIX.txt, .trace.json")
+    ap.add_argument("--profile", metavar="PREFIX", help="torch profiler over prefill, steady decode and tail steps: PREFIX-stepN.txt, .trace.json")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this run (seconds)")
     ap.add_argument("--quantization", help="model.quantization (int8, fp8, ...)")

@@ -16,14 +16,15 @@ class StepTiming:
 
     def __init__(self) -> None:
         self.records: list[tuple[int, int, float, float]] = []  # (requests, tokens, start, end)
-        self.profile_window: tuple[int, int] | None = None  # (first step, steps)
+        self.profile_windows: list[tuple[int, int]] = []  # (first step, steps)
         self.profile_out: str | None = None
         self._prof = None
 
     @contextmanager
     def step(self, num_reqs: int, num_tokens: int):
         index = len(self.records)
-        if self.profile_window and index == self.profile_window[0]:
+        window = next((w for w in self.profile_windows if w[0] <= index < sum(w)), None)
+        if window is not None and index == window[0]:
             self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                             torch.profiler.ProfilerActivity.CUDA])
             self._prof.__enter__()
@@ -32,10 +33,13 @@ class StepTiming:
             yield
         finally:
             self.records.append((num_reqs, num_tokens, start, time.perf_counter()))
-            if self._prof is not None and index == sum(self.profile_window) - 1:
+            if self._prof is not None and index == sum(window) - 1:
                 self._prof.__exit__(None, None, None)
-                self._prof.export_chrome_trace(f"{self.profile_out}.trace.json")
-                with open(f"{self.profile_out}.txt", "w") as f:
+                out = f"{self.profile_out}-step{window[0]}"
+                self._prof.export_chrome_trace(f"{out}.trace.json")
+                with open(f"{out}.txt", "w") as f:
+                    f.write(f"steps {window[0]}..{sum(window) - 1}: "
+                            f"{[r[:2] for r in self.records[window[0]:]]} (requests, tokens)\n")
                     f.write(self._prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
                 self._prof = None
 
@@ -50,3 +54,15 @@ class StepTiming:
         return {"steps": n, "mean_batch": sum(r[0] for r in rows) / n,
                 "execute_ms": 1e3 * sum(e - s for _, s, e, _ in rows) / n,
                 "between_ms": 1e3 * sum(max(gap, 0.0) for *_, gap in rows) / n}
+
+    def by_batch(self, edges: tuple[int, ...] = (8, 32, 64, 128, 256)) -> list[dict]:
+        """Where the whole run's wall time went: the period of each step (from the previous step()
+        returning to this one returning; with a step in flight that is the pipeline's rate), summed
+        for steps with prompt tokens ("mixed") and for decode steps by batch size (up to each edge)."""
+        names = ["mixed", *(f"decode <= {x}" for x in edges), f"decode > {edges[-1]}"]
+        rows: dict[str, list[float]] = {name: [] for name in names}
+        for prev, (r, t, _, e) in zip(self.records, self.records[1:]):
+            name = "mixed" if t != r else names[1 + next((i for i, x in enumerate(edges) if r <= x), len(edges))]
+            rows[name].append(e - prev[3])
+        return [{"steps": name, "count": len(v), "total_s": sum(v), "mean_ms": 1e3 * sum(v) / len(v)}
+                for name, v in rows.items() if v]

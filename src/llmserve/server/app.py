@@ -19,7 +19,7 @@ from werkzeug.exceptions import HTTPException
 
 from llmserve import __version__
 from llmserve.config import EngineConfig
-from llmserve.engine import BUILTIN_MODEL_DIR, Engine
+from llmserve.engine import BUILTIN_MODEL_DIR, Frontend
 from llmserve.server.metrics import Metrics
 from llmserve.server.openapi import openapi_document
 from llmserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -66,7 +66,7 @@ def served_model_name(config: EngineConfig) -> str:
     return os.path.basename(os.path.normpath(config.model.model)) or "model"
 
 
-def create_app(engine: Engine, config: EngineConfig) -> Quart:
+def create_app(engine: Frontend, config: EngineConfig) -> Quart:
     cfg = config.server
     app = Quart("llmserve")
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes

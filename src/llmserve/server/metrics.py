@@ -8,13 +8,13 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from llmserve.engine import Engine
+from llmserve.engine import Frontend
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class _EngineCollector:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Frontend) -> None:
         self.engine = engine
 
     def collect(self):
@@ -36,7 +36,7 @@ class _EngineCollector:
 
 
 class Metrics:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Frontend) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         self.request_success = Counter("llmserve_request_success", "Finished requests by finish reason.",

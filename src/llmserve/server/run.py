@@ -1,4 +1,6 @@
-"""Serve: the engine's actors and Hypercorn in one anyio task group on asyncio.
+"""Serve: the engine's request actor and Hypercorn in one anyio task group on asyncio; the device side
+(scheduler, KV manager, executor) in a child process (server.engine_process, the default) or on
+the same loop.
 
 SIGINT/SIGTERM stop accepting connections; in-flight requests get server.shutdown_grace_s to finish
 (Hypercorn's graceful timeout), then are cancelled, which aborts them in the engine; exit is clean.
@@ -14,16 +16,18 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 
 from llmserve.config import EngineConfig
-from llmserve.engine import Engine
+from llmserve.engine import Engine, Frontend
+from llmserve.engine_process import ProcessEngine
 from llmserve.server.app import create_app, served_model_name
 
 log = structlog.get_logger("llmserve.server")
 
 
 async def serve(config: EngineConfig, *, stop: anyio.Event | None = None, handle_signals: bool = True,
-                engine: Engine | None = None, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+                engine: Frontend | None = None, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
     """Run until `stop` is set or a signal arrives. Reports started (with the bound port) once listening."""
-    engine = engine or Engine(config)
+    if engine is None:
+        engine = ProcessEngine(config) if config.server.engine_process else Engine(config)
     app = create_app(engine, config)
     stop = stop or anyio.Event()
     hc = HypercornConfig()
@@ -53,7 +57,7 @@ async def serve(config: EngineConfig, *, stop: anyio.Event | None = None, handle
         tg.start_soon(http)
         await _until_listening(config.server.host, config.server.port)
         log.info("serving", url=f"http://{config.server.host}:{config.server.port}", model=served_model_name(config),
-                 device=str(engine.device), kv_tokens=engine.kv.pool.num_blocks * engine.config.cache.block_size,
+                 device=str(engine.device), kv_tokens=engine.kv_tokens,
                  max_model_len=engine.max_model_len)
         task_status.started()
 

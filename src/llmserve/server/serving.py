@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from llmserve.engine import Engine
+from llmserve.engine import Frontend
 from llmserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.metrics import Metrics
@@ -46,7 +46,7 @@ class _Job:
 
 
 class OpenAIServing:
-    def __init__(self, engine: Engine, model_name: str, metrics: Metrics) -> None:
+    def __init__(self, engine: Frontend, model_name: str, metrics: Metrics) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics

@@ -1,0 +1,266 @@
+"""The engine's device side in its own process.
+
+The server's process keeps HTTP, tokenization, detokenization and the request actor; a child process
+(`python -m llmserve.engine_process SOCKET`) runs the scheduler, the KV manager and the executor
+(`Engine.run_core`). Streaming thousands of chunks a second then costs the step loop nothing: the
+two processes share no interpreter lock, and a frontend that falls behind only sends fewer, larger
+chunks (outputs are cumulative), while the device keeps stepping.
+
+They talk over a Unix socket in length-prefixed pickles, one frame per burst:
+    server -> core: the EngineConfig once, then lists of NewRequest / FinishRequests
+    core -> server: ("ready", info) or ("error", is_value_error, message) once, then
+                    ("outputs", [EngineOutputs...], EngineSnapshot) per step and
+                    ("snapshot", EngineSnapshot) when the counters change between steps
+The core exits when the socket closes; the server stops when the core dies.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import signal
+import struct
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import structlog
+from anyio.abc import ByteStream, ObjectReceiveStream
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from llmserve.actors.request_actor import RequestActor
+from llmserve.config import EngineConfig
+from llmserve.engine import (Engine, EngineSnapshot, Frontend, load_tokenizer, resolve_max_model_len,
+                             resolve_model_dir)
+from llmserve.messages import EngineOutputs
+from llmserve.model.spec import ModelSpec
+
+log = structlog.get_logger("llmserve.engine")
+
+_LENGTH = struct.Struct("!Q")
+SNAPSHOT_INTERVAL_S = 0.02
+"""Between steps, changed counters (an abort's freed blocks, new arrivals) reach the server this fast."""
+EXIT_TIMEOUT_S = 30.0
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed to start or died."""
+
+
+class Wire:
+    """Length-prefixed pickles over a byte stream. One task sends and one receives per side."""
+
+    def __init__(self, stream: ByteStream) -> None:
+        self.stream = stream
+        self._in = BufferedByteReceiveStream(stream)
+
+    async def send(self, obj: Any) -> None:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        await self.stream.send(_LENGTH.pack(len(data)) + data)
+
+    async def receive(self) -> Any:
+        """The next object; EOFError once the other side has closed or gone."""
+        try:
+            (size,) = _LENGTH.unpack(await self._in.receive_exactly(_LENGTH.size))
+            return pickle.loads(await self._in.receive_exactly(size))
+        except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            raise EOFError from None
+
+
+@dataclass(slots=True, frozen=True)
+class CoreInfo:
+    """What the core reports once its engine is built."""
+    device: str
+    kv_tokens: int
+
+
+# ---- the server's side ---------------------------------------------------------------------------
+
+class ProcessEngine(Frontend):
+    """A Frontend whose device side runs in a child process, started by `run` and stopped with it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__()
+        config.model.model = resolve_model_dir(config.model.model)
+        self.config = config
+        self.spec = ModelSpec.from_dir(config.model.model)
+        self.max_model_len = resolve_max_model_len(config, self.spec)
+        self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
+        self.device = "starting"
+        self.kv_tokens = 0
+        self.pid: int | None = None
+        self._snapshot = EngineSnapshot(0, 0, 0.0, 0, 0, 0, 0, 0)
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        with tempfile.TemporaryDirectory(prefix="llmserve-") as tmp:
+            path = os.path.join(tmp, "core.sock")
+            async with await anyio.create_unix_listener(path) as listener:
+                process = await anyio.open_process([sys.executable, "-m", "llmserve.engine_process", path],
+                                                   stdin=None, stdout=None, stderr=None, env=_child_env())
+                self.pid = process.pid
+                try:
+                    wire = await self._start(listener, process)
+                    async with wire.stream:
+                        await self._run(wire, process, task_status)
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await _reap(process)
+
+    async def _start(self, listener: anyio.abc.SocketListener, process: anyio.abc.Process) -> Wire:
+        """Accept the child's connection, send the config, wait until its engine is built."""
+        stream = None
+        async with anyio.create_task_group() as tg:
+            async def accept() -> None:
+                nonlocal stream
+                stream = await listener.accept()
+                tg.cancel_scope.cancel()
+            tg.start_soon(accept)
+            await process.wait()  # returns only if the child dies before connecting
+            tg.cancel_scope.cancel()
+        if stream is None:
+            raise EngineProcessError(f"the engine process exited during start-up (exit code {process.returncode})")
+        wire = Wire(stream)
+        try:
+            await wire.send(self.config)
+            reply = await wire.receive()
+        except EOFError:
+            await stream.aclose()
+            raise EngineProcessError(f"the engine process exited during start-up "
+                                     f"(exit code {await process.wait()})") from None
+        if reply[0] == "error":
+            await stream.aclose()
+            _, is_value_error, message = reply
+            raise (ValueError if is_value_error else EngineProcessError)(message)
+        info: CoreInfo = reply[1]
+        self.device, self.kv_tokens = info.device, info.kv_tokens
+        return wire
+
+    async def _run(self, wire: Wire, process: anyio.abc.Process, task_status: anyio.abc.TaskStatus) -> None:
+        req_send, req_recv = anyio.create_memory_object_stream(64)
+        to_core, from_requests = anyio.create_memory_object_stream(math.inf)
+        requests = RequestActor(self.tokenizer, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
+                                seed=self.config.model.seed, inbox=req_recv, to_scheduler=to_core)
+        async with anyio.create_task_group() as tg:
+            async def receive() -> None:
+                async with req_send:
+                    while True:
+                        try:
+                            frame = await wire.receive()
+                        except EOFError:
+                            code = await process.wait()
+                            raise EngineProcessError(f"the engine process died (exit code {code})") from None
+                        if frame[0] == "outputs":
+                            for outputs in frame[1]:
+                                await req_send.send(outputs)
+                        self._snapshot = frame[-1]
+
+            tg.start_soon(receive)
+            tg.start_soon(_forward, from_requests, wire)
+            await tg.start(requests.run)
+            await self._accept_until_stopped(req_send.clone(), task_status)
+            tg.cancel_scope.cancel()
+
+
+async def _forward(inbox: ObjectReceiveStream, wire: Wire) -> None:
+    """Everything queued goes in one frame."""
+    async with inbox:
+        async for msg in inbox:
+            batch = [msg]
+            while True:
+                try:
+                    batch.append(inbox.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            await wire.send(batch)
+
+
+async def _reap(process: anyio.abc.Process) -> None:
+    """The child exits once its socket closes; kill it if it does not within EXIT_TIMEOUT_S."""
+    with anyio.move_on_after(EXIT_TIMEOUT_S):
+        await process.wait()
+        return
+    log.warning("engine process did not exit; killing it", pid=process.pid)
+    process.kill()
+    await process.wait()
+
+
+def _child_env() -> dict[str, str]:
+    """The child imports what this process can: same sys.path (plugins installed in odd places)."""
+    paths = [p or os.getcwd() for p in sys.path]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+# ---- the core's side -----------------------------------------------------------------------------
+
+async def serve_core(path: str) -> None:
+    """Connect to the server at `path`, build the engine from the config it sends, run its device side
+    until the server closes the socket."""
+    wire = Wire(await anyio.connect_unix(path))
+    async with wire.stream:
+        try:
+            config = await wire.receive()
+        except EOFError:
+            return
+        try:
+            engine = Engine(config)
+        except Exception as exc:  # reported to the server, which raises it
+            log.error("engine start-up failed", error=str(exc))
+            await wire.send(("error", isinstance(exc, ValueError), str(exc)))
+            return
+        await wire.send(("ready", CoreInfo(str(engine.device), engine.kv_tokens)))
+        out_send, out_recv = anyio.create_memory_object_stream(64)
+        async with anyio.create_task_group() as tg:
+            to_scheduler = await tg.start(engine.run_core, out_send)
+            tg.start_soon(_send_outputs, engine, out_recv, wire)
+            async with to_scheduler:
+                while True:
+                    try:
+                        batch = await wire.receive()
+                    except EOFError:
+                        break
+                    for msg in batch:
+                        await to_scheduler.send(msg)
+            tg.cancel_scope.cancel()
+
+
+async def _send_outputs(engine: Engine, outputs: ObjectReceiveStream, wire: Wire) -> None:
+    """Each step's outputs with the counters after it; between steps, the counters when they change."""
+    sent = None
+    async with outputs:
+        while True:
+            batch: list[EngineOutputs] = []
+            with anyio.move_on_after(SNAPSHOT_INTERVAL_S):
+                batch.append(await outputs.receive())
+            while True:
+                try:
+                    batch.append(outputs.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            snap = engine.snapshot()
+            if batch:
+                await wire.send(("outputs", batch, snap))
+            elif snap != sent:
+                await wire.send(("snapshot", snap))
+            sent = snap
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    # Ctrl-C reaches the whole process group: the server handles it and closes the socket.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from llmserve.logging import configure_logging
+    configure_logging()
+    anyio.run(serve_core, argv[0], backend="asyncio")
+
+
+if __name__ == "__main__":
+    # Run the module's own copy, not __main__'s: frames must pickle as llmserve.engine_process.*.
+    from llmserve.engine_process import main as _main
+    _main()
+

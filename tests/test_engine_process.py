@@ -1,0 +1,117 @@
+"""The device side in a child process (server.engine_process): same tokens as in-process, under both
+asyncio and trio; start-up errors come back as the same errors; a dead child stops the frontend."""
+
+import dataclasses
+import os
+import pickle
+import signal
+
+import anyio
+import pytest
+
+from llmserve import EngineConfig, SamplingParams
+from llmserve.engine import Engine
+from llmserve.engine_process import EngineProcessError, ProcessEngine
+from llmserve.messages import EngineOutputs, SequenceUpdate, TokenLogprobs
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request):
+    return request.param
+
+
+def config(model: str, **kw) -> EngineConfig:
+    args = dict(dtype="float32", device="cpu", block_size=4, num_blocks=64, max_model_len=128, log_interval_s=0)
+    return EngineConfig.from_kwargs(model=model, **{**args, **kw})
+
+
+async def texts(engine, prompts, params):
+    outs = {}
+
+    async def one(i):
+        async for out in engine.generate(prompts[i], params):
+            outs[i] = out
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return [outs[i].outputs[0].token_ids for i in range(len(prompts))]
+
+
+async def run_both(cfg, prompts, params):
+    results = []
+    for engine in (Engine(cfg), ProcessEngine(cfg)):
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            results.append(await texts(engine, prompts, params))
+            engine.stop()
+    return results
+
+
+async def test_same_tokens_as_in_process_and_counters_arrive(checkpoint):
+    cfg = config(checkpoint("llama"))
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 50))]
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
+    in_process, child = await run_both(cfg, prompts, params)
+    assert child == in_process and all(len(t) == 12 for t in child)
+
+    engine = ProcessEngine(cfg)
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        assert engine.device == "cpu" and engine.kv_tokens == 64 * 4
+        await texts(engine, prompts, params)
+        with anyio.fail_after(5):  # freed blocks reach the server between steps too
+            while engine.snapshot().kv_usage or engine.snapshot().running:
+                await anyio.sleep(0.01)
+        snap = engine.snapshot()
+        assert snap.generation_tokens == 36 and snap.prompt_tokens == sum(map(len, prompts))
+        pid = engine.pid
+        engine.stop()
+    assert not engine.running
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the child exited and was reaped
+
+
+async def test_abort_in_the_child_frees_blocks(checkpoint):
+    engine = ProcessEngine(config(checkpoint("llama")))
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        async for out in engine.generate([1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True)):
+            if len(out.outputs[0].token_ids) >= 3:
+                break  # leaving the loop aborts
+        with anyio.fail_after(5):
+            while engine.snapshot().kv_usage or engine.snapshot().running:
+                await anyio.sleep(0.01)
+        assert engine.snapshot().generation_tokens < 100
+        engine.stop()
+
+
+async def test_start_up_error_is_raised_by_run(checkpoint):
+    engine = ProcessEngine(config(checkpoint("llama"), num_blocks=4))  # 128 positions need 32 blocks
+    with pytest.raises(ValueError, match="max_model_len 128 needs 32 KV blocks"):
+        await engine.run()
+    assert not engine.running
+
+
+async def test_a_dead_child_stops_the_frontend(checkpoint):
+    engine = ProcessEngine(config(checkpoint("llama")))
+    with pytest.raises(BaseExceptionGroup) as info:
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            os.kill(engine.pid, signal.SIGKILL)
+            await anyio.sleep(30)
+    leaf = info.value
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    assert isinstance(leaf, EngineProcessError) and "exit code -9" in str(leaf)
+
+
+def test_sequence_updates_survive_the_wire():
+    values = dict(req_id="r", new_token_ids=[1, 2], finish_reason="stop", stop_reason="\n",
+                  logprobs=[TokenLogprobs(1, -0.5, 1, [1], [-0.5])], prompt_logprobs=[TokenLogprobs(2, -1.0, 2, [], [])],
+                  num_cached_tokens=16, queue_time_s=0.25, error="boom")
+    assert set(values) == {f.name for f in dataclasses.fields(SequenceUpdate)}  # every field set, none default
+    up = SequenceUpdate(**values)
+    assert pickle.loads(pickle.dumps(EngineOutputs([up]))) == EngineOutputs([up])
