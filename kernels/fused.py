@@ -70,8 +70,10 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 # ---- rotary embedding ---------------------------------------------------------------------------
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-                   HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr):
+def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
+                   HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+                   NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, DP)
@@ -84,15 +86,24 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh
             base = q_ptr + t * stride_qt
             stride_h = stride_qh
             heads = HQ
+            w_ptr = qw_ptr
         else:
             base = k_ptr + t * stride_kt
             stride_h = stride_kh
             heads = HK
+            w_ptr = kw_ptr
         m = (h < heads) & dmask[None, :]
         p1 = base + h * stride_h + d[None, :]
         x1 = tl.load(p1, mask=m, other=0.0)
         x2 = tl.load(p1 + HALF, mask=m, other=0.0)
         dtype = x1.dtype
+        if NORM:  # Qwen3's RMSNorm of each head first, as the rms_norm kernel computes it
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            inv = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)[:, None]
+            w1 = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(w_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+            x1 = ((f1 * inv).to(dtype).to(tl.float32) * w1).to(dtype)
+            x2 = ((f2 * inv).to(dtype).to(tl.float32) * w2).to(dtype)
         c, s = cos.to(dtype)[None, :], sin.to(dtype)[None, :]
         # transformers: x * cos + rotate_half(x) * sin, each product in the activation dtype.
         y1 = ((x1 * c).to(dtype) - (x2 * s).to(dtype)).to(dtype)
@@ -101,17 +112,27 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh
         tl.store(p1 + HALF, y2, mask=m)
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """In place: q [T, Hq, D], k [T, Hkv, D] (unit stride on D); cos/sin float32 [max_pos, D]."""
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0) -> None:
+    """In place: q [T, Hq, D], k [T, Hkv, D] (unit stride on D); cos/sin float32 [max_pos, D].
+    With q_weight/k_weight [D], each head is RMS-normalised first (Qwen3's q/k norm): one pass
+    instead of copying the strided heads out, normalising and rotating them in three."""
     T, hq, dim = q.shape
+    norm = q_weight is not None
     if T:
-        _rotary_kernel[(T,)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        _rotary_kernel[(T,)](q, k, positions, cos, sin, q_weight if norm else cos, k_weight if norm else cos, eps,
+                             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                              cos.stride(0), HQ=hq, HK=k.shape[1], HALF=dim // 2,
-                             HP=triton.next_power_of_2(max(hq, k.shape[1])), DP=triton.next_power_of_2(dim // 2))
+                             HP=triton.next_power_of_2(max(hq, k.shape[1])), DP=triton.next_power_of_2(dim // 2),
+                             NORM=norm)
 
 
 def rotary_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> None:
+                     sin: torch.Tensor, q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                     eps: float = 0.0) -> None:
+    if q_weight is not None:
+        q.copy_(rms_norm_reference(q, q_weight, eps))
+        k.copy_(rms_norm_reference(k, k_weight, eps))
     c = cos[positions].to(q.dtype)[:, None, :]
     s = sin[positions].to(q.dtype)[:, None, :]
     for x in (q, k):

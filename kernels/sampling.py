@@ -89,7 +89,9 @@ def gumbel_argmax_reference(logits: torch.Tensor, temperature: torch.Tensor, key
     return torch.where(temperature > 0, noisy.argmax(-1), logits.argmax(-1))
 
 
-def row_keys(seeds: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor:
-    """int64 [B] keys in [0, 2**32) from a request's seed (any int64) and its output position."""
+def row_keys(seeds, out_index):
+    """int64 [B] keys in [0, 2**32) from a request's seed (any int64) and its output position.
+    Works alike on torch tensors and numpy int64 arrays (the runner hashes on the host: a few
+    vector ops there instead of ~35 tiny kernel launches per step)."""
     lo, hi = seeds & _MASK, (seeds >> 32) & _MASK
     return _hash32_torch(_hash32_torch(lo ^ _hash32_torch(hi)) ^ ((out_index * _GOLDEN) & _MASK))

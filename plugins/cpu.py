@@ -26,8 +26,8 @@ class CPUBackend(AttentionBackend):
     def rms_norm(self, x, weight, eps, residual=None):
         return rms_norm_reference(x, weight, eps, residual)
 
-    def rotary(self, q, k, positions, cos, sin) -> None:
-        rotary_reference(q, k, positions, cos, sin)
+    def rotary(self, q, k, positions, cos, sin, q_weight=None, k_weight=None, eps=0.0) -> None:
+        rotary_reference(q, k, positions, cos, sin, q_weight, k_weight, eps)
 
     def silu_and_mul(self, x) -> torch.Tensor:
         return silu_and_mul_reference(x)

@@ -33,8 +33,8 @@ class CUDABackend(AttentionBackend):
     def rms_norm(self, x, weight, eps, residual=None):
         return self._fused.rms_norm(x, weight, eps, residual)
 
-    def rotary(self, q, k, positions, cos, sin) -> None:
-        self._fused.rotary(q, k, positions, cos, sin)
+    def rotary(self, q, k, positions, cos, sin, q_weight=None, k_weight=None, eps=0.0) -> None:
+        self._fused.rotary(q, k, positions, cos, sin, q_weight, k_weight, eps)
 
     def silu_and_mul(self, x) -> torch.Tensor:
         return self._fused.silu_and_mul(x)

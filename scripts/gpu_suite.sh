@@ -5,7 +5,8 @@
 #       -> .whl/: llmserve itself plus the packages the GPU box lacks (structlog, trio and its needs)
 #   on the GPU box (device tool, carry [".whl"]):
 #       bash scripts/gpu_suite.sh run [w-small|w-large|w-serve|quant-1|quant-2|none]
-#       -> installs .whl into /tmp/site, runs the GPU and kernel tests, then the benchmark
+#       -> installs .whl into /tmp/site, runs the GPU and kernel tests (SKIP_TESTS=1: not), then the
+#          benchmark (BENCH_ARGS replaces "--peer hf"; PROFILE=1 adds profiler windows)
 #          (w-serve: the server plus `llmserve bench serve` at rate inf and at half the max;
 #          quant-1: int8 kernel sweep, batch-1 decode bf16 vs int8, quantization quality;
 #          quant-2: decode attention bf16 vs FP8 cache, W-small with a bf16 vs FP8 KV cache,
@@ -83,8 +84,9 @@ run)
             echo "$w $v"; grep -E '"(wall_s|output_tok_s|roofline_fraction|startup_s|preemptions|execute_ms|between_ms)"' "$OUT/$w-$v.json"
         done
     elif [ "$bench" != none ]; then
+        # PROFILE=1: profiler windows (their export stalls the run for a moment: not for timings).
         timeout 330 "$PY" -m llmserve.bench.throughput --workload "$bench" ${BENCH_ARGS:---peer hf} \
-            --profile "$OUT/$bench-profile" --json "$OUT/$bench.json" \
+            ${PROFILE:+--profile "$OUT/$bench-profile"} --json "$OUT/$bench.json" \
             > "$OUT/$bench.log" 2>&1
         tail -30 "$OUT/$bench.log"
     fi

@@ -51,6 +51,8 @@ def test_step_timing_counts_idle_time_before_each_decode_step_only():
     t.records.append((300, 300, 3.6, 4.5))
     rows = {r["steps"]: (r["count"], round(r["total_s"], 6)) for r in t.by_batch(edges=(2, 8))}
     assert rows == {"mixed": (1, 1.0), "decode <= 8": (2, 1.5), "decode > 8": (1, 1.0)}
+    assert [(s["step"], s["tokens"], round(s["ms"])) for s in t.slowest(3)] == [(1, 4, 1000), (2, 50, 1000),
+                                                                                (4, 300, 1000)]
 
 
 def test_step_timing_profiles_each_window(tmp_path):

@@ -129,7 +129,8 @@ def test_rms_norm_matches_reference(dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rotary_matches_reference_in_place_on_strided_views(dtype):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_matches_reference_in_place_on_strided_views(dtype, qk_norm):
     g = torch.Generator().manual_seed(5)
     T, hq, hk, d = 5, 4, 2, 16
     qkv = torch.randn(T, (hq + 2 * hk) * d, generator=g).to(dtype).to(DEVICE)
@@ -137,11 +138,20 @@ def test_rotary_matches_reference_in_place_on_strided_views(dtype):
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(DEVICE), torch.cat([angles.sin()] * 2, -1).to(DEVICE)
     positions = torch.tensor([0, 3, 9, 10, 63], device=DEVICE)
     views = lambda t: (t[:, :hq * d].view(T, hq, d), t[:, hq * d:(hq + hk) * d].view(T, hk, d))  # noqa: E731
+    norms = (torch.randn(d, generator=g).to(dtype).to(DEVICE), torch.randn(d, generator=g).to(dtype).to(DEVICE),
+             1e-6) if qk_norm else ()
     a, b = qkv.clone(), qkv.clone()
-    rotary(*views(a), positions, cos, sin)
-    rotary_reference(*views(b), positions, cos, sin)
-    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    rotary(*views(a), positions, cos, sin, *norms)
+    rotary_reference(*views(b), positions, cos, sin, *norms)
+    tol = (1e-5 if qk_norm else 1e-6) if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    if qk_norm:  # one pass == the rms_norm kernel on each head, then rotary
+        c = qkv.clone()
+        q, k = views(c)
+        q.copy_(rms_norm(q, norms[0], 1e-6))
+        k.copy_(rms_norm(k, norms[1], 1e-6))
+        rotary(q, k, positions, cos, sin)
+        torch.testing.assert_close(a, c, atol=1e-6 if dtype == torch.float32 else 1e-3, rtol=0)
     assert torch.equal(a[:, (hq + hk) * d:], qkv[:, (hq + hk) * d:])  # v untouched
 
 

@@ -10,8 +10,8 @@ def batch(n, *, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, seeds=None, o
     f = lambda v: torch.full((n,), float(v))  # noqa: E731
     return SamplingBatch(
         temperature=f(temperature), top_k=torch.full((n,), top_k or vocab, dtype=torch.int64), top_p=f(top_p),
-        min_p=f(min_p), seeds=torch.tensor(seeds if seeds is not None else list(range(n)), dtype=torch.int64),
-        out_index=torch.tensor(out_index if out_index is not None else [0] * n, dtype=torch.int64),
+        min_p=f(min_p), keys=row_keys(torch.tensor(seeds if seeds is not None else list(range(n)), dtype=torch.int64),
+                                      torch.tensor(out_index if out_index is not None else [0] * n, dtype=torch.int64)),
         all_greedy=temperature == 0,
         filtered_rows=torch.arange(n) if (top_k is not None or top_p < 1.0 or min_p > 0) else None, **kw)
 

@@ -52,8 +52,10 @@ class AttentionBackend:
         raise NotImplementedError
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> None:
-        """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (rotate-halves style) by cos/sin [max_pos, D]."""
+               sin: torch.Tensor, q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+               eps: float = 0.0) -> None:
+        """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (rotate-halves style) by cos/sin [max_pos, D].
+        With q_weight/k_weight [D] (Qwen3), RMS-normalise each head of q and k first, also in place."""
         raise NotImplementedError
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

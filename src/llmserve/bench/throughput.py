@@ -141,7 +141,7 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
             # A prefill step, steady decode with all requests running, and the long tail's small batches.
             timing.profile_windows, timing.profile_out = [(2, 2), (200, 5), (980, 5)], profile
         wall, outs = timed_generate(llm, w.prompts, w.params)
-        step_summary = {**timing.summary(), "by_batch": timing.by_batch()}
+        step_summary = {**timing.summary(), "by_batch": timing.by_batch(), "slowest": timing.slowest()}
         if peer == "hf":
             # The same subset through our engine, for a like-for-like ratio measured in this run.
             sub_wall, _ = timed_generate(llm, w.prompts[:peer_requests], w.params[:peer_requests])

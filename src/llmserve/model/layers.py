@@ -113,6 +113,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)  # float32 [max_positions, head_dim]
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by their positions [T]."""
-        self.backend.rotary(q, k, positions, self.cos, self.sin)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> None:
+        """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by their positions [T], after normalising
+        each head with q_norm / k_norm where the model has them (one fused pass on the GPU)."""
+        if q_norm is None:
+            self.backend.rotary(q, k, positions, self.cos, self.sin)
+        else:
+            self.backend.rotary(q, k, positions, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps)

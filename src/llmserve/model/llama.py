@@ -39,9 +39,7 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        self.rotary(positions, q, k)
+        self.rotary(positions, q, k, self.q_norm, self.k_norm)
         self.backend.write_kv(k, v, self.kv_cache, meta.slot_mapping)
         out = self.backend.attention(q, self.kv_cache, meta, self.scale)
         return self.o_proj(out.view(T, -1))

@@ -19,6 +19,7 @@ import torch
 
 from llmserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from llmserve.config import EngineConfig
+from llmserve.kernels.sampling import row_keys
 from llmserve.messages import StepPlan, StepResult
 from llmserve.model.cuda_graphs import DecodeGraphs
 from llmserve.model.loader import load_model
@@ -132,11 +133,11 @@ class ModelRunner:
         rows = min(num_seqs, sched.max_num_seqs)
         logits = self.model.compute_logits(hidden[:rows])
         v = self.spec.vocab_size
-        batch = SamplingBatch(torch.ones(rows, device=self.device), torch.full((rows,), 50, device=self.device),
-                              torch.full((rows,), 0.9, device=self.device), torch.zeros(rows, device=self.device),
-                              torch.zeros(rows, dtype=torch.int64, device=self.device),
-                              torch.zeros(rows, dtype=torch.int64, device=self.device), False,
-                              filtered_rows=torch.arange(rows, device=self.device), max_logprobs=min(20, v))
+        dev = self.device
+        batch = SamplingBatch(temperature=torch.ones(rows, device=dev), top_k=torch.full((rows,), 50, device=dev),
+                              top_p=torch.full((rows,), 0.9, device=dev), min_p=torch.zeros(rows, device=dev),
+                              keys=torch.zeros(rows, dtype=torch.int64, device=dev), all_greedy=False,
+                              filtered_rows=torch.arange(rows, device=dev), max_logprobs=min(20, v))
         sample(logits, batch, self.backend.gumbel_argmax)
         torch.log_softmax(logits, -1).topk(batch.max_logprobs, -1)
         torch.cuda.synchronize(self.device)
@@ -270,7 +271,9 @@ class ModelRunner:
         qsl = np.zeros(len(plan.req_ids) + 1, dtype=np.int32)
         np.cumsum(plan.query_lens, out=qsl[1:])
         from_device = self._fill_placeholders(plan, qsl, previous)
-        if self.graphs is not None and plan.num_tokens == len(plan.req_ids) and self.graphs.fits(plan.num_tokens):
+        graphed = (self.graphs is not None and plan.num_tokens == len(plan.req_ids)
+                   and self.graphs.fits(plan.num_tokens))
+        if graphed:  # hidden has the captured size's rows; those past the batch are padding
             positions, slots = self._positions_and_slots(plan.query_lens, plan.context_lens, plan.block_tables, qsl)
             hidden = self.graphs.run(plan.token_ids, positions, slots, plan.context_lens + 1, plan.block_tables,
                                      from_device)
@@ -286,8 +289,11 @@ class ModelRunner:
         self._prompt_logprobs(plan, qsl, hidden, result)
         if not result.req_ids:
             return InFlight(result, list(plan.req_ids))
-        last = torch.from_numpy(qsl[1:][rows] - 1).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden[last])
+        if graphed and len(rows) == len(plan.req_ids):  # every row samples: lm_head at the captured size
+            logits = self.model.compute_logits(hidden)[:len(rows)]
+        else:
+            last = torch.from_numpy(qsl[1:][rows] - 1).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[last])
         states = [self.seqs[r] for r in result.req_ids]
         batch = self._sampling_batch(states, logits.shape[-1])
         tokens = sample(logits, batch, self.backend.gumbel_argmax)
@@ -379,8 +385,9 @@ class ModelRunner:
             top_k=t([p.top_k or vocab for p in params], torch.int64),
             top_p=t([p.top_p for p in params], torch.float32),
             min_p=t([p.min_p for p in params], torch.float32),
-            seeds=t([p.seed for p in params], torch.int64),
-            out_index=t([len(s.output_ids) + s.in_flight for s in states], torch.int64),
+            keys=torch.from_numpy(row_keys(np.array([p.seed for p in params], dtype=np.int64),
+                                           np.array([len(s.output_ids) + s.in_flight for s in states],
+                                                    dtype=np.int64))).to(dev, non_blocking=True),
             all_greedy=all(p.temperature == 0 for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
         )

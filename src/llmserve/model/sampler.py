@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.kernels.sampling import gumbel_argmax_reference, gumbel_noise_reference, row_keys
+from llmserve.kernels.sampling import gumbel_argmax_reference, gumbel_noise_reference
 from llmserve.messages import TokenLogprobs
 
 ArgmaxFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -34,8 +34,7 @@ class SamplingBatch:
     top_k: torch.Tensor  # int64; vocab size when disabled
     top_p: torch.Tensor  # float32
     min_p: torch.Tensor  # float32
-    seeds: torch.Tensor  # int64
-    out_index: torch.Tensor  # int64: output tokens the row already has
+    keys: torch.Tensor  # int64: the row's random stream, row_keys(seed, output tokens it already has)
     all_greedy: bool
     filtered_rows: torch.Tensor | None = None  # int64 row indices that use min_p, top_k or top_p
     penalties: "Penalties | None" = None
@@ -92,7 +91,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, argmax_fn: ArgmaxFn = gum
     logits = process_logits(logits, batch)
     if batch.all_greedy:
         return logits.argmax(dim=-1)
-    keys = row_keys(batch.seeds, batch.out_index)
+    keys = batch.keys
     tokens = argmax_fn(logits, batch.temperature, keys)
     rows = batch.filtered_rows
     if rows is not None:

@@ -66,3 +66,9 @@ class StepTiming:
             rows[name].append(e - prev[3])
         return [{"steps": name, "count": len(v), "total_s": sum(v), "mean_ms": 1e3 * sum(v) / len(v)}
                 for name, v in rows.items() if v]
+
+    def slowest(self, n: int = 8) -> list[dict]:
+        """The n longest step periods (as in by_batch), with the step's index, requests and tokens."""
+        periods = [(e - prev[3], i, r, t) for i, (prev, (r, t, _, e)) in enumerate(zip(self.records, self.records[1:]), 1)]
+        periods.sort(key=lambda x: (-x[0], x[1]))
+        return [{"step": i, "requests": r, "tokens": t, "ms": 1e3 * p} for p, i, r, t in periods[:n]]
