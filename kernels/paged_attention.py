@@ -39,7 +39,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Arguments that change with the batch are not specialized on (Triton would compile a variant
+# each time their divisibility by 16 changes, possibly mid-run): the block table's width, ml_half.
+@triton.jit(do_not_specialize=["ml_half", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     k_scale_ptr, v_scale_ptr, part_ptr, ml_ptr, scale, num_heads, ml_half,
@@ -122,7 +124,7 @@ def _paged_attention_kernel(
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ml_half"])
 def _merge_splits_kernel(out_ptr, part_ptr, ml_ptr, num_heads, ml_half, stride_ot, stride_oh,
                          NUM_SPLITS: tl.constexpr, HEAD_D: tl.constexpr, HEAD_P: tl.constexpr):
     t = tl.program_id(0)

@@ -67,3 +67,20 @@ def test_step_timing_profiles_each_window(tmp_path):
     assert sorted(f.name for f in tmp_path.iterdir()) == ["p-step1.trace.json", "p-step1.txt",
                                                          "p-step4.trace.json", "p-step4.txt"]
     assert (tmp_path / "p-step1.txt").read_text().startswith("steps 1..2: [(3, 3), (3, 3)]")
+
+
+def test_watch_stalls_names_first_used_kernels_and_gc_pauses():
+    import gc
+
+    from triton import knobs
+
+    from llmserve.bench.stalls import watch_stalls
+    before = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+    with watch_stalls() as seen:
+        # What Triton's JIT calls around compiling (or loading) a new specialization.
+        assert knobs.runtime.jit_cache_hook(key=("sig", 1), repr="_paged_attention_kernel[num_warps=4](...)") is None
+        knobs.runtime.jit_post_compile_hook(key=("sig", 1), repr="_paged_attention_kernel[num_warps=4](...)")
+        gc.collect()
+    assert [k["kernel"] for k in seen["kernels"]] == ["_paged_attention_kernel"] and seen["kernels"][0]["ms"] >= 0
+    assert seen["gc"]["collections"] >= 1 and seen["gc"]["max_ms"] <= seen["gc"]["ms"]
+    assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before

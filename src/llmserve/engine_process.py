@@ -33,7 +33,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from llmserve.actors.request_actor import RequestActor
 from llmserve.config import EngineConfig
-from llmserve.engine import (Engine, EngineSnapshot, Frontend, load_tokenizer, resolve_max_model_len,
+from llmserve.engine import (Engine, EngineSnapshot, Frontend, freeze_heap, load_tokenizer, resolve_max_model_len,
                              resolve_model_dir)
 from llmserve.messages import EngineOutputs
 from llmserve.model.spec import ModelSpec
@@ -93,6 +93,7 @@ class ProcessEngine(Frontend):
         self.kv_tokens = 0
         self.pid: int | None = None
         self._snapshot = EngineSnapshot(0, 0, 0.0, 0, 0, 0, 0, 0)
+        freeze_heap()
 
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot

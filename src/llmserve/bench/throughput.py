@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from llmserve.bench.report import report
+from llmserve.bench.stalls import watch_stalls
 from llmserve.bench.workloads import WORKLOADS, Workload
 from llmserve.model.spec import ModelSpec
 
@@ -140,7 +141,8 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
         if profile:
             # A prefill step, steady decode with all requests running, and the long tail's small batches.
             timing.profile_windows, timing.profile_out = [(2, 2), (200, 5), (980, 5)], profile
-        wall, outs = timed_generate(llm, w.prompts, w.params)
+        with watch_stalls() as stalls:
+            wall, outs = timed_generate(llm, w.prompts, w.params)
         step_summary = {**timing.summary(), "by_batch": timing.by_batch(), "slowest": timing.slowest()}
         if peer == "hf":
             # The same subset through our engine, for a like-for-like ratio measured in this run.
@@ -157,7 +159,7 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
     result = {"workload": workload, **device, "startup_s": startup, "wall_s": wall, "prompt_tokens": w.prompt_tokens,
               "output_tokens": generated, "expected_output_tokens": w.output_tokens,
               "output_tok_s": generated / wall, "preemptions": preemptions, "leaked_blocks": leaked,
-              "decode_steps": step_summary,
+              "decode_steps": step_summary, "stalls": stalls,
               "date": time.strftime("%Y-%m-%d"), "engine_kwargs": engine_kwargs}
     if "copy_bytes_per_s" in device:
         quant = engine_kwargs.get("quantization")
