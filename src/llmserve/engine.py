@@ -10,6 +10,7 @@ task group. Offline (`LLM`) and online (the server) both drive it through `gener
 from __future__ import annotations
 
 import abc
+import atexit
 import gc
 import math
 import time
@@ -61,6 +62,9 @@ def freeze_heap() -> None:
     gc.unfreeze()  # what an earlier engine froze and has since dropped can go now
     gc.collect()
     gc.freeze()
+    # At exit, the interpreter's last collection frees everything as usual (registered once).
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
 
 
 def resolve_device(name: str) -> torch.device:
