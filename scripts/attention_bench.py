@@ -1,10 +1,11 @@
 """Decode attention with a bf16 vs an FP8 KV cache (GPU): time per call and KV bytes read per second.
 
-    python scripts/attention_bench.py [--json out.json]
+    python scripts/attention_bench.py [--json out.json] [--sweep] [--splits]
 
 W-small's attention shape (16 query heads, 8 KV heads, head_dim 128, blocks of 16), a decode step
 of `batch` requests with `context` cached tokens each, blocks scattered over the pool; each shape
-also without split-KV (one pass per sequence).
+also without split-KV (one pass per sequence). --splits instead times mid-size batches (W-small's
+middle phase) with 1, 2, 4 and 8 key slices per sequence, against the split count chosen by default.
 """
 
 import argparse
@@ -23,7 +24,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--sweep", action="store_true", help="also time every (BLOCK_N, warps, stages)")
+    ap.add_argument("--splits", action="store_true", help="mid-size batches at 1, 2, 4, 8 key slices")
     args = ap.parse_args()
+    if args.splits:
+        return split_sweep(args.json)
     rows = []
     heads, kv_heads, dim, bs = 16, 8, 128, 16
     for batch, context in [(256, 512), (256, 1024), (64, 2048), (8, 4096), (2, 2048), (1, 8192)]:
@@ -64,6 +68,31 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     report(rows, args.json, echo=False)  # each row was printed as it came
+
+
+def decode_inputs(batch: int, context: int, heads: int = 16, kv_heads: int = 8, dim: int = 128, bs: int = 16):
+    blocks = batch * -(-context // bs)
+    tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(batch, -1)
+    k = torch.randn(blocks, bs, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    return q, k, torch.randn_like(k), tables, qsl, lens
+
+
+def split_sweep(json_path: str | None) -> None:
+    from llmserve.kernels.paged_attention import decode_splits
+    rows = []
+    for batch, context in [(192, 1000), (128, 1200), (96, 1300), (64, 1400), (48, 1500), (32, 1600), (16, 1800)]:
+        q, k, v, tables, qsl, lens = decode_inputs(batch, context)
+        kv_bytes = 2 * batch * context * 8 * 128 * 2
+        row = {"batch": batch, "context": context, "default_splits": decode_splits(batch, 8, q.device)}
+        for splits in (1, 2, 4, 8):
+            ms = triton.testing.do_bench(lambda: paged_attention(q, k, v, tables, qsl, lens, 0.088, 1, num_splits=splits))
+            row[f"splits{splits}_us"], row[f"splits{splits}_gb_s"] = 1e3 * ms, kv_bytes / ms / 1e6
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    report(rows, json_path, echo=False)
 
 
 if __name__ == "__main__":
