@@ -173,16 +173,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
                     out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, block_m: int | None = None) -> torch.Tensor:
     """Same contract as reference.paged_attention_reference; `max_query_len` sizes the grid.
     `tiles` overrides (BLOCK_N, num_warps, num_stages); `num_splits` the decode key slices (a power
-    of two; decode steps only)."""
+    of two; decode steps only); `block_m` the rows (query tokens x group heads) of a program."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and query.stride(2) == 1
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
-    block_m = max(64 if max_query_len > 1 else 16, group_p)
+    block_m = max(block_m or (64 if max_query_len > 1 else 16), group_p)
     block_q = block_m // group_p
     if out is None:
         out = torch.empty_like(query)

@@ -1,11 +1,13 @@
 """Decode attention with a bf16 vs an FP8 KV cache (GPU): time per call and KV bytes read per second.
 
-    python scripts/attention_bench.py [--json out.json] [--sweep] [--splits]
+    python scripts/attention_bench.py [--json out.json] [--sweep] [--splits] [--prefill]
 
 W-small's attention shape (16 query heads, 8 KV heads, head_dim 128, blocks of 16), a decode step
 of `batch` requests with `context` cached tokens each, blocks scattered over the pool; each shape
 also without split-KV (one pass per sequence). --splits instead times mid-size batches (W-small's
 middle phase) with 1, 2, 4 and 8 key slices per sequence, against the split count chosen by default.
+--prefill times prefill steps (8 prompts of 1,024 tokens; W-small's and W-large's heads) for every
+(BLOCK_M, BLOCK_N, warps, stages), in TFLOP/s of causal attention.
 """
 
 import argparse
@@ -25,9 +27,12 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--sweep", action="store_true", help="also time every (BLOCK_N, warps, stages)")
     ap.add_argument("--splits", action="store_true", help="mid-size batches at 1, 2, 4, 8 key slices")
+    ap.add_argument("--prefill", action="store_true", help="prefill tile sweep")
     args = ap.parse_args()
     if args.splits:
         return split_sweep(args.json)
+    if args.prefill:
+        return prefill_sweep(args.json)
     rows = []
     heads, kv_heads, dim, bs = 16, 8, 128, 16
     for batch, context in [(256, 512), (256, 1024), (64, 2048), (8, 4096), (2, 2048), (1, 8192)]:
@@ -92,6 +97,35 @@ def split_sweep(json_path: str | None) -> None:
             row[f"splits{splits}_us"], row[f"splits{splits}_gb_s"] = 1e3 * ms, kv_bytes / ms / 1e6
         rows.append(row)
         print(json.dumps(row), flush=True)
+    report(rows, json_path, echo=False)
+
+
+def prefill_sweep(json_path: str | None) -> None:
+    from llmserve.kernels.paged_attention import PREFILL_TILES
+    rows = []
+    seqs, length, dim, bs = 8, 1024, 128, 16
+    for name, heads, kv_heads in (("w-small", 16, 8), ("w-large", 32, 8)):
+        blocks = seqs * length // bs
+        tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(seqs, -1)
+        k = torch.randn(blocks, bs, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(seqs * length, heads, dim, device="cuda", dtype=torch.bfloat16)
+        qsl = torch.arange(0, seqs * length + 1, length, device="cuda", dtype=torch.int32)
+        lens = torch.full((seqs,), length, device="cuda", dtype=torch.int32)
+        flops = 4 * seqs * (length * (length + 1) / 2) * dim * heads
+        row = {"shape": name, "default": list(PREFILL_TILES)}
+        for block_m, tiles in itertools.product((64, 128), itertools.product((32, 64, 128), (4, 8), (2, 3, 4))):
+            try:
+                ms = triton.testing.do_bench(lambda: paged_attention(q, k, v, tables, qsl, lens, 0.088, length,
+                                                                     tiles=tiles, block_m=block_m))
+            except Exception:  # out of resources
+                continue
+            row[f"m{block_m} {tiles}"] = flops / ms / 1e9
+        best = max((key for key in row if key.startswith("m")), key=row.get)
+        row["best"], row["best_tflop_s"] = best, row[best]
+        row["default_tflop_s"] = row.get(f"m64 {tuple(PREFILL_TILES)}")
+        rows.append(row)
+        print(json.dumps({key: row[key] for key in ("shape", "best", "best_tflop_s", "default_tflop_s")}), flush=True)
     report(rows, json_path, echo=False)
 
 

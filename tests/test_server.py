@@ -399,6 +399,34 @@ def test_full_queue_answers_503_with_retry_after():
         assert all(r.status_code == 200 for r in done)
 
 
+def test_server_stops_with_an_error_when_its_engine_process_dies():
+    config = EngineConfig.from_dict({"model": {"model": "builtin", "device": "cpu", "dtype": "float32"},
+                                     "cache": {"num_blocks": 64, "block_size": 16},
+                                     "server": {"port": free_port(), "engine_process": True}})
+    engine = ProcessEngine(config)
+    url = f"http://127.0.0.1:{config.server.port}"
+    body = {"model": MODEL, "prompt": "The list type", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with start_blocking_portal("asyncio") as portal:
+        future, _ = portal.start_task(partial(serve, config, handle_signals=False, engine=engine))
+        with httpx.Client(timeout=30) as http, http.stream("POST", f"{url}/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            os.kill(engine.pid, signal.SIGKILL)
+            events = [line for line in lines if line]
+        with pytest.raises(BaseException) as info:
+            future.result(timeout=30)
+    # The stream in flight ends with an in-band error, then [DONE]; the server exits with the cause.
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error" and "engine process died (exit code -9)" in error["message"]
+    leaf = info.value
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    assert type(leaf).__name__ == "EngineProcessError" and "exit code -9" in str(leaf)
+    with pytest.raises(httpx.TransportError):  # and it no longer listens
+        httpx.get(f"{url}/health", timeout=2)
+
+
 def test_llmserve_command_serves_the_builtin_model_and_stops_on_sigterm(tmp_path):
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

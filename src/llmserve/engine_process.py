@@ -154,8 +154,9 @@ class ProcessEngine(Frontend):
                         try:
                             frame = await wire.receive()
                         except EOFError:
-                            code = await process.wait()
-                            raise EngineProcessError(f"the engine process died (exit code {code})") from None
+                            error = EngineProcessError(f"the engine process died (exit code {await process.wait()})")
+                            requests.fail_all(error)
+                            raise error from None
                         if frame[0] == "outputs":
                             for outputs in frame[1]:
                                 await req_send.send(outputs)

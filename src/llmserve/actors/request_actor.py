@@ -236,6 +236,12 @@ class RequestActor:
         if finished:
             self._forget(req)
 
+    def fail_all(self, error: BaseException) -> None:
+        """The engine behind this actor is gone: every request still waiting for output gets `error`."""
+        for req in list(self.requests.values()):
+            req.slot.put(error)
+            self._forget(req)
+
     def _forget(self, req: _Request) -> None:
         self.requests.pop(req.req_id, None)
         for child in req.children:

@@ -44,8 +44,24 @@ async def serve(config: EngineConfig, *, stop: anyio.Event | None = None, handle
                 stop.set()
                 return
 
+    failure: list[Exception] = []
+    started = False
+
+    async def run_engine(*, task_status: anyio.abc.TaskStatus) -> None:
+        # An engine that fails after start-up (its process died) stops the server the graceful way:
+        # the requests in flight have already been answered with the error. Start-up errors propagate.
+        try:
+            await engine.run(task_status=task_status)
+        except Exception as exc:
+            if not started:
+                raise
+            failure.append(exc)
+            log.error("engine failed; shutting down", error=str(exc))
+            stop.set()
+
     async with anyio.create_task_group() as tg:
-        await tg.start(engine.run)
+        await tg.start(run_engine)
+        started = True
         if handle_signals:
             tg.start_soon(watch_signals)
 
@@ -60,6 +76,8 @@ async def serve(config: EngineConfig, *, stop: anyio.Event | None = None, handle
                  device=str(engine.device), kv_tokens=engine.kv_tokens,
                  max_model_len=engine.max_model_len)
         task_status.started()
+    if failure:
+        raise failure[0]
 
 
 async def _until_listening(host: str, port: int, timeout: float = 60.0) -> None:

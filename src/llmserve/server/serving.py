@@ -134,12 +134,16 @@ class OpenAIServing:
                         yield i, out
         except ValueError as exc:
             raise APIError.from_value_error(exc, default_param="prompt") from None
+        except RuntimeError as exc:  # the engine failed this request (a failed step, a dead engine process)
+            raise APIError(str(exc), status=500, type="server_error") from None
         except BaseExceptionGroup as group:
             leaf = group
             while isinstance(leaf, BaseExceptionGroup):
                 leaf = leaf.exceptions[0]
             if isinstance(leaf, ValueError):
                 raise APIError.from_value_error(leaf, default_param="prompt") from None
+            if isinstance(leaf, RuntimeError):
+                raise APIError(str(leaf), status=500, type="server_error") from None
             raise
 
     async def full_response(self, job: _Job) -> dict[str, Any]:
