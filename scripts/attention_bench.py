@@ -1,13 +1,15 @@
 """Decode attention with a bf16 vs an FP8 KV cache (GPU): time per call and KV bytes read per second.
 
-    python scripts/attention_bench.py [--json out.json] [--sweep] [--splits] [--prefill]
+    python scripts/attention_bench.py [--json out.json] [--sweep] [--splits] [--prefill] [--mixed]
 
 W-small's attention shape (16 query heads, 8 KV heads, head_dim 128, blocks of 16), a decode step
 of `batch` requests with `context` cached tokens each, blocks scattered over the pool; each shape
 also without split-KV (one pass per sequence). --splits instead times mid-size batches (W-small's
 middle phase) with 1, 2, 4 and 8 key slices per sequence, against the split count chosen by default.
 --prefill times prefill steps (8 prompts of 1,024 tokens; W-small's and W-large's heads) for every
-(BLOCK_M, BLOCK_N, warps, stages), in TFLOP/s of causal attention.
+(BLOCK_M, BLOCK_N, warps, stages), in TFLOP/s of causal attention. --mixed times a W-large mixed step
+(8 prompts of 1,024 tokens plus 248 decoding requests with ~1,100 cached tokens) in one launch
+against its prefill and decode rows launched apart.
 """
 
 import argparse
@@ -28,11 +30,14 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time every (BLOCK_N, warps, stages)")
     ap.add_argument("--splits", action="store_true", help="mid-size batches at 1, 2, 4, 8 key slices")
     ap.add_argument("--prefill", action="store_true", help="prefill tile sweep")
+    ap.add_argument("--mixed", action="store_true", help="a mixed step in one launch vs prefill and decode apart")
     args = ap.parse_args()
     if args.splits:
         return split_sweep(args.json)
     if args.prefill:
         return prefill_sweep(args.json)
+    if args.mixed:
+        return mixed_step(args.json)
     rows = []
     heads, kv_heads, dim, bs = 16, 8, 128, 16
     for batch, context in [(256, 512), (256, 1024), (64, 2048), (8, 4096), (2, 2048), (1, 8192)]:
@@ -126,6 +131,35 @@ def prefill_sweep(json_path: str | None) -> None:
         row["default_tflop_s"] = row.get(f"m64 {tuple(PREFILL_TILES)}")
         rows.append(row)
         print(json.dumps({key: row[key] for key in ("shape", "best", "best_tflop_s", "default_tflop_s")}), flush=True)
+    report(rows, json_path, echo=False)
+
+
+def mixed_step(json_path: str | None) -> None:
+    rows = []
+    dim, bs = 128, 16
+    for name, heads, kv_heads in (("w-small", 16, 8), ("w-large", 32, 8)):
+        q_lens = [1024] * 8 + [1] * 248
+        ctx = [0] * 8 + [1024 + (i * 7) % 128 for i in range(248)]
+        seq_lens = [c + q for c, q in zip(ctx, q_lens)]
+        width = max(-(-n // bs) for n in seq_lens)
+        blocks = len(seq_lens) * width
+        tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(len(seq_lens), width)
+        k = torch.randn(blocks, bs, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(sum(q_lens), heads, dim, device="cuda", dtype=torch.bfloat16)
+        qsl = torch.tensor([0, *itertools.accumulate(q_lens)], device="cuda", dtype=torch.int32)
+        lens = torch.tensor(seq_lens, device="cuda", dtype=torch.int32)
+        one = triton.testing.do_bench(lambda: paged_attention(q, k, v, tables, qsl, lens, 0.088, 1024))
+        pre_q, dec_q = q[:8 * 1024], q[8 * 1024:]
+        pre_qsl, dec_qsl = qsl[:9], qsl[8:] - 8 * 1024
+        prefill = triton.testing.do_bench(lambda: paged_attention(pre_q, k, v, tables[:8], pre_qsl, lens[:8], 0.088,
+                                                                  1024))
+        decode = triton.testing.do_bench(lambda: paged_attention(dec_q, k, v, tables[8:], dec_qsl, lens[8:], 0.088, 1))
+        decode_kv_gb = 2 * sum(ctx) * kv_heads * dim * 2 / 1e9
+        row = {"shape": name, "one_launch_ms": one, "prefill_ms": prefill, "decode_ms": decode,
+               "apart_ms": prefill + decode, "decode_kv_gb": decode_kv_gb, "decode_tb_s": decode_kv_gb / decode}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     report(rows, json_path, echo=False)
 
 
