@@ -11,7 +11,7 @@ import pytest
 
 from llmserve import EngineConfig, SamplingParams
 from llmserve.engine import Engine
-from llmserve.engine_process import EngineProcessError, ProcessEngine
+from llmserve.engine_process import EngineProcessError, ProcessEngine, Wire
 from llmserve.messages import EngineOutputs, SequenceUpdate, TokenLogprobs
 
 pytestmark = pytest.mark.anyio
@@ -115,3 +115,32 @@ def test_sequence_updates_survive_the_wire():
     assert set(values) == {f.name for f in dataclasses.fields(SequenceUpdate)}  # every field set, none default
     up = SequenceUpdate(**values)
     assert pickle.loads(pickle.dumps(EngineOutputs([up]))) == EngineOutputs([up])
+
+
+async def test_wire_takes_every_frame_that_arrived_and_reassembles_split_ones():
+    class Chunks:  # a byte stream that hands out scripted chunks
+        def __init__(self):
+            self.chunks = []
+
+        async def send(self, data):
+            self.chunks.append(data)
+
+        async def receive(self, max_bytes=65536):
+            if not self.chunks:
+                raise anyio.EndOfStream
+            return self.chunks.pop(0)
+
+    sent = Chunks()
+    writer = Wire(sent)
+    for obj in ["a", {"b": [1, 2]}, list(range(5000)), None]:
+        await writer.send(obj)
+    frames = b"".join(sent.chunks)
+    mid = sum(map(len, sent.chunks[:2])) + len(sent.chunks[2]) // 2  # inside the 5000-int list's frame
+    stream = Chunks()
+    stream.chunks = [frames[:3], frames[3:mid], frames[mid:]]  # a header split, then a frame split
+    reader = Wire(stream)
+    assert await reader.receive() == "a"
+    assert await reader.receive_all() == [{"b": [1, 2]}]
+    assert await reader.receive_all() == [list(range(5000)), None]  # both complete in the last chunk
+    with pytest.raises(EOFError):
+        await reader.receive_all()

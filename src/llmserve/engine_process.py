@@ -23,13 +23,13 @@ import signal
 import struct
 import sys
 import tempfile
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import structlog
 from anyio.abc import ByteStream, ObjectReceiveStream
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 from llmserve.actors.request_actor import RequestActor
 from llmserve.config import EngineConfig
@@ -51,11 +51,16 @@ class EngineProcessError(RuntimeError):
 
 
 class Wire:
-    """Length-prefixed pickles over a byte stream. One task sends and one receives per side."""
+    """Length-prefixed pickles over a byte stream. One task sends and one receives per side.
+
+    A receiver that falls behind takes every frame that has arrived in one go (`receive_all`):
+    the server's loop then absorbs all the steps made meanwhile per turn, instead of one step per
+    turn of a loop busy with hundreds of HTTP streams, which would pace the engine to the loop."""
 
     def __init__(self, stream: ByteStream) -> None:
         self.stream = stream
-        self._in = BufferedByteReceiveStream(stream)
+        self._buf = bytearray()
+        self._ready: deque = deque()
 
     async def send(self, obj: Any) -> None:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -63,11 +68,32 @@ class Wire:
 
     async def receive(self) -> Any:
         """The next object; EOFError once the other side has closed or gone."""
+        while not self._ready:
+            await self._fill()
+        return self._ready.popleft()
+
+    async def receive_all(self) -> list[Any]:
+        """Every object that has arrived, at least one (waiting for it); EOFError as receive."""
+        while not self._ready:
+            await self._fill()
+        objs = list(self._ready)
+        self._ready.clear()
+        return objs
+
+    async def _fill(self) -> None:
         try:
-            (size,) = _LENGTH.unpack(await self._in.receive_exactly(_LENGTH.size))
-            return pickle.loads(await self._in.receive_exactly(size))
-        except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            self._buf += await self.stream.receive(1 << 20)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
             raise EOFError from None
+        pos, end = 0, len(self._buf)
+        while end - pos >= _LENGTH.size:
+            (size,) = _LENGTH.unpack_from(self._buf, pos)
+            if end - pos - _LENGTH.size < size:
+                break
+            start = pos + _LENGTH.size
+            self._ready.append(pickle.loads(self._buf[start:start + size]))
+            pos = start + size
+        del self._buf[:pos]
 
 
 @dataclass(slots=True, frozen=True)
@@ -152,15 +178,16 @@ class ProcessEngine(Frontend):
                 async with req_send:
                     while True:
                         try:
-                            frame = await wire.receive()
+                            frames = await wire.receive_all()
                         except EOFError:
                             error = EngineProcessError(f"the engine process died (exit code {await process.wait()})")
                             requests.fail_all(error)
                             raise error from None
-                        if frame[0] == "outputs":
-                            for outputs in frame[1]:
-                                await req_send.send(outputs)
-                        self._snapshot = frame[-1]
+                        # All the steps that arrived, as one batch for the request actor, in order.
+                        updates = [u for f in frames if f[0] == "outputs" for outputs in f[1] for u in outputs.updates]
+                        if updates:
+                            await req_send.send(EngineOutputs(updates))
+                        self._snapshot = frames[-1][-1]
 
             tg.start_soon(receive)
             tg.start_soon(_forward, from_requests, wire)
@@ -223,10 +250,10 @@ async def serve_core(path: str) -> None:
             async with to_scheduler:
                 while True:
                     try:
-                        batch = await wire.receive()
+                        batches = await wire.receive_all()
                     except EOFError:
                         break
-                    for msg in batch:
+                    for msg in (m for batch in batches for m in batch):
                         await to_scheduler.send(msg)
             tg.cancel_scope.cancel()
 
