@@ -339,3 +339,12 @@ def test_penalties_and_min_tokens_see_every_token_with_steps_in_flight(checkpoin
             assert runner.host_sampled <= set(runner.seqs)  # forgotten with their requests' state
     assert outs[0] == outs[1]
     assert outs[1][0].count(100) == 1 and len(outs[1][1]) == 7 and outs[1][1][-1] == 100
+
+
+def test_engine_hides_its_start_up_heap_from_the_collector_until_released(checkpoint):
+    import gc
+    engine = Engine(EngineConfig.from_kwargs(model=checkpoint("llama"), dtype="float32", device="cpu",
+                                             num_blocks=8, max_model_len=32, log_interval_s=0))
+    assert gc.get_freeze_count() > 0  # modules, weights' wrappers, libraries: out of full collections
+    engine.release()
+    assert gc.get_freeze_count() == 0
