@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import structlog
 import torch
-from anyio.abc import ObjectSendStream
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from llmserve.actors.executor_actor import ExecutorActor
 from llmserve.actors.kv_actor import KVActor
@@ -140,9 +140,19 @@ class Frontend(abc.ABC):
     kv_tokens: int
     """Tokens the KV cache holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: EngineConfig) -> None:
+        """What both sides need: the checkpoint's shape, the context limit, the tokenizer."""
+        config.model.model = resolve_model_dir(config.model.model)
+        self.config = config
+        self.spec = ModelSpec.from_dir(config.model.model)
+        self.max_model_len = resolve_max_model_len(config, self.spec)
+        self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
         self._requests_in: ObjectSendStream | None = None
         self._stop: anyio.Event | None = None
+
+    def _request_actor(self, inbox: ObjectReceiveStream, to_scheduler: ObjectSendStream) -> RequestActor:
+        return RequestActor(self.tokenizer, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
+                            seed=self.config.model.seed, inbox=inbox, to_scheduler=to_scheduler)
 
     @abc.abstractmethod
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
@@ -210,17 +220,12 @@ class Engine(Frontend):
     """Everything in this process: the request actor and the device side on one event loop."""
 
     def __init__(self, config: EngineConfig, plugins: Plugins | None = None) -> None:
-        super().__init__()
-        config.model.model = resolve_model_dir(config.model.model)
-        self.config = config
+        super().__init__(config)
         self.plugins = plugins or Plugins.from_config(config.plugins)
         m = config.model
-        self.spec = ModelSpec.from_dir(m.model)
         self.quant = resolve_quantization(m.quantization, self.spec, self.plugins)
         self.device = resolve_device(m.device)
         self.dtype = resolve_dtype(m.dtype, self.spec, self.device)
-        self.max_model_len = resolve_max_model_len(config, self.spec)
-        self.tokenizer = load_tokenizer(m.tokenizer or m.model)
         self.backend = self.plugins.select_backend(self.device, config)
         self.runner = ModelRunner(config, self.spec, self.backend, self.device, self.dtype, self.max_model_len,
                                   self.quant)
@@ -250,7 +255,7 @@ class Engine(Frontend):
         freeze_heap()
         log.info("engine ready", model=m.model, architecture=self.spec.architecture, device=str(self.device),
                  dtype=str(self.dtype).removeprefix("torch."), backend=self.backend.name, max_model_len=self.max_model_len,
-                 kv_blocks=num_blocks, kv_tokens=num_blocks * bs,
+                 kv_blocks=num_blocks, kv_tokens=self.kv_tokens,
                  kv_gib=round(num_blocks * self.runner.block_bytes() / 2**30, 3))
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
@@ -258,9 +263,7 @@ class Engine(Frontend):
         req_send, req_recv = anyio.create_memory_object_stream(64)
         async with anyio.create_task_group() as tg:
             to_scheduler = await tg.start(self.run_core, req_send.clone())
-            requests = RequestActor(self.tokenizer, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
-                                    seed=self.config.model.seed, inbox=req_recv, to_scheduler=to_scheduler)
-            await tg.start(requests.run)
+            await tg.start(self._request_actor(req_recv, to_scheduler).run)
             await self._accept_until_stopped(req_send, task_status)
             tg.cancel_scope.cancel()
 

@@ -31,12 +31,9 @@ import anyio
 import structlog
 from anyio.abc import ByteStream, ObjectReceiveStream
 
-from llmserve.actors.request_actor import RequestActor
 from llmserve.config import EngineConfig
-from llmserve.engine import (Engine, EngineSnapshot, Frontend, freeze_heap, load_tokenizer, resolve_max_model_len,
-                             resolve_model_dir)
+from llmserve.engine import Engine, EngineSnapshot, Frontend, freeze_heap
 from llmserve.messages import EngineOutputs
-from llmserve.model.spec import ModelSpec
 
 log = structlog.get_logger("llmserve.engine")
 
@@ -109,12 +106,7 @@ class ProcessEngine(Frontend):
     """A Frontend whose device side runs in a child process, started by `run` and stopped with it."""
 
     def __init__(self, config: EngineConfig) -> None:
-        super().__init__()
-        config.model.model = resolve_model_dir(config.model.model)
-        self.config = config
-        self.spec = ModelSpec.from_dir(config.model.model)
-        self.max_model_len = resolve_max_model_len(config, self.spec)
-        self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
+        super().__init__(config)
         self.device = "starting"
         self.kv_tokens = 0
         self.pid: int | None = None
@@ -171,8 +163,7 @@ class ProcessEngine(Frontend):
     async def _run(self, wire: Wire, process: anyio.abc.Process, task_status: anyio.abc.TaskStatus) -> None:
         req_send, req_recv = anyio.create_memory_object_stream(64)
         to_core, from_requests = anyio.create_memory_object_stream(math.inf)
-        requests = RequestActor(self.tokenizer, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
-                                seed=self.config.model.seed, inbox=req_recv, to_scheduler=to_core)
+        requests = self._request_actor(req_recv, to_core)
         async with anyio.create_task_group() as tg:
             async def receive() -> None:
                 async with req_send:
@@ -196,17 +187,20 @@ class ProcessEngine(Frontend):
             tg.cancel_scope.cancel()
 
 
+def _queued(stream: ObjectReceiveStream, batch: list) -> list:
+    """`batch` with everything already queued on `stream` appended, without waiting."""
+    while True:
+        try:
+            batch.append(stream.receive_nowait())
+        except anyio.WouldBlock:
+            return batch
+
+
 async def _forward(inbox: ObjectReceiveStream, wire: Wire) -> None:
     """Everything queued goes in one frame."""
     async with inbox:
         async for msg in inbox:
-            batch = [msg]
-            while True:
-                try:
-                    batch.append(inbox.receive_nowait())
-                except anyio.WouldBlock:
-                    break
-            await wire.send(batch)
+            await wire.send(_queued(inbox, [msg]))
 
 
 async def _reap(process: anyio.abc.Process) -> None:
@@ -266,11 +260,7 @@ async def _send_outputs(engine: Engine, outputs: ObjectReceiveStream, wire: Wire
             batch: list[EngineOutputs] = []
             with anyio.move_on_after(SNAPSHOT_INTERVAL_S):
                 batch.append(await outputs.receive())
-            while True:
-                try:
-                    batch.append(outputs.receive_nowait())
-                except anyio.WouldBlock:
-                    break
+            _queued(outputs, batch)
             snap = engine.snapshot()
             if batch:
                 await wire.send(("outputs", batch, snap))
