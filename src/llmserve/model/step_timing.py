@@ -55,20 +55,23 @@ class StepTiming:
                 "execute_ms": 1e3 * sum(e - s for _, s, e, _ in rows) / n,
                 "between_ms": 1e3 * sum(max(gap, 0.0) for *_, gap in rows) / n}
 
+    def periods(self) -> list[tuple[float, int, int, int]]:
+        """(seconds, step index, requests, tokens) for each step after the first: from the previous
+        step() returning to this one returning; with a step in flight, the pipeline's rate."""
+        return [(e - prev[3], i, r, t) for i, (prev, (r, t, _, e)) in enumerate(zip(self.records, self.records[1:]), 1)]
+
     def by_batch(self, edges: tuple[int, ...] = (8, 32, 64, 128, 256)) -> list[dict]:
-        """Where the whole run's wall time went: the period of each step (from the previous step()
-        returning to this one returning; with a step in flight that is the pipeline's rate), summed
-        for steps with prompt tokens ("mixed") and for decode steps by batch size (up to each edge)."""
+        """Where the whole run's wall time went: step periods summed for steps with prompt tokens
+        ("mixed") and for decode steps by batch size (up to each edge)."""
         names = ["mixed", *(f"decode <= {x}" for x in edges), f"decode > {edges[-1]}"]
         rows: dict[str, list[float]] = {name: [] for name in names}
-        for prev, (r, t, _, e) in zip(self.records, self.records[1:]):
+        for period, _, r, t in self.periods():
             name = "mixed" if t != r else names[1 + next((i for i, x in enumerate(edges) if r <= x), len(edges))]
-            rows[name].append(e - prev[3])
+            rows[name].append(period)
         return [{"steps": name, "count": len(v), "total_s": sum(v), "mean_ms": 1e3 * sum(v) / len(v)}
                 for name, v in rows.items() if v]
 
     def slowest(self, n: int = 8) -> list[dict]:
-        """The n longest step periods (as in by_batch), with the step's index, requests and tokens."""
-        periods = [(e - prev[3], i, r, t) for i, (prev, (r, t, _, e)) in enumerate(zip(self.records, self.records[1:]), 1)]
-        periods.sort(key=lambda x: (-x[0], x[1]))
+        """The n longest step periods, with the step's index, requests and tokens."""
+        periods = sorted(self.periods(), key=lambda x: (-x[0], x[1]))
         return [{"step": i, "requests": r, "tokens": t, "ms": 1e3 * p} for p, i, r, t in periods[:n]]
