@@ -26,9 +26,6 @@ class RequestStatus(IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
 
-    def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
-
 
 @dataclass(slots=True, eq=False)
 class Request:

@@ -239,10 +239,6 @@ class ModelRunner:
         previous, self.in_flight = self.in_flight, None
         return [] if previous is None else [self._finish_or_fail(previous)]
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Launch and finish one step with nothing else in flight; its result."""
-        return (self.flush() + self.step(plan) + self.flush())[-1]
-
     def _needs_host_tokens(self, plan: StepPlan, previous: InFlight) -> bool:
         """Whether a request of `plan` samples with its previous token, still in flight, on the host:
         penalties count output tokens; min_tokens bans stop tokens until it is reached."""
