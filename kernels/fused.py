@@ -8,7 +8,8 @@ the normalised value is rounded before the weight multiplies it, SiLU is rounded
 - rms_norm(x, w, eps, residual=None): grid (rows,); one row of `hidden` per program.
   With a residual: s = x + residual (rounded), returns (norm(s) * w, s) — the add fused in.
 - rotary(q, k, positions, cos, sin): grid (tokens,); one token's query and key heads per program,
-  rotate-halves (neox) style, in place.
+  rotate-halves (neox) style, in place. rotary_and_write_kv: the same, with the rotated key and
+  the value stored straight into their KV-cache slot (the decoder's path: one kernel, not two).
 - silu_and_mul(x): grid (rows,); x = [gate | up] per row -> silu(gate) * up.
 """
 
@@ -70,17 +71,36 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 # ---- rotary embedding ---------------------------------------------------------------------------
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
+def _store_halves(cache_ptr, scale_ptr, dst, scale_dst, x1, x2, mask, heads_ok, HALF: tl.constexpr,
+                  FP8: tl.constexpr):
+    """One token's heads, given as halves [H, HALF] each, into their cache row; for an FP8 cache
+    quantized per head exactly as cache_write._store does."""
+    if FP8:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(f1), 1), tl.max(tl.abs(f2), 1))
+        scale = tl.maximum(amax, 1e-12 * 448.0) * (1.0 / 448.0)
+        tl.store(scale_ptr + scale_dst, scale, mask=heads_ok)
+        x1 = tl.clamp(f1 / scale[:, None], -448.0, 448.0)
+        x2 = tl.clamp(f2 / scale[:, None], -448.0, 448.0)
+    tl.store(cache_ptr + dst, x1.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_ptr + dst + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
+                   k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
+                   stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
                    HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-                   NORM: tl.constexpr):
+                   NORM: tl.constexpr, WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, DP)
     dmask = d < HALF
     cos = tl.load(cos_ptr + pos * stride_c + d, mask=dmask, other=0.0)
     sin = tl.load(sin_ptr + pos * stride_c + d, mask=dmask, other=0.0)
-    h = tl.arange(0, HP)[:, None]
+    heads_p = tl.arange(0, HP)
+    h = heads_p[:, None]
     for which in tl.static_range(2):
         if which == 0:
             base = q_ptr + t * stride_qt
@@ -108,8 +128,45 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
         # transformers: x * cos + rotate_half(x) * sin, each product in the activation dtype.
         y1 = ((x1 * c).to(dtype) - (x2 * s).to(dtype)).to(dtype)
         y2 = ((x2 * c).to(dtype) + (x1 * s).to(dtype)).to(dtype)
-        tl.store(p1, y1, mask=m)
-        tl.store(p1 + HALF, y2, mask=m)
+        if WRITE_KV and which == 1:  # the rotated key and the value go straight to the cache slot
+            slot = tl.load(slot_ptr + t)
+            block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+            dst = block * stride_cb + offset * stride_ct + h * stride_ch + d[None, :]
+            scale_dst = block * stride_sb + offset * stride_st + heads_p
+            # a padding token (slot -1) writes nothing; slot broadcast to a vector (the interpreter
+            # turns a scalar condition & a vector into an int32 mask)
+            heads_ok = (heads_p < HK) & (heads_p * 0 + slot >= 0)
+            ok = heads_ok[:, None] & dmask[None, :]
+            _store_halves(k_cache_ptr, k_scale_ptr, dst, scale_dst, y1, y2, ok, heads_ok, HALF, FP8)
+            pv = v_ptr + t * stride_vt + h * stride_vh + d[None, :]
+            v1 = tl.load(pv, mask=m, other=0.0)
+            v2 = tl.load(pv + HALF, mask=m, other=0.0)
+            _store_halves(v_cache_ptr, v_scale_ptr, dst, scale_dst, v1, v2, ok, heads_ok, HALF, FP8)
+        else:
+            tl.store(p1, y1, mask=m)
+            tl.store(p1 + HALF, y2, mask=m)
+
+
+def _launch_rotary(q, k, v, positions, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping,
+                   k_scale, v_scale) -> None:
+    T, hq, dim = q.shape
+    if not T:
+        return
+    norm, write_kv, fp8 = q_weight is not None, k_cache is not None, k_scale is not None
+    if write_kv:
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and v.stride(2) == 1
+        assert not fp8 or (k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1)
+    else:  # unused pointers and strides
+        v, k_cache, v_cache, slot_mapping = k, cos, cos, positions
+    scales = (k_scale, v_scale) if fp8 else (cos, cos)
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)) if write_kv else (0, 0, 0)
+    _rotary_kernel[(T,)](q, k, v, positions, cos, sin, q_weight if norm else cos, k_weight if norm else cos, eps,
+                         k_cache, v_cache, slot_mapping, *scales,
+                         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+                         *cache_strides, k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
+                         HQ=hq, HK=k.shape[1], HALF=dim // 2,
+                         HP=triton.next_power_of_2(max(hq, k.shape[1])), DP=triton.next_power_of_2(dim // 2),
+                         NORM=norm, WRITE_KV=write_kv, BLOCK_SIZE=k_cache.shape[1] if write_kv else 1, FP8=fp8)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -117,14 +174,19 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch
     """In place: q [T, Hq, D], k [T, Hkv, D] (unit stride on D); cos/sin float32 [max_pos, D].
     With q_weight/k_weight [D], each head is RMS-normalised first (Qwen3's q/k norm): one pass
     instead of copying the strided heads out, normalising and rotating them in three."""
-    T, hq, dim = q.shape
-    norm = q_weight is not None
-    if T:
-        _rotary_kernel[(T,)](q, k, positions, cos, sin, q_weight if norm else cos, k_weight if norm else cos, eps,
-                             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                             cos.stride(0), HQ=hq, HK=k.shape[1], HALF=dim // 2,
-                             HP=triton.next_power_of_2(max(hq, k.shape[1])), DP=triton.next_power_of_2(dim // 2),
-                             NORM=norm)
+    _launch_rotary(q, k, None, positions, cos, sin, q_weight, k_weight, eps, None, None, None, None, None)
+
+
+def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None, q_weight: torch.Tensor | None = None,
+                        k_weight: torch.Tensor | None = None, eps: float = 0.0) -> None:
+    """rotary() of q in place, and of k into the cache: the rotated keys and the values v [T, Hkv, D]
+    are stored at slot_mapping [T] as cache_write.write_kv stores them (negative slot: nothing),
+    and k itself is left as it was. One kernel per layer instead of two, k not written back."""
+    _launch_rotary(q, k, v, positions, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping,
+                   k_scale, v_scale)
 
 
 def rotary_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,

@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve.kernels.hardware import sm_count
+
 
 # Arguments that change with the batch are not specialized on (Triton would compile a variant
 # each time their divisibility by 16 changes, possibly mid-run): the block table's width, ml_half.
@@ -146,7 +148,6 @@ PREFILL_TILES = (32, 4, 3)
 
 
 MAX_SPLITS = 16
-_sm_count: dict[int, int] = {}
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
@@ -154,13 +155,10 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int
     alone gives fewer."""
     if device.type != "cuda":
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _sm_count:
-        _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    programs = num_seqs * num_kv_heads
-    if programs >= _sm_count[index]:
+    sms, programs = sm_count(device), num_seqs * num_kv_heads
+    if programs >= sms:
         return 1
-    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * _sm_count[index], programs)))
+    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, programs)))
 
 
 def decode_tiles(num_seqs: int, fp8: bool) -> tuple[int, int, int]:

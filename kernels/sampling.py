@@ -5,8 +5,11 @@ noise g = -log(-log u) and u in (0, 1) from a 32-bit counter hash of (row key, v
 from softmax(logits / T), reproducible from the key alone. T == 0 rows take argmax_v logits[b, v].
 Ties resolve to the smallest index, as torch.argmax does.
 
-Grid: (B,). Program b walks its row BLOCK entries at a time, keeping per-lane running maxima and
-their indices, and reduces them once at the end.
+Grid: (B, S). Program (b, s) walks slice s of row b BLOCK entries at a time, keeping per-lane
+running maxima and their indices, and leaves the slice's best (value, index); a second kernel
+picks each row's best slice. S is chosen so that the grid fills the device even when the batch
+alone would not (a row of 151,936 logits is one long walk for a single program). Logits may be in
+the model's dtype: they are upcast to float32 as they are read, so the draw is the same.
 
 `gumbel_argmax_reference` computes the same function in torch (int64 arithmetic masked to 32 bits),
 for the CPU backend and as this kernel's test oracle.
@@ -17,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from llmserve.kernels.hardware import sm_count
 
 _GOLDEN = 0x9E3779B9
 _M1, _M2 = 0x7FEB352D, 0x846CA68B
@@ -35,13 +40,13 @@ def _hash32(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, key_ptr, out_ptr, V, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, key_ptr, best_ptr, index_ptr, V, CHUNK, BLOCK: tl.constexpr):
+    row, part = tl.program_id(0), tl.program_id(1)
     t = tl.load(temp_ptr + row)
     key = tl.load(key_ptr + row).to(tl.uint32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, V, BLOCK):
+    for start in range(part * CHUNK, (part + 1) * CHUNK, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         valid = idx < V
         x = tl.load(logits_ptr + row.to(tl.int64) * stride + idx, mask=valid, other=float("-inf")).to(tl.float32)
@@ -53,17 +58,46 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, key_ptr, out_ptr, V, BLO
         best = tl.where(better, x, best)
         best_idx = tl.where(better, idx, best_idx)
     top = tl.max(best, 0)
-    winner = tl.min(tl.where(best == top, best_idx, V), 0)
-    tl.store(out_ptr + row, winner.to(tl.int64))
+    out = row * tl.num_programs(1) + part
+    tl.store(best_ptr + out, top)
+    tl.store(index_ptr + out, tl.min(tl.where(best == top, best_idx, V), 0))
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """logits float [B, V] (row stride free, unit column stride), temperature float32 [B], key int64 [B]
-    (low 32 bits used) -> int64 tokens [B]."""
+@triton.jit(do_not_specialize=["S"])  # one variant whatever the batch's slice count
+def _pick_slice_kernel(best_ptr, index_ptr, out_ptr, S, V, S_P: tl.constexpr):
+    row = tl.program_id(0)
+    s = tl.arange(0, S_P)
+    best = tl.load(best_ptr + row * S + s, mask=s < S, other=float("-inf"))
+    idx = tl.load(index_ptr + row * S + s, mask=s < S, other=V)
+    top = tl.max(best, 0)
+    tl.store(out_ptr + row, tl.min(tl.where(best == top, idx, V), 0).to(tl.int64))
+
+
+MAX_SLICES = 32
+_BLOCK = 1024
+
+
+def vocab_slices(rows: int, vocab: int, device: torch.device) -> int:
+    """Slices per row: about four programs per SM in all, each at least a few BLOCKs long."""
+    want = triton.cdiv(4 * sm_count(device), max(rows, 1))
+    return max(1, min(MAX_SLICES, want, triton.cdiv(vocab, 4 * _BLOCK)))
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor,
+                  slices: int | None = None) -> torch.Tensor:
+    """logits float [B, V] (any float dtype; row stride free, unit column stride), temperature
+    float32 [B], key int64 [B] (low 32 bits used) -> int64 tokens [B]. `slices` overrides the
+    number of vocabulary slices per row (at most MAX_SLICES)."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B:
-        _gumbel_argmax_kernel[(B,)](logits, logits.stride(0), temperature, key, out, V, BLOCK=1024, num_warps=8)
+        S = slices or vocab_slices(B, V, logits.device)
+        chunk = triton.cdiv(triton.cdiv(V, S), _BLOCK) * _BLOCK
+        best = torch.empty(B, S, dtype=torch.float32, device=logits.device)
+        index = torch.empty(B, S, dtype=torch.int32, device=logits.device)
+        _gumbel_argmax_kernel[(B, S)](logits, logits.stride(0), temperature, key, best, index, V, chunk,
+                                      BLOCK=_BLOCK, num_warps=8)
+        _pick_slice_kernel[(B,)](best, index, out, S, V, S_P=MAX_SLICES)
     return out
 
 

@@ -36,6 +36,11 @@ class CUDABackend(AttentionBackend):
     def rotary(self, q, k, positions, cos, sin, q_weight=None, k_weight=None, eps=0.0) -> None:
         self._fused.rotary(q, k, positions, cos, sin, q_weight, k_weight, eps)
 
+    def rotary_and_write_kv(self, q, k, v, positions, cos, sin, cache: KVCache, slot_mapping, q_weight=None,
+                            k_weight=None, eps=0.0) -> None:
+        self._fused.rotary_and_write_kv(q, k, v, positions, cos, sin, cache.k, cache.v, slot_mapping, cache.k_scale,
+                                        cache.v_scale, q_weight, k_weight, eps)
+
     def silu_and_mul(self, x) -> torch.Tensor:
         return self._fused.silu_and_mul(x)
 

@@ -55,6 +55,25 @@ def test_step_timing_counts_idle_time_before_each_decode_step_only():
                                                                                 (4, 300, 1000)]
 
 
+def test_step_timing_separates_launch_from_waiting():
+    import time
+
+    from llmserve.model.step_timing import StepTiming
+    t = StepTiming()
+    for launch_s in (0.03, 0.0, 0.03):
+        with t.step(2, 2):
+            time.sleep(launch_s)
+            t.launched()
+            time.sleep(0.01)
+    with t.step(2, 2):  # a step that never marks its launch counts all of its host time as launch
+        time.sleep(0.01)
+    assert t.launch_s[0] >= 0.03 and t.launch_s[1] < 0.005 and t.launch_s[3] >= 0.01
+    (row,) = t.by_batch()
+    assert row["count"] == 3 and 10 <= row["launch_ms"] < row["mean_ms"]
+    t.clear()
+    assert not t.records and not t.launch_s
+
+
 def test_step_timing_profiles_each_window(tmp_path):
     import torch
 

@@ -88,15 +88,21 @@ def test_write_kv_matches_reference_and_skips_padding(dtype):
     assert (caches[2].view(-1, 2, 16)[1] == 7.0).all()  # untouched slot
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gumbel_argmax_matches_reference(dtype):
+# bfloat16 only on the GPU: the interpreter computes it wrongly.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("slices", [None, 1, 3, 32])
+def test_gumbel_argmax_matches_reference(dtype, slices):
     g = torch.Generator().manual_seed(3)
-    logits = (torch.randn(6, 3000, generator=g) * 3).to(dtype).to(DEVICE)
-    temperature = torch.tensor([0.0, 0.5, 1.0, 1.0, 2.0, 0.0], device=DEVICE)
-    keys = row_keys(torch.tensor([1, 2, 3, 3, 2**62, 9], device=DEVICE), torch.tensor([0, 0, 0, 1, 5, 0], device=DEVICE))
-    out = gumbel_argmax(logits, temperature, keys)
+    logits = (torch.randn(7, 3000, generator=g) * 3).to(dtype)
+    logits[6] = -5.0
+    logits[6, [2100, 40, 2999]] = 4.0  # a tie across slices: the smallest index wins, as in torch.argmax
+    logits = logits.to(DEVICE)
+    temperature = torch.tensor([0.0, 0.5, 1.0, 1.0, 2.0, 0.0, 0.0], device=DEVICE)
+    keys = row_keys(torch.tensor([1, 2, 3, 3, 2**62, 9, 4], device=DEVICE),
+                    torch.tensor([0, 0, 0, 1, 5, 0, 0], device=DEVICE))
+    out = gumbel_argmax(logits, temperature, keys, slices=slices)
     assert out.tolist() == gumbel_argmax_reference(logits, temperature, keys).tolist()
-    assert out[0] == logits[0].float().argmax() and out[5] == logits[5].float().argmax()
+    assert out[0] == logits[0].float().argmax() and out[5] == logits[5].float().argmax() and out[6] == 40
     assert out[2] != out[3] or out[1] != out[2]  # different keys, different draws
 
 
@@ -193,6 +199,42 @@ def test_paged_attention_fp8_cache_matches_dequantized_reference(case, dtype):
     # FP8 is close to the unquantized cache, not equal: e4m3 keeps 3 mantissa bits.
     exact = paged_attention_reference(q, kc * 3, vc, tables, qsl, seq_lens, 0.25)
     assert 0 < (out.float() - exact.float()).abs().max() < 0.25
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_rotary_and_write_kv_is_rotary_then_write_kv(dtype, qk_norm, fp8):
+    from llmserve.kernels.fused import rotary_and_write_kv
+    g = torch.Generator().manual_seed(8)
+    T, hq, hk, d = 5, 4, 2, 16
+    qkv = torch.randn(T, (hq + 2 * hk) * d, generator=g).to(dtype).to(DEVICE) * 2
+    angles = torch.arange(64).float()[:, None] * torch.rand(d // 2, generator=g)[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(DEVICE), torch.cat([angles.sin()] * 2, -1).to(DEVICE)
+    positions = torch.tensor([0, 3, 9, 10, 63], device=DEVICE)
+    slots = torch.tensor([3, -1, 17, 0, 30], device=DEVICE)  # -1: padding, stores nothing
+    views = lambda t: (t[:, :hq * d].view(T, hq, d), t[:, hq * d:(hq + hk) * d].view(T, hk, d),  # noqa: E731
+                       t[:, (hq + hk) * d:].view(T, hk, d))
+    norms = (torch.randn(d, generator=g).to(dtype).to(DEVICE), torch.randn(d, generator=g).to(dtype).to(DEVICE),
+             1e-6) if qk_norm else ()
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    caches = [torch.zeros((4, 8, hk, d), dtype=cache_dtype, device=DEVICE) for _ in range(4)]
+    scales = [torch.full((4, 8, hk), -1.0, device=DEVICE) if fp8 else None for _ in range(4)]
+    a, b = qkv.clone(), qkv.clone()
+    q, k, v = views(a)
+    rotary(q, k, positions, cos, sin, *norms)
+    write_kv(k, v, caches[0], caches[1], slots, scales[0], scales[1])
+    q, k, v = views(b)
+    rotary_and_write_kv(q, k, v, positions, cos, sin, caches[2], caches[3], slots, scales[2], scales[3], *norms)
+    assert torch.equal(a[:, :hq * d], b[:, :hq * d])  # the same rotated queries, bit for bit
+    assert torch.equal(b[:, hq * d:], qkv[:, hq * d:])  # k and v themselves untouched
+    for x, y in ((0, 2), (1, 3)):
+        if fp8:
+            assert_fp8_equal(caches[x], caches[y])
+            assert torch.equal(scales[x], scales[y])
+        else:
+            assert torch.equal(caches[x], caches[y])
+    assert not caches[2].view(-1, hk, d)[[1, 2, 31]].float().any()  # slots nobody wrote (padding included)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -109,3 +109,18 @@ def test_logprobs_match_log_softmax_with_ranks():
     assert rank[0] == 1 and rank[1] == 5 and rank[2] == int((ref[2] > ref[2, 7]).sum()) + 1
     assert top_ids.tolist() == ref.topk(3).indices.tolist()
     assert math.isclose(top_lp[0, 0].item(), ref[0].max().item(), abs_tol=1e-6)
+
+
+def test_logits_in_the_model_dtype_sample_as_their_float32_copy():
+    # The runner hands bf16 logits over as they come from the lm_head; every path upcasts them.
+    torch.manual_seed(3)
+    logits = (torch.randn(6, 300) * 4).to(torch.bfloat16)
+    vocab = 300
+    n = 6
+    pen = Penalties(output_counts=torch.zeros(n, vocab).index_fill_(1, torch.tensor([5, 7]), 2.0),
+                    prompt_mask=torch.zeros(n, vocab, dtype=torch.bool), repetition=torch.full((n,), 1.3),
+                    presence=torch.full((n,), 0.5), frequency=torch.full((n,), 0.2))
+    bias = (torch.tensor([0, 3]), torch.tensor([11, 12]), torch.tensor([9.0, -9.0]))
+    for b in (batch(n, vocab=vocab), batch(n, temperature=0, vocab=vocab), batch(n, top_k=20, top_p=0.8, vocab=vocab),
+              batch(n, temperature=0.7, vocab=vocab, penalties=pen, bias=bias)):
+        assert sample(logits, b).tolist() == sample(logits.float(), b).tolist()

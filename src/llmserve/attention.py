@@ -58,6 +58,15 @@ class AttentionBackend:
         With q_weight/k_weight [D] (Qwen3), RMS-normalise each head of q and k first, also in place."""
         raise NotImplementedError
 
+    def rotary_and_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                            cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor,
+                            q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                            eps: float = 0.0) -> None:
+        """rotary() of q in place, then the rotated k with v stored into the cache as write_kv stores
+        them; k itself may be left unrotated. Backends with a fused kernel override this composition."""
+        self.rotary(q, k, positions, cos, sin, q_weight, k_weight, eps)
+        self.write_kv(k, v, cache, slot_mapping)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """[T, 2N] = [gate | up] -> silu(gate) * up, [T, N]."""
         raise NotImplementedError

@@ -137,10 +137,10 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
         startup = time.perf_counter() - start  # weights, profiling step, KV cache, graph capture
         llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         timing = llm.engine.runner.timing
-        timing.records.clear()
+        timing.clear()
         if profile:
             # A prefill step, steady decode with all requests running, and the long tail's small batches.
-            timing.profile_windows, timing.profile_out = [(2, 2), (200, 5), (980, 5)], profile
+            timing.profile_windows, timing.profile_out = [(2, 2), (200, 5), (650, 5), (850, 5), (980, 5)], profile
         with watch_stalls() as stalls:
             wall, outs = timed_generate(llm, w.prompts, w.params)
         step_summary = {**timing.summary(), "by_batch": timing.by_batch(), "slowest": timing.slowest()}

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.attention import AttentionBackend
+from llmserve.attention import AttentionBackend, KVCache
 from llmserve.quantization import QuantizationMethod, Unquantized, copy_checked, empty_param, shard_rows
 
 
@@ -113,11 +113,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)  # float32 [max_positions, head_dim]
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> None:
-        """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by their positions [T], after normalising
-        each head with q_norm / k_norm where the model has them (one fused pass on the GPU)."""
-        if q_norm is None:
-            self.backend.rotary(q, k, positions, self.cos, self.sin)
-        else:
-            self.backend.rotary(q, k, positions, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                slot_mapping: torch.Tensor, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> None:
+        """Rotate q [T, Hq, D] in place and k [T, Hkv, D] by their positions [T], after normalising
+        each head with q_norm / k_norm where the model has them, and store the rotated keys with
+        v into the cache at slot_mapping (one fused pass on the GPU; k may be left unrotated)."""
+        norm = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+        self.backend.rotary_and_write_kv(q, k, v, positions, self.cos, self.sin, cache, slot_mapping, *norm)

@@ -39,8 +39,7 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        self.rotary(positions, q, k, self.q_norm, self.k_norm)
-        self.backend.write_kv(k, v, self.kv_cache, meta.slot_mapping)
+        self.rotary(positions, q, k, v, self.kv_cache, meta.slot_mapping, self.q_norm, self.k_norm)
         out = self.backend.attention(q, self.kv_cache, meta, self.scale)
         return self.o_proj(out.view(T, -1))
 
@@ -104,9 +103,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        """hidden [N, hidden] -> logits [N, vocab] in the model's dtype (a float32 copy of a decode
+        step's logits would cost more than the lm_head itself; consumers upcast where they compute)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, weight)
 
     def set_kv_caches(self, caches: list[KVCache | None]) -> None:
         for layer, cache in zip(self.layers, caches):

@@ -139,7 +139,7 @@ class ModelRunner:
                               keys=torch.zeros(rows, dtype=torch.int64, device=dev), all_greedy=False,
                               filtered_rows=torch.arange(rows, device=dev), max_logprobs=min(20, v))
         sample(logits, batch, self.backend.gumbel_argmax)
-        torch.log_softmax(logits, -1).topk(batch.max_logprobs, -1)
+        torch.log_softmax(logits, -1, dtype=torch.float32).topk(batch.max_logprobs, -1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         self.model.set_kv_caches([None] * self.spec.num_layers)
@@ -172,15 +172,25 @@ class ModelRunner:
     def _metadata(self, query_lens: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray,
                   qsl: np.ndarray) -> tuple[AttentionMetadata, torch.Tensor]:
         positions, slots = self._positions_and_slots(query_lens, context_lens, block_tables, qsl)
-        dev = self.device
+        to_dev = self._to_device
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(block_tables).to(dev, non_blocking=True),
-            query_start_loc=torch.from_numpy(qsl).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy((context_lens + query_lens).astype(np.int32)).to(dev, non_blocking=True),
+            slot_mapping=to_dev(slots),
+            block_tables=to_dev(block_tables),
+            query_start_loc=to_dev(qsl),
+            seq_lens=to_dev((context_lens + query_lens).astype(np.int32)),
             max_query_len=int(query_lens.max()) if len(query_lens) else 0,
         )
-        return meta, torch.from_numpy(positions).to(dev, non_blocking=True)
+        return meta, to_dev(positions)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device, queued without waiting for the device: through pinned memory
+        (PyTorch's caching host allocator keeps the buffer until the copy has run). From pageable
+        memory the driver stages larger copies (a mixed step's 64 KB of token ids) only after the
+        stream's earlier work, so the host would wait for the step in flight before launching more."""
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -194,7 +204,7 @@ class ModelRunner:
         meta, positions = self._metadata(np.array([n], dtype=np.int32), np.zeros(1, dtype=np.int32),
                                          np.arange(blocks, dtype=np.int32)[None], qsl)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(self.model(ids, positions, meta))
+        return self.model.compute_logits(self.model(ids, positions, meta)).float()
 
     def capture_graphs(self, max_batch: int) -> None:
         """Capture decode-step CUDA graphs (after the KV cache is allocated: they bake in its address)."""
@@ -225,6 +235,7 @@ class ModelRunner:
             failed = None
             try:
                 self.in_flight = self._launch(plan, previous)
+                self.timing.launched()
             except Exception as exc:  # a failed step fails its requests, not the engine
                 log.exception("step failed", step=plan.step_id, num_reqs=len(plan.req_ids))
                 failed = StepResult(plan.step_id, list(plan.req_ids), [], error=exc)
@@ -275,7 +286,7 @@ class ModelRunner:
                                      from_device)
         else:
             meta, positions = self._metadata(plan.query_lens, plan.context_lens, plan.block_tables, qsl)
-            input_ids = torch.from_numpy(plan.token_ids).to(self.device, non_blocking=True)
+            input_ids = self._to_device(plan.token_ids)
             if from_device is not None:
                 input_ids[from_device[0]] = from_device[1]
             hidden = self.model(input_ids, positions, meta)
@@ -288,14 +299,15 @@ class ModelRunner:
         if graphed and len(rows) == len(plan.req_ids):  # every row samples: lm_head at the captured size
             logits = self.model.compute_logits(hidden)[:len(rows)]
         else:
-            last = torch.from_numpy(qsl[1:][rows] - 1).to(self.device, non_blocking=True)
+            last = self._to_device(qsl[1:][rows] - 1)
             logits = self.model.compute_logits(hidden[last])
         states = [self.seqs[r] for r in result.req_ids]
         batch = self._sampling_batch(states, logits.shape[-1])
         tokens = sample(logits, batch, self.backend.gumbel_argmax)
         flight = InFlight(result, list(plan.req_ids), states, tokens, {r: i for i, r in enumerate(result.req_ids)})
         if batch.max_logprobs >= 0:
-            flight.logprob_parts = gather_logprobs(torch.log_softmax(logits, -1), tokens, batch.max_logprobs)
+            flight.logprob_parts = gather_logprobs(torch.log_softmax(logits, -1, dtype=torch.float32), tokens,
+                                                   batch.max_logprobs)
         if tokens.is_cuda:
             flight.tokens_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             flight.tokens_host.copy_(tokens, non_blocking=True)
@@ -352,7 +364,7 @@ class ModelRunner:
                 plan.token_ids[hole] = self.seqs[req_id].output_ids[-1]
         if not dst:
             return None
-        to_dev = lambda xs: torch.from_numpy(np.array(xs, dtype=np.int64)).to(self.device, non_blocking=True)  # noqa: E731
+        to_dev = lambda xs: self._to_device(np.array(xs, dtype=np.int64))  # noqa: E731
         return to_dev(dst), previous.tokens[to_dev(src)]
 
     def _prompt_logprobs(self, plan: StepPlan, qsl: np.ndarray, hidden: torch.Tensor, result: StepResult) -> None:
@@ -366,47 +378,46 @@ class ModelRunner:
             end = min(start + n, len(state.prompt_ids) - 1)  # positions that have a next prompt token
             if end > start:
                 h = hidden[int(qsl[i]):int(qsl[i]) + end - start]
-                logprobs = torch.log_softmax(self.model.compute_logits(h), -1)
+                logprobs = torch.log_softmax(self.model.compute_logits(h), -1, dtype=torch.float32)
                 nxt = state.prompt_ids[start + 1:end + 1]
-                parts = gather_logprobs(logprobs, torch.tensor(nxt, device=self.device), k)
+                parts = gather_logprobs(logprobs, self._to_device(np.array(nxt, dtype=np.int64)), k)
                 result.prompt_logprobs[req_id] = to_token_logprobs(nxt, parts, [k] * len(nxt))
 
     def _sampling_batch(self, states: list[SeqState], vocab: int) -> SamplingBatch:
-        dev = self.device
         params = [s.params for s in states]
-        # from pageable host memory without blocking: a blocking copy would wait for the forward pass
-        t = lambda xs, dtype: torch.tensor(xs, dtype=dtype).to(dev, non_blocking=True)  # noqa: E731
+        # never a blocking copy: it would wait for the forward pass queued before it
+        t = lambda xs, dtype: self._to_device(np.array(xs, dtype=dtype))  # noqa: E731
         batch = SamplingBatch(
-            temperature=t([p.temperature for p in params], torch.float32),
-            top_k=t([p.top_k or vocab for p in params], torch.int64),
-            top_p=t([p.top_p for p in params], torch.float32),
-            min_p=t([p.min_p for p in params], torch.float32),
-            keys=torch.from_numpy(row_keys(np.array([p.seed for p in params], dtype=np.int64),
-                                           np.array([len(s.output_ids) + s.in_flight for s in states],
-                                                    dtype=np.int64))).to(dev, non_blocking=True),
+            temperature=t([p.temperature for p in params], np.float32),
+            top_k=t([p.top_k or vocab for p in params], np.int64),
+            top_p=t([p.top_p for p in params], np.float32),
+            min_p=t([p.min_p for p in params], np.float32),
+            keys=self._to_device(row_keys(np.array([p.seed for p in params], dtype=np.int64),
+                                          np.array([len(s.output_ids) + s.in_flight for s in states],
+                                                   dtype=np.int64))),
             all_greedy=all(p.temperature == 0 for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
         )
         filtered = [i for i, p in enumerate(params) if p.temperature > 0 and (p.top_k or p.top_p < 1.0 or p.min_p > 0)]
         if filtered:
-            batch.filtered_rows = t(filtered, torch.int64)
+            batch.filtered_rows = t(filtered, np.int64)
         if any(_penalized(p) for p in params):
             batch.penalties = Penalties(
                 output_counts=self._scatter_rows([s.output_ids for s in states], vocab, torch.float32, True),
                 prompt_mask=self._scatter_rows([s.prompt_ids for s in states], vocab, torch.bool, False),
-                repetition=t([p.repetition_penalty for p in params], torch.float32),
-                presence=t([p.presence_penalty for p in params], torch.float32),
-                frequency=t([p.frequency_penalty for p in params], torch.float32),
+                repetition=t([p.repetition_penalty for p in params], np.float32),
+                presence=t([p.presence_penalty for p in params], np.float32),
+                frequency=t([p.frequency_penalty for p in params], np.float32),
             )
         bias = [(i, tok, b) for i, p in enumerate(params) if p.logit_bias for tok, b in p.logit_bias.items()]
         if bias:
             rows, toks, vals = zip(*bias)
-            batch.bias = (t(rows, torch.int64), t(toks, torch.int64), t(vals, torch.float32))
+            batch.bias = (t(rows, np.int64), t(toks, np.int64), t(vals, np.float32))
         banned = [(i, tok) for i, s in enumerate(states) if len(s.output_ids) < s.params.min_tokens
                   for tok in (s.params.stop_token_ids + ([] if s.params.ignore_eos else self.eos_token_ids))]
         if banned:
             rows, toks = zip(*banned)
-            batch.banned = (t(rows, torch.int64), t(toks, torch.int64))
+            batch.banned = (t(rows, np.int64), t(toks, np.int64))
         return batch
 
     def _scatter_rows(self, rows: list[list[int]], vocab: int, dtype: torch.dtype, count: bool) -> torch.Tensor:
@@ -415,7 +426,7 @@ class ModelRunner:
         lens = np.array([len(r) for r in rows])
         if lens.sum() == 0:
             return out
-        row_idx = torch.from_numpy(np.repeat(np.arange(len(rows)), lens)).to(self.device)
-        tok_idx = torch.from_numpy(np.concatenate([np.asarray(r, dtype=np.int64) for r in rows])).to(self.device)
+        row_idx = self._to_device(np.repeat(np.arange(len(rows)), lens))
+        tok_idx = self._to_device(np.concatenate([np.asarray(r, dtype=np.int64) for r in rows]))
         value = torch.ones(len(tok_idx), dtype=dtype, device=self.device)
         return out.index_put_((row_idx, tok_idx), value, accumulate=count)

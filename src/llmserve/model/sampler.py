@@ -1,7 +1,8 @@
 """Batched sampling on the device: no Python loop over the vocabulary or the requests.
 
-Order of operations on float32 logits (log-probabilities returned to users are taken before all
-of them, from the raw model output):
+Order of operations on the logits (log-probabilities returned to users are taken before all of
+them, from the raw model output; the logits arrive in the model's dtype and are upcast to float32
+for any of the steps below that change them, while the fused kernel upcasts as it reads):
 
     logit_bias -> min_tokens (stop ids masked) -> repetition penalty (prompt + output tokens)
     -> presence / frequency penalties (output tokens) -> greedy rows: argmax
@@ -60,7 +61,10 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Everything before the choice of token: bias, min_tokens, penalties (float32 [B, V])."""
+    """Everything before the choice of token: bias, min_tokens, penalties (float32 [B, V] where
+    any applies; otherwise the logits as they are)."""
+    if batch.bias is not None or batch.banned is not None or batch.penalties is not None:
+        logits = logits.float()
     if batch.bias is not None:
         rows, ids, vals = batch.bias
         logits = logits.index_put((rows, ids), vals, accumulate=True)
@@ -87,7 +91,8 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, argmax_fn: ArgmaxFn = gumbel_argmax_reference) -> torch.Tensor:
-    """float32 logits [B, V] -> int64 token ids [B]. `argmax_fn` is the backend's fused Gumbel-max."""
+    """logits [B, V] (model dtype or float32) -> int64 token ids [B]. `argmax_fn` is the backend's
+    fused Gumbel-max."""
     logits = process_logits(logits, batch)
     if batch.all_greedy:
         return logits.argmax(dim=-1)
@@ -96,7 +101,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, argmax_fn: ArgmaxFn = gum
     rows = batch.filtered_rows
     if rows is not None:
         b = lambda t: t[rows]  # noqa: E731
-        probs = sampling_probs(logits[rows], b(batch.temperature), b(batch.top_k), b(batch.top_p), b(batch.min_p))
+        probs = sampling_probs(logits[rows].float(), b(batch.temperature), b(batch.top_k), b(batch.top_p), b(batch.min_p))
         drawn = (probs.log() + gumbel_noise_reference(keys[rows], logits.shape[-1])).argmax(dim=-1)
         tokens[rows] = torch.where(b(batch.temperature) > 0, drawn, tokens[rows])
     return tokens

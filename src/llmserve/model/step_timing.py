@@ -10,12 +10,14 @@ import torch
 
 
 class StepTiming:
-    """Host time inside each step() call (launching one step and waiting for the one before) and
-    between calls (the rest of the pipeline; with a step in flight the device keeps working then).
-    Optionally a torch profiler over a window of steps."""
+    """Host time inside each step() call (launching one step, `launched()`, then waiting for the
+    one before) and between calls (the rest of the pipeline; with a step in flight the device keeps
+    working then). Optionally a torch profiler over a window of steps."""
 
     def __init__(self) -> None:
         self.records: list[tuple[int, int, float, float]] = []  # (requests, tokens, start, end)
+        self.launch_s: list[float] = []  # per record: host time from start to launched() (or end)
+        self._launched: float | None = None
         self.profile_windows: list[tuple[int, int]] = []  # (first step, steps)
         self.profile_out: str | None = None
         self._prof = None
@@ -28,11 +30,13 @@ class StepTiming:
             self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                             torch.profiler.ProfilerActivity.CUDA])
             self._prof.__enter__()
-        start = time.perf_counter()
+        start = self._launched = time.perf_counter()
         try:
             yield
         finally:
-            self.records.append((num_reqs, num_tokens, start, time.perf_counter()))
+            end = time.perf_counter()
+            self.records.append((num_reqs, num_tokens, start, end))
+            self.launch_s.append((self._launched if self._launched > start else end) - start)
             if self._prof is not None and index == sum(window) - 1:
                 self._prof.__exit__(None, None, None)
                 out = f"{self.profile_out}-step{window[0]}"
@@ -42,6 +46,14 @@ class StepTiming:
                             f"{[r[:2] for r in self.records[window[0]:]]} (requests, tokens)\n")
                     f.write(self._prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
                 self._prof = None
+
+    def launched(self) -> None:
+        """Mark the end of the current step's launch (the host work that queues it on the device)."""
+        self._launched = time.perf_counter()
+
+    def clear(self) -> None:
+        self.records.clear()
+        self.launch_s.clear()
 
     def summary(self, decode_only: bool = True) -> dict:
         """Mean ms inside step() ("execute_ms") and before it since the previous call ended
@@ -62,13 +74,15 @@ class StepTiming:
 
     def by_batch(self, edges: tuple[int, ...] = (8, 32, 64, 128, 256)) -> list[dict]:
         """Where the whole run's wall time went: step periods summed for steps with prompt tokens
-        ("mixed") and for decode steps by batch size (up to each edge)."""
+        ("mixed") and for decode steps by batch size (up to each edge), with the mean host time
+        that launching them took ("launch_ms"; a period close to it means the host paces the device)."""
         names = ["mixed", *(f"decode <= {x}" for x in edges), f"decode > {edges[-1]}"]
-        rows: dict[str, list[float]] = {name: [] for name in names}
-        for period, _, r, t in self.periods():
-            name = "mixed" if t != r else names[1 + next((i for i, x in enumerate(edges) if r <= x), len(edges))]
-            rows[name].append(period)
-        return [{"steps": name, "count": len(v), "total_s": sum(v), "mean_ms": 1e3 * sum(v) / len(v)}
+        rows: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+        for period, i, r, t in self.periods():
+            name = "mixed" if t != r else names[1 + next((j for j, x in enumerate(edges) if r <= x), len(edges))]
+            rows[name].append((period, self.launch_s[i] if i < len(self.launch_s) else 0.0))
+        return [{"steps": name, "count": len(v), "total_s": sum(p for p, _ in v),
+                 "mean_ms": 1e3 * sum(p for p, _ in v) / len(v), "launch_ms": 1e3 * sum(x for _, x in v) / len(v)}
                 for name, v in rows.items() if v]
 
     def slowest(self, n: int = 8) -> list[dict]:
