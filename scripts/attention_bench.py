@@ -9,7 +9,10 @@ middle phase) with 1, 2, 4 and 8 key slices per sequence, against the split coun
 --prefill times prefill steps (8 prompts of 1,024 tokens; W-small's and W-large's heads) for every
 (BLOCK_M, BLOCK_N, warps, stages), in TFLOP/s of causal attention. --mixed times a W-large mixed step
 (8 prompts of 1,024 tokens plus 248 decoding requests with ~1,100 cached tokens) in one launch
-against its prefill and decode rows launched apart.
+against its prefill and decode rows launched apart. --layout times decode (every tile) and prefill
+with the cache laid out as the engine allocates it, [blocks, block_size, kv_heads, dim], against
+head-major blocks, [blocks, kv_heads, block_size, dim] (a block's keys of one head contiguous),
+passed to the same kernel as a strided view.
 """
 
 import argparse
@@ -31,7 +34,10 @@ def main() -> None:
     ap.add_argument("--splits", action="store_true", help="mid-size batches at 1, 2, 4, 8 key slices")
     ap.add_argument("--prefill", action="store_true", help="prefill tile sweep")
     ap.add_argument("--mixed", action="store_true", help="a mixed step in one launch vs prefill and decode apart")
+    ap.add_argument("--layout", action="store_true", help="token-major vs head-major cache blocks")
     args = ap.parse_args()
+    if args.layout:
+        return layout_compare(args.json)
     if args.splits:
         return split_sweep(args.json)
     if args.prefill:
@@ -131,6 +137,49 @@ def prefill_sweep(json_path: str | None) -> None:
         row["default_tflop_s"] = row.get(f"m64 {tuple(PREFILL_TILES)}")
         rows.append(row)
         print(json.dumps({key: row[key] for key in ("shape", "best", "best_tflop_s", "default_tflop_s")}), flush=True)
+    report(rows, json_path, echo=False)
+
+
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same values with each block's heads outermost in memory, viewed in the kernel's order."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def layout_compare(json_path: str | None) -> None:
+    rows = []
+    for batch, context in [(256, 1024), (128, 1200), (48, 1500), (16, 1800), (4, 2000)]:
+        q, k, v, tables, qsl, lens = decode_inputs(batch, context)
+        kh, vh = head_major(k), head_major(v)
+        kv_bytes = 2 * batch * context * 8 * 128 * 2
+        row = {"batch": batch, "context": context}
+        for name, (kc, vc) in (("nhd", (k, v)), ("hnd", (kh, vh))):
+            row[f"{name}_default_us"] = 1e3 * triton.testing.do_bench(
+                lambda: paged_attention(q, kc, vc, tables, qsl, lens, 0.088, 1))
+            for tiles in itertools.product((32, 64, 128), (4, 8), (3, 4)):
+                try:
+                    row[f"{name} {tiles}"] = 1e3 * triton.testing.do_bench(
+                        lambda: paged_attention(q, kc, vc, tables, qsl, lens, 0.088, 1, tiles=tiles))
+                except Exception:  # out of resources
+                    pass
+            best = min((key for key in row if key.startswith(f"{name} ")), key=row.get)
+            row[f"{name}_best"], row[f"{name}_best_us"] = best, row[best]
+            row[f"{name}_default_tb_s"] = kv_bytes / row[f"{name}_default_us"] / 1e6
+        rows.append(row)
+        print(json.dumps({key: (round(val, 2) if isinstance(val, float) else val) for key, val in row.items()
+                          if not key.startswith(("nhd ", "hnd "))}), flush=True)
+    seqs, length = 8, 1024
+    for name, heads in (("w-small", 16), ("w-large", 32)):
+        q, k, v, tables, _, _ = decode_inputs(seqs, length, heads=heads)
+        q = torch.randn(seqs * length, heads, 128, device="cuda", dtype=torch.bfloat16)
+        qsl = torch.arange(0, seqs * length + 1, length, device="cuda", dtype=torch.int32)
+        lens = torch.full((seqs,), length, device="cuda", dtype=torch.int32)
+        flops = 4 * seqs * (length * (length + 1) / 2) * 128 * heads
+        row = {"prefill": name}
+        for layout, (kc, vc) in (("nhd", (k, v)), ("hnd", (head_major(k), head_major(v)))):
+            row[f"{layout}_tflop_s"] = flops / triton.testing.do_bench(
+                lambda: paged_attention(q, kc, vc, tables, qsl, lens, 0.088, length)) / 1e9
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     report(rows, json_path, echo=False)
 
 

@@ -1,0 +1,80 @@
+"""Decode-step GEMMs of W-small's layers: cuBLAS (F.linear) against the Triton tile kernel of
+kernels/int8_matmul.py run on bf16 weights (unit scales), timed the way a decode step runs them:
+inside a CUDA graph, over 28 distinct weight matrices (one per layer, so the weights come from
+HBM, not L2). GPU only.
+
+    python scripts/gemm_bench.py [--ms 8,16,48,96,224] [--json out.json]
+
+Per (M, layer): cuBLAS µs per GEMM, the best Triton configuration's µs and its weight-read
+bandwidth. Decides whether a Triton GEMM for small batches is worth having.
+"""
+
+import argparse
+import itertools
+import json
+
+import torch
+import triton
+
+from llmserve.bench.report import report
+from llmserve.kernels.int8_matmul import int8_matmul
+
+SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+LAYERS = 28
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    """µs per fn() call, fn run LAYERS times per replay inside one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(LAYERS):
+            fn(i)  # compile and warm outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(LAYERS):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps / LAYERS
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--ms", default="8,16,48,96,224")
+    args = ap.parse_args()
+    rows = []
+    for layer, (N, K) in SHAPES.items():
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+        ones = torch.ones(N, device="cuda")
+        for M in map(int, args.ms.split(",")):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            cublas = graph_us(lambda i: torch.nn.functional.linear(x, ws[i]))
+            bm = max(16, min(triton.next_power_of_2(M), 64))
+            timed = []
+            for bn, bk, split in itertools.product((32, 64, 128), (64, 128), (1, 2, 4)):
+                cfg = (bm, bn, bk, 4, 4)
+                try:
+                    us = graph_us(lambda i: int8_matmul(x, ws[i], ones, config=cfg, split_k=split))
+                except Exception:  # out of shared memory and the like
+                    continue
+                timed.append((us, cfg, split))
+            best_us, cfg, split = min(timed)
+            row = {"M": M, "layer": layer, "cublas_us": round(cublas, 2), "triton_best_us": round(best_us, 2),
+                   "config": cfg, "split_k": split, "triton_weight_tb_s": round(N * K * 2 / best_us / 1e6, 2),
+                   "cublas_weight_tb_s": round(N * K * 2 / cublas / 1e6, 2), "speedup": round(cublas / best_us, 2)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    report(rows, args.json, echo=False)
+
+
+if __name__ == "__main__":
+    main()
