@@ -153,9 +153,7 @@ MAX_SPLITS = 16
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     """Key slices per sequence for a decode step: enough programs for two per SM, when the batch
     alone gives fewer."""
-    if device.type != "cuda":
-        return 1
-    sms, programs = sm_count(device), num_seqs * num_kv_heads
+    sms, programs = sm_count(device), num_seqs * num_kv_heads  # one "SM" off the GPU: no split
     if programs >= sms:
         return 1
     return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, programs)))

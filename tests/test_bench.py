@@ -41,14 +41,15 @@ def test_bench_serve_against_a_running_server(tmp_path, capsys):
 
 
 def test_step_timing_counts_idle_time_before_each_decode_step_only():
-    from llmserve.model.step_timing import StepTiming
+    from llmserve.model.step_timing import StepRecord, StepTiming
     t = StepTiming()
     # (requests, tokens, start, end): a prefill step, a decode step, a mixed step, a decode step.
-    t.records = [(4, 100, 0.0, 1.0), (4, 4, 1.5, 2.0), (4, 50, 2.1, 3.0), (4, 4, 3.2, 3.5)]
+    t.records = [StepRecord(4, 100, 0.0, 1.0, 1.0), StepRecord(4, 4, 1.5, 2.0, 2.0), StepRecord(4, 50, 2.1, 3.0, 3.0),
+                 StepRecord(4, 4, 3.2, 3.5, 3.5)]
     s = t.summary()
     assert s["steps"] == 2 and round(s["execute_ms"]) == 400 and round(s["between_ms"]) == 350
     assert t.summary(decode_only=False)["steps"] == 3
-    t.records.append((300, 300, 3.6, 4.5))
+    t.records.append(StepRecord(300, 300, 3.6, 4.5, 4.5))
     rows = {r["steps"]: (r["count"], round(r["total_s"], 6)) for r in t.by_batch(edges=(2, 8))}
     assert rows == {"mixed": (1, 1.0), "decode <= 8": (2, 1.5), "decode > 8": (1, 1.0)}
     assert [(s["step"], s["tokens"], round(s["ms"])) for s in t.slowest(3)] == [(1, 4, 1000), (2, 50, 1000),

@@ -5,8 +5,17 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
+
+
+class StepRecord(NamedTuple):
+    requests: int
+    tokens: int
+    start: float  # step() entered
+    launched: float  # launched() marked (= end if the step never marked it)
+    end: float  # step() returned
 
 
 class StepTiming:
@@ -15,9 +24,8 @@ class StepTiming:
     working then). Optionally a torch profiler over a window of steps."""
 
     def __init__(self) -> None:
-        self.records: list[tuple[int, int, float, float]] = []  # (requests, tokens, start, end)
-        self.launch_s: list[float] = []  # per record: host time from start to launched() (or end)
-        self._launched: float | None = None
+        self.records: list[StepRecord] = []
+        self._launched = 0.0
         self.profile_windows: list[tuple[int, int]] = []  # (first step, steps)
         self.profile_out: str | None = None
         self._prof = None
@@ -35,8 +43,8 @@ class StepTiming:
             yield
         finally:
             end = time.perf_counter()
-            self.records.append((num_reqs, num_tokens, start, end))
-            self.launch_s.append((self._launched if self._launched > start else end) - start)
+            launched = self._launched if self._launched > start else end  # unmarked: all of it was launch
+            self.records.append(StepRecord(num_reqs, num_tokens, start, launched, end))
             if self._prof is not None and index == sum(window) - 1:
                 self._prof.__exit__(None, None, None)
                 out = f"{self.profile_out}-step{window[0]}"
@@ -53,13 +61,17 @@ class StepTiming:
 
     def clear(self) -> None:
         self.records.clear()
-        self.launch_s.clear()
+
+    @property
+    def launch_s(self) -> list[float]:
+        """Host time each step spent launching (all of step() for one that never marked it)."""
+        return [r.launched - r.start for r in self.records]
 
     def summary(self, decode_only: bool = True) -> dict:
         """Mean ms inside step() ("execute_ms") and before it since the previous call ended
         ("between_ms"), over decode steps (tokens == requests) or all steps."""
-        rows = [(r, s, e, s - prev[3]) for prev, (r, t, s, e) in zip(self.records, self.records[1:])
-                if not decode_only or r == t]
+        rows = [(r.requests, r.start, r.end, r.start - prev.end) for prev, r in zip(self.records, self.records[1:])
+                if not decode_only or r.requests == r.tokens]
         if not rows:
             return {}
         n = len(rows)
@@ -70,7 +82,8 @@ class StepTiming:
     def periods(self) -> list[tuple[float, int, int, int]]:
         """(seconds, step index, requests, tokens) for each step after the first: from the previous
         step() returning to this one returning; with a step in flight, the pipeline's rate."""
-        return [(e - prev[3], i, r, t) for i, (prev, (r, t, _, e)) in enumerate(zip(self.records, self.records[1:]), 1)]
+        return [(r.end - prev.end, i, r.requests, r.tokens)
+                for i, (prev, r) in enumerate(zip(self.records, self.records[1:]), 1)]
 
     def by_batch(self, edges: tuple[int, ...] = (8, 32, 64, 128, 256)) -> list[dict]:
         """Where the whole run's wall time went: step periods summed for steps with prompt tokens
@@ -80,7 +93,7 @@ class StepTiming:
         rows: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
         for period, i, r, t in self.periods():
             name = "mixed" if t != r else names[1 + next((j for j, x in enumerate(edges) if r <= x), len(edges))]
-            rows[name].append((period, self.launch_s[i] if i < len(self.launch_s) else 0.0))
+            rows[name].append((period, self.records[i].launched - self.records[i].start))
         return [{"steps": name, "count": len(v), "total_s": sum(p for p, _ in v),
                  "mean_ms": 1e3 * sum(p for p, _ in v) / len(v), "launch_ms": 1e3 * sum(x for _, x in v) / len(v)}
                 for name, v in rows.items() if v]
