@@ -1,18 +1,22 @@
 """Decode attention with a bf16 vs an FP8 KV cache (GPU): time per call and KV bytes read per second.
 
-    python scripts/attention_bench.py [--json out.json] [--sweep] [--splits] [--prefill] [--mixed]
+    python scripts/attention_bench.py [--json out.json] [--sweep] [--splits] [--prefill] [--mixed] [--layout]
+                                      [--ceiling]
 
 W-small's attention shape (16 query heads, 8 KV heads, head_dim 128, blocks of 16), a decode step
 of `batch` requests with `context` cached tokens each, blocks scattered over the pool; each shape
-also without split-KV (one pass per sequence). --splits instead times mid-size batches (W-small's
-middle phase) with 1, 2, 4 and 8 key slices per sequence, against the split count chosen by default.
+also without split-KV (one pass per sequence). --splits instead times W-small's decode batches from the
+middle of the run to its tail (ragged contexts, longest first) with 1 to 16 key slices per sequence
+and several decode tiles, against the default choice.
 --prefill times prefill steps (8 prompts of 1,024 tokens; W-small's and W-large's heads) for every
 (BLOCK_M, BLOCK_N, warps, stages), in TFLOP/s of causal attention. --mixed times a W-large mixed step
 (8 prompts of 1,024 tokens plus 248 decoding requests with ~1,100 cached tokens) in one launch
 against its prefill and decode rows launched apart. --layout times decode (every tile) and prefill
 with the cache laid out as the engine allocates it, [blocks, block_size, kv_heads, dim], against
 head-major blocks, [blocks, kv_heads, block_size, dim] (a block's keys of one head contiguous),
-passed to the same kernel as a strided view.
+passed to the same kernel as a strided view. --ceiling measures what the device reads at best (a
+copy, a plain streaming read, the decode kernel's gather without its arithmetic) and times decode
+tiles on uniform batches and on W-small's real decode batches in request order and longest first.
 """
 
 import argparse
@@ -21,6 +25,7 @@ import json
 
 import torch
 import triton
+import triton.language as tl
 
 from llmserve.bench.report import report
 from llmserve.kernels.paged_attention import paged_attention
@@ -35,7 +40,10 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="prefill tile sweep")
     ap.add_argument("--mixed", action="store_true", help="a mixed step in one launch vs prefill and decode apart")
     ap.add_argument("--layout", action="store_true", help="token-major vs head-major cache blocks")
+    ap.add_argument("--ceiling", action="store_true", help="read bandwidth ceiling and the decode tile sweep")
     args = ap.parse_args()
+    if args.ceiling:
+        return read_ceiling(args.json)
     if args.layout:
         return layout_compare(args.json)
     if args.splits:
@@ -97,17 +105,30 @@ def decode_inputs(batch: int, context: int, heads: int = 16, kv_heads: int = 8, 
 
 
 def split_sweep(json_path: str | None) -> None:
+    """Key slices x decode tiles on W-small's real decode batches (ragged contexts, longest first,
+    as the engine orders them) from the middle of the run to its tail."""
     from llmserve.kernels.paged_attention import decode_splits
     rows = []
-    for batch, context in [(192, 1000), (128, 1200), (96, 1300), (64, 1400), (48, 1500), (32, 1600), (16, 1800)]:
-        q, k, v, tables, qsl, lens = decode_inputs(batch, context)
-        kv_bytes = 2 * batch * context * 8 * 128 * 2
-        row = {"batch": batch, "context": context, "default_splits": decode_splits(batch, 8, q.device)}
-        for splits in (1, 2, 4, 8):
-            ms = triton.testing.do_bench(lambda: paged_attention(q, k, v, tables, qsl, lens, 0.088, 1, num_splits=splits))
-            row[f"splits{splits}_us"], row[f"splits{splits}_gb_s"] = 1e3 * ms, kv_bytes / ms / 1e6
+    for step in (450, 650, 800, 900, 950, 990, 1010):
+        ctx = sorted(w_small_contexts(step), reverse=True)
+        q, k, v, tables, qsl, lens = decode_inputs_ragged(ctx)
+        order = torch.arange(len(ctx), device="cuda", dtype=torch.int32)
+        kv_bytes = 2 * sum(ctx) * 8 * 128 * 2
+        row = {"w_small_step": step, "running": len(ctx), "mean_context": sum(ctx) / len(ctx),
+               "default_splits": decode_splits(len(ctx), 8, q.device)}
+        ms = triton.testing.do_bench(lambda: paged_attention(q, k, v, tables, qsl, lens, 0.088, 1, seq_order=order))
+        row["default_us"], row["default_tb_s"] = 1e3 * ms, kv_bytes / ms / 1e9
+        for splits, tiles in itertools.product((1, 2, 4, 8, 16), ((64, 4, 3), (128, 4, 3), (128, 8, 3), (256, 8, 3))):
+            try:
+                ms = triton.testing.do_bench(lambda: paged_attention(q, k, v, tables, qsl, lens, 0.088, 1,
+                                                                     num_splits=splits, tiles=tiles, seq_order=order))
+            except Exception:  # out of resources
+                continue
+            row[f"s{splits} {tiles}"] = kv_bytes / ms / 1e9
+        best = max((key for key in row if key.startswith("s") and " " in key), key=row.get)
+        row["best"], row["best_tb_s"] = best, row[best]
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        _print_summary(row)
     report(rows, json_path, echo=False)
 
 
@@ -210,6 +231,130 @@ def mixed_step(json_path: str | None) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     report(rows, json_path, echo=False)
+
+
+def read_ceiling(json_path: str | None) -> None:
+    """How fast this device reads: a copy (read + write, the roofline's bandwidth), a plain streaming
+    read, and the decode kernel's own access pattern (each (sequence, KV head) program gathering its
+    256-byte key and value rows through the block table) without the attention arithmetic. Then
+    W-small's real decode batches (every running request's context at step t of the workload, in
+    request order as the scheduler runs them) against the same batch longest-first: whether the
+    kernel's time is lost to programs of unequal length finishing at different times."""
+    rows = []
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    row = {"copy_tb_s": 2 * x.numel() / triton.testing.do_bench(lambda: y.copy_(x)) / 1e9}
+    flat = x.view(torch.int32)
+    per_program, block = 4, 2048  # int32s: each program reads 32 KB
+    out = torch.empty(flat.numel() // (per_program * block), dtype=torch.int32, device="cuda")
+    for warps, stages in itertools.product((4, 8), (1, 2, 3)):
+        ms = triton.testing.do_bench(lambda: _stream_read[(out.numel(),)](flat, out, per_program, BLOCK=block,
+                                                                           num_warps=warps, num_stages=stages))
+        row[f"stream w{warps} s{stages}"] = x.numel() / ms / 1e9
+    row["stream_best_tb_s"] = max(val for key, val in row.items() if key.startswith("stream "))
+    rows.append(row)
+    print(json.dumps({key: round(val, 3) for key, val in row.items()}), flush=True)
+    del x, y, flat, out
+    tile_grid = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
+    for batch, context in [(256, 1024), (128, 1250), (48, 1500), (15, 1800)]:
+        q, k, v, tables, qsl, lens = decode_inputs(batch, context)
+        kv_bytes = 2 * batch * context * 8 * 128 * 2
+        sink = torch.empty(batch, 8, 128, device="cuda", dtype=torch.float32)
+        row = {"batch": batch, "context": context}
+        for block_n, warps, stages in itertools.product((64, 128), (4, 8), (2, 3)):
+            ms = triton.testing.do_bench(lambda: _gather_read[(batch, 8)](
+                k, v, tables, lens, sink, tables.stride(0), k.stride(0), k.stride(1), k.stride(2),
+                BLOCK_SIZE=16, BLOCK_N=block_n, HEAD_D=128, num_warps=warps, num_stages=stages))
+            row[f"gather {block_n},{warps},{stages}"] = kv_bytes / ms / 1e9
+        _tile_times(row, "attn", kv_bytes, tile_grid, q, k, v, tables, qsl, lens)
+        rows.append(row)
+        _print_summary(row)
+    for step in (50, 250, 450, 650, 850):
+        ctx = w_small_contexts(step)
+        for order in ("request", "longest_first"):
+            batch_ctx = sorted(ctx, reverse=True) if order == "longest_first" else ctx
+            q, k, v, tables, qsl, lens = decode_inputs_ragged(batch_ctx)
+            kv_bytes = 2 * sum(batch_ctx) * 8 * 128 * 2
+            row = {"w_small_step": step, "order": order, "running": len(ctx), "mean_context": sum(ctx) / len(ctx),
+                   "max_context": max(ctx)}
+            _tile_times(row, "attn", kv_bytes, tile_grid, q, k, v, tables, qsl, lens)
+            rows.append(row)
+            _print_summary(row)
+    report(rows, json_path, echo=False)
+
+
+def _tile_times(row: dict, kind: str, kv_bytes: int, tile_grid, q, k, v, tables, qsl, lens) -> None:
+    """row[f"{kind} {tiles}"] = TB/s for each tile choice, plus the default's and the best."""
+    for tiles in tile_grid:
+        try:
+            ms = triton.testing.do_bench(lambda: paged_attention(q, k, v, tables, qsl, lens, 0.088, 1, tiles=tiles))
+        except Exception:  # out of resources
+            continue
+        row[f"{kind} {tiles}"] = kv_bytes / ms / 1e9
+    ms = triton.testing.do_bench(lambda: paged_attention(q, k, v, tables, qsl, lens, 0.088, 1))
+    row[f"{kind}_default_us"], row[f"{kind}_default_tb_s"] = 1e3 * ms, kv_bytes / ms / 1e9
+    for name in ("gather", kind):
+        timed = [key for key in row if key.startswith(name + " ")]
+        if timed:
+            best = max(timed, key=row.get)
+            row[f"{name}_best"], row[f"{name}_best_tb_s"] = best, row[best]
+
+
+def _print_summary(row: dict) -> None:
+    print(json.dumps({key: (round(val, 3) if isinstance(val, float) else val) for key, val in row.items()
+                      if " " not in key}), flush=True)
+
+
+def w_small_contexts(step: int) -> list[int]:
+    """Context length of every request still decoding at decode step `step` of W-small, in request
+    order (all prompts prefilled first, as the engine's run does within its first ~20 steps)."""
+    from llmserve.bench.workloads import w_small
+    work = w_small()
+    return [len(p) + step for p, sp in zip(work.prompts, work.params) if sp.max_tokens > step]
+
+
+def decode_inputs_ragged(contexts: list[int], heads: int = 16, kv_heads: int = 8, dim: int = 128, bs: int = 16):
+    """decode_inputs with one context length per sequence (blocks scattered over the pool)."""
+    width = max(-(-c // bs) for c in contexts)
+    batch = len(contexts)
+    tables = torch.randperm(batch * width, device="cuda", dtype=torch.int32).view(batch, width)
+    k = torch.randn(batch * width, bs, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    lens = torch.tensor(contexts, device="cuda", dtype=torch.int32)
+    return q, k, torch.randn_like(k), tables, qsl, lens
+
+
+@triton.jit
+def _stream_read(x_ptr, out_ptr, PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr):
+    base = tl.program_id(0).to(tl.int64) * PER_PROGRAM * BLOCK
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in tl.range(PER_PROGRAM):
+        acc ^= tl.load(x_ptr + base + i * BLOCK + tl.arange(0, BLOCK))
+    tl.store(out_ptr + tl.program_id(0), tl.reduce(acc, 0, _xor))
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
+
+
+@triton.jit
+def _gather_read(k_ptr, v_ptr, tables_ptr, lens_ptr, sink_ptr, stride_bt, stride_cb, stride_ct, stride_ch,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    n = tl.load(lens_ptr + seq)
+    d = tl.arange(0, HEAD_D)
+    acc = tl.zeros([HEAD_D], dtype=tl.float32)
+    for start in range(0, n, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        ok = pos < n
+        blk = tl.load(tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        off = blk[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_ct + head * stride_ch + d[None, :]
+        kk = tl.load(k_ptr + off, mask=ok[:, None], other=0.0)
+        vv = tl.load(v_ptr + off, mask=ok[:, None], other=0.0)
+        acc += tl.sum(kk.to(tl.float32) + vv.to(tl.float32), 0)
+    tl.store(sink_ptr + (seq * tl.num_programs(1) + head) * HEAD_D + d, acc)
 
 
 if __name__ == "__main__":
