@@ -3,9 +3,15 @@
 Cache layout: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; see reference.py
 for the batch layout. The reference implementation there is this kernel's oracle.
 
-Grid: (num_seqs, cdiv(max_query_len, BLOCK_Q), num_kv_heads). One program owns BLOCK_Q query
-tokens of one sequence and *all* the query heads that share one KV head (GQA group), so each K/V
-tile is loaded once for the whole group. Its tile of BLOCK_M = BLOCK_Q * GROUP_P rows is
+Grid: (query tiles, 1, num_kv_heads). One program owns BLOCK_Q query tokens of one sequence (a
+query tile) and *all* the query heads that share one KV head (GQA group), so each K/V tile is
+loaded once for the whole group. Program p of axis 0 finds its tile from query_start_loc alone:
+sequence i has cdiv(query_len_i, BLOCK_Q) tiles, numbered on after those of the sequences before
+it (a cumulative sum over the batch, done by every program), so the grid need only be at least
+the batch's tile count, cdiv(num_tokens, BLOCK_Q) + num_seqs: programs past the last tile exit.
+The grid thus depends on no host-side value but the batch's shape, and a CUDA graph captured for
+a padded token count serves any batch that fits (padding sequences have empty queries). Its tile
+of BLOCK_M = BLOCK_Q * GROUP_P rows is
 
     row r  ->  query token  q_tile * BLOCK_Q + r // GROUP_P,   query head  kv_head * GROUP + r % GROUP_P
 
@@ -30,6 +36,12 @@ a second kernel, one program per (token, head), merges the slices with their log
     M = max_s m_s,   out = sum_s exp(m_s - M) * acc_s / sum_s exp(m_s - M) * l_s
 
 The number of splits depends only on the batch size, so a CUDA graph captures it.
+
+Decode steps (every query length 1) keep a program per sequence: grid (num_seqs, NUM_SPLITS,
+num_kv_heads), program (i, s, h) on sequence seq_order[i] when an order is given. Contexts differ
+by up to 10x in a batch, so the GPU's block scheduler, which starts programs in index order, ends
+the step on a few long sequences started last; longest first (the order the caller passes) keeps
+the SMs busy to the end (+2-3% on W-small's decode batches, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -43,23 +55,28 @@ from llmserve.kernels.hardware import sm_count
 
 # Arguments that change with the batch are not specialized on (Triton would compile a variant
 # each time their divisibility by 16 changes, possibly mid-run): the block table's width, ml_half.
-@triton.jit(do_not_specialize=["ml_half", "stride_bt"])
+@triton.jit(do_not_specialize=["ml_half", "stride_bt", "num_seqs"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    k_scale_ptr, v_scale_ptr, part_ptr, ml_ptr, scale, num_heads, ml_half,
+    seq_order_ptr, k_scale_ptr, v_scale_ptr, part_ptr, ml_ptr, scale, num_heads, num_seqs, ml_half,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt, stride_sb, stride_st,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, FP8: tl.constexpr, DOT_TY: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DECODE: tl.constexpr, ORDERED: tl.constexpr, SEQS_P: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    if NUM_SPLITS > 1:  # decode: axis 1 numbers the key slices
+    if DECODE:  # a program per sequence; axis 1 numbers the key slices
+        seq = tl.program_id(0)
+        if ORDERED:
+            seq = tl.load(seq_order_ptr + seq)
         split = tl.program_id(1)
         q_tile = 0
     else:
+        seq, q_tile = _find_query_tile(query_start_loc_ptr, num_seqs, tl.program_id(0), BLOCK_Q, SEQS_P)
+        if seq >= num_seqs:
+            return
         split = 0
-        q_tile = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -126,6 +143,20 @@ def _paged_attention_kernel(
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def _find_query_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr, SEQS_P: tl.constexpr):
+    """(sequence, its query tile) of the batch's tile number `tile`; sequence num_seqs past the last."""
+    s = tl.arange(0, SEQS_P)
+    ok = s < num_seqs
+    lo = tl.load(query_start_loc_ptr + s, mask=ok, other=0)
+    hi = tl.load(query_start_loc_ptr + s + 1, mask=ok, other=0)
+    tiles = (hi - lo + BLOCK_Q - 1) // BLOCK_Q
+    ends = tl.cumsum(tiles, 0)
+    seq = tl.sum((ends <= tile).to(tl.int32), 0)
+    first = tl.sum(tl.where(s == seq, ends - tiles, 0), 0)
+    return seq, tile - first
+
+
 @triton.jit(do_not_specialize=["ml_half"])
 def _merge_splits_kernel(out_ptr, part_ptr, ml_ptr, num_heads, ml_half, stride_ot, stride_oh,
                          NUM_SPLITS: tl.constexpr, HEAD_D: tl.constexpr, HEAD_P: tl.constexpr):
@@ -141,9 +172,9 @@ def _merge_splits_kernel(out_ptr, part_ptr, ml_ptr, num_heads, ml_half, stride_o
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_D)
 
 
-# (BLOCK_N, num_warps, num_stages), chosen on an H200 with scripts/attention_bench.py (BENCHMARKS.md).
-# Decode steps stream the cache: wider key tiles keep more bytes in flight, most of all when few
-# sequences leave SMs idle. Prefill keeps 32-key tiles against its 64-row query tiles.
+# (BLOCK_N, num_warps, num_stages), chosen with scripts/attention_bench.py (BENCHMARKS.md). Decode
+# steps stream the cache: wider key tiles keep more bytes in flight, most of all when few sequences
+# leave SMs idle. Prefill keeps 32-key tiles against its 64-row query tiles (swept on an H200).
 PREFILL_TILES = (32, 4, 3)
 
 
@@ -160,19 +191,27 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int
 
 
 def decode_tiles(num_seqs: int, fp8: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of a decode step. 128-key tiles for small batches (23
+    running: 15% over 64-key tiles) and for large batches of unequal contexts (2-6% from 88 running
+    up, equal on uniform contexts), 64 between (37-59 running: within 3%); H100, W-small's decode
+    batches (BENCHMARKS.md)."""
     if fp8:
         return (128, 4, 4)
-    return (128, 4, 3) if num_seqs <= 16 else (64, 4, 3)
+    return (128, 4, 3) if num_seqs <= 32 or num_seqs > 64 else (64, 4, 3)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
                     out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None,
-                    num_splits: int | None = None, block_m: int | None = None) -> torch.Tensor:
-    """Same contract as reference.paged_attention_reference; `max_query_len` sizes the grid.
-    `tiles` overrides (BLOCK_N, num_warps, num_stages); `num_splits` the decode key slices (a power
-    of two; decode steps only); `block_m` the rows (query tokens x group heads) of a program."""
+                    num_splits: int | None = None, block_m: int | None = None,
+                    seq_order: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as reference.paged_attention_reference. `max_query_len` 1 says every query
+    length is 1 (a decode step, a program per sequence); any other value, that some may be longer
+    (its exact value does not matter). `tiles` overrides (BLOCK_N, num_warps, num_stages);
+    `num_splits` the decode key slices (a power of two; decode steps only); `block_m` the rows
+    (query tokens x group heads) of a program; `seq_order` int32 [num_seqs], a permutation: the
+    order in which decode programs take the sequences."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and query.stride(2) == 1
@@ -188,19 +227,22 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     fp8 = k_scale is not None
     assert not fp8 or (k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1)
     scales = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)  # unused pointers without FP8
-    block_n, warps, stages = tiles or (decode_tiles(num_seqs, fp8) if max_query_len == 1 else PREFILL_TILES)
-    splits = 1 if max_query_len != 1 else (num_splits or decode_splits(num_seqs, num_kv_heads, query.device))
+    decode = max_query_len == 1
+    block_n, warps, stages = tiles or (decode_tiles(num_seqs, fp8) if decode else PREFILL_TILES)
+    splits = 1 if not decode else (num_splits or decode_splits(num_seqs, num_kv_heads, query.device))
     if splits > 1:
         part = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
         ml = torch.empty(2, num_tokens, num_heads, splits, dtype=torch.float32, device=query.device)
-        grid = (num_seqs, splits, num_kv_heads)
     else:
         part = ml = out  # unused
-        grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    if decode:
+        grid = (num_seqs, splits, num_kv_heads)
+    else:  # an upper bound on the query tiles: each sequence's last tile may be partial
+        grid = (triton.cdiv(num_tokens, block_q) + num_seqs, 1, num_kv_heads)
     ml_half = num_tokens * num_heads * splits
     _paged_attention_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, *scales, part, ml, scale,
-        num_heads, ml_half,
+        out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+        seq_order if seq_order is not None else seq_lens, *scales, part, ml, scale, num_heads, num_seqs, ml_half,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
@@ -208,6 +250,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         HEAD_P=max(triton.next_power_of_2(head_dim), 16), BLOCK_Q=block_q, BLOCK_N=block_n,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32", FP8=fp8,
         DOT_TY=tl.float32 if query.dtype == torch.float32 else tl.float16, NUM_SPLITS=splits,
+        DECODE=decode, ORDERED=seq_order is not None, SEQS_P=0 if decode else max(16, triton.next_power_of_2(num_seqs)),
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:

@@ -28,7 +28,7 @@ class CUDABackend(AttentionBackend):
     def attention(self, query, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return self._paged_attention(query, cache.k, cache.v, meta.block_tables, meta.query_start_loc,
                                      meta.seq_lens, scale, meta.max_query_len, k_scale=cache.k_scale,
-                                     v_scale=cache.v_scale)
+                                     v_scale=cache.v_scale, seq_order=meta.seq_order)
 
     def rms_norm(self, x, weight, eps, residual=None):
         return self._fused.rms_norm(x, weight, eps, residual)

@@ -62,6 +62,37 @@ def test_paged_attention_head_dim_not_power_of_two():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_paged_attention_padded_like_a_cuda_graph():
+    """A batch padded the way a captured mixed step is: token rows past the batch's queries and
+    sequences with empty queries at the end. The real rows match the reference; nothing else is
+    touched, so the padding rows keep whatever they held."""
+    query_lens, context_lens = [5, 1, 3, 1], [0, 7, 9, 20]
+    q, kc, vc, tables, qsl, seq_lens = make_batch(query_lens, context_lens, block_size=4, num_kv_heads=2,
+                                                  group=2, head_dim=16, dtype=torch.float32)
+    ref = paged_attention_reference(q, kc, vc, tables, qsl, seq_lens, 0.25)
+    n, pad_tokens, pad_seqs = q.shape[0], 6, 3
+    q_pad = torch.cat([q, torch.randn(pad_tokens, *q.shape[1:], device=DEVICE)])
+    qsl_pad = torch.cat([qsl, qsl[-1:].repeat(pad_seqs)])
+    lens_pad = torch.cat([seq_lens, torch.ones(pad_seqs, dtype=torch.int32, device=DEVICE)])
+    tables_pad = torch.cat([tables, torch.zeros(pad_seqs, tables.shape[1], dtype=torch.int32, device=DEVICE)])
+    out = torch.full_like(q_pad, float("nan"))
+    paged_attention(q_pad, kc, vc, tables_pad, qsl_pad, lens_pad, 0.25, n + pad_tokens, out=out, block_m=8)
+    torch.testing.assert_close(out[:n], ref, atol=1e-5, rtol=1e-5)
+    assert out[n:].isnan().all()
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_in_a_given_sequence_order_matches_reference(splits):
+    q, kc, vc, tables, qsl, seq_lens = make_batch([1] * 5, [3, 40, 0, 17, 9], block_size=4, num_kv_heads=2, group=2,
+                                                  head_dim=16, dtype=torch.float32, seed=4)
+    ref = paged_attention_reference(q, kc, vc, tables, qsl, seq_lens, 0.3)
+    order = torch.argsort(seq_lens, descending=True).to(torch.int32)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, kc, vc, tables, qsl, seq_lens, 0.3, 1, out=out, tiles=(16, 4, 1), num_splits=splits,
+                    seq_order=order)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_reference_attention_is_causal_softmax():
     """The oracle itself against a dense computation."""
     q, kc, vc, tables, qsl, seq_lens = make_batch([4], [0], block_size=4, num_kv_heads=1, group=1, head_dim=8,

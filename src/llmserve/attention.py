@@ -18,7 +18,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     seq_lens: torch.Tensor  # int32 [num_seqs]
-    max_query_len: int
+    max_query_len: int  # 1: a decode step (every query length 1)
+    seq_order: torch.Tensor | None = None  # int32 [num_seqs]: decode sequences longest first, or None
 
 
 @dataclass(slots=True)
