@@ -131,3 +131,24 @@ def test_cuda_prequantized_checkpoint_equals_fp8_at_load(checkpoint, tmp_path):
     with LLM(src, device="cuda", num_blocks=256, quantization="fp8", log_interval_s=0) as llm:
         at_load = llm.engine.runner.prompt_logits(ids)
     assert torch.equal(pre, at_load)
+
+
+def test_pinned_ring_copies_survive_wrapping_behind_a_busy_stream():
+    """Arrays staged through a ring far smaller than what passes through it, while the stream is
+    still busy with earlier work: a half is rewritten only after its copies ran, so every array
+    arrives intact."""
+    import numpy as np
+
+    from llmserve.model.pinned import PinnedRing
+    ring = PinnedRing(torch.device("cuda"), nbytes=4096)
+    rng = np.random.default_rng(0)
+    sent, got = [], []
+    torch.cuda._sleep(50_000_000)  # ~25 ms of queued work ahead of every copy
+    for i in range(300):
+        dtype = [np.int64, np.int32, np.float32, np.bool_][i % 4]
+        array = (rng.random(rng.integers(1, 60)) * 1000).astype(dtype)
+        sent.append(array)
+        got.append(ring.to_device(array))
+    torch.cuda.synchronize()
+    assert all(np.array_equal(a, g.cpu().numpy()) for a, g in zip(sent, got))
+    assert all(g.dtype == torch.from_numpy(a).dtype for a, g in zip(sent, got))

@@ -40,7 +40,8 @@ class ModelConfig:
     quantization: str | None = None
     """Name of a quantization method registered by a plugin; None for none."""
     enforce_eager: bool = False
-    """Never use CUDA graphs (they are captured for decode steps at start-up otherwise)."""
+    """Never use CUDA graphs (captured at start-up otherwise: decode steps by batch size, prefill and
+    mixed steps by token count)."""
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "model", "dtype", f"one of {_DTYPES}", self.dtype)

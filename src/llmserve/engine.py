@@ -240,9 +240,12 @@ class Engine(Frontend):
         self.kv_tokens = num_blocks * bs
         if self.device.type == "cuda" and not m.enforce_eager:
             start = time.perf_counter()
-            self.runner.capture_graphs(config.scheduler.max_num_seqs)
-            log.info("captured decode CUDA graphs", sizes=len(self.runner.graphs.sizes),
-                     max_batch=config.scheduler.max_num_seqs, seconds=round(time.perf_counter() - start, 2))
+            s = config.scheduler
+            self.runner.capture_graphs(s.max_num_seqs, s.max_num_batched_tokens)
+            graphs = self.runner.graphs
+            log.info("captured CUDA graphs", decode_sizes=len(graphs.sizes), max_batch=s.max_num_seqs,
+                     mixed_sizes=len(graphs.token_sizes), max_tokens=s.max_num_batched_tokens,
+                     seconds=round(time.perf_counter() - start, 2))
         self.kv = KVCacheManager(num_blocks, bs)
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -21,8 +21,9 @@ from llmserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from llmserve.config import EngineConfig
 from llmserve.kernels.sampling import row_keys
 from llmserve.messages import StepPlan, StepResult
-from llmserve.model.cuda_graphs import DecodeGraphs
+from llmserve.model.cuda_graphs import StepGraphs
 from llmserve.model.loader import load_model
+from llmserve.model.pinned import PinnedRing
 from llmserve.model.sampler import (Penalties, SamplingBatch, gather_logprobs, sample, to_token_logprobs)
 from llmserve.model.spec import ModelSpec
 from llmserve.model.step_timing import StepTiming
@@ -72,11 +73,12 @@ class ModelRunner:
                                 seed=config.model.seed)
         self.seqs: dict[str, SeqState] = {}
         self.num_blocks = 0
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         self.timing = StepTiming()
         self.placeholders_filled = 0
         self.in_flight: InFlight | None = None
         self.host_sampled: set[str] = set()  # requests whose sampling reads their tokens on the host
+        self._pinned: PinnedRing | None = None
 
     # ---- KV cache ------------------------------------------------------------------------------
 
@@ -152,6 +154,7 @@ class ModelRunner:
         self.model.set_kv_caches([None] * self.spec.num_layers)
         self.model = None
         self.graphs = None
+        self._pinned = None
         self.seqs.clear()
         self.host_sampled.clear()
         if self.device.type == "cuda":
@@ -184,13 +187,14 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the device, queued without waiting for the device: through pinned memory
-        (PyTorch's caching host allocator keeps the buffer until the copy has run). From pageable
-        memory the driver stages larger copies (a mixed step's 64 KB of token ids) only after the
-        stream's earlier work, so the host would wait for the step in flight before launching more."""
-        tensor = torch.from_numpy(array)
+        (model/pinned.py). From pageable memory the driver stages larger copies (a mixed step's
+        64 KB of token ids) only after the stream's earlier work, so the host would wait for the
+        step in flight before launching more."""
         if self.device.type != "cuda":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+            return torch.from_numpy(array)
+        if self._pinned is None:
+            self._pinned = PinnedRing(self.device)
+        return self._pinned.to_device(array)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -206,10 +210,12 @@ class ModelRunner:
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(self.model(ids, positions, meta)).float()
 
-    def capture_graphs(self, max_batch: int) -> None:
-        """Capture decode-step CUDA graphs (after the KV cache is allocated: they bake in its address)."""
+    def capture_graphs(self, max_batch: int, max_tokens: int, emulate: bool = False) -> None:
+        """Capture CUDA graphs of decode steps up to `max_batch` requests and of mixed steps up to
+        `max_tokens` tokens (after the KV cache is allocated: they bake in its address).
+        emulate: no capture; steps run eagerly over the graphs' padded buffers (tests without CUDA)."""
         max_blocks = -(-self.max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.device, max_batch, max_blocks)
+        self.graphs = StepGraphs(self.model, self.device, max_batch, max_tokens, max_blocks, emulate=emulate)
         self.graphs.capture()
 
     # Steps are launched, then finished. launch() queues the forward pass and the sampler on the
@@ -278,12 +284,18 @@ class ModelRunner:
         qsl = np.zeros(len(plan.req_ids) + 1, dtype=np.int32)
         np.cumsum(plan.query_lens, out=qsl[1:])
         from_device = self._fill_placeholders(plan, qsl, previous)
-        graphed = (self.graphs is not None and plan.num_tokens == len(plan.req_ids)
-                   and self.graphs.fits(plan.num_tokens))
-        if graphed:  # hidden has the captured size's rows; those past the batch are padding
+        decode = plan.num_tokens == len(plan.req_ids)
+        graphed = self.graphs is not None and self.graphs.fits(len(plan.req_ids)) and decode
+        mixed_graphed = (self.graphs is not None and not decode
+                         and self.graphs.fits_mixed(plan.num_tokens, len(plan.req_ids)))
+        if graphed or mixed_graphed:  # hidden has the captured size's rows; those past the batch are padding
             positions, slots = self._positions_and_slots(plan.query_lens, plan.context_lens, plan.block_tables, qsl)
-            hidden = self.graphs.run(plan.token_ids, positions, slots, plan.context_lens + 1, plan.block_tables,
-                                     from_device)
+            seq_lens = plan.context_lens + plan.query_lens
+            if graphed:
+                hidden = self.graphs.run(plan.token_ids, positions, slots, seq_lens, plan.block_tables, from_device)
+            else:
+                hidden = self.graphs.run_mixed(plan.token_ids, positions, slots, qsl, seq_lens, plan.block_tables,
+                                               from_device)
         else:
             meta, positions = self._metadata(plan.query_lens, plan.context_lens, plan.block_tables, qsl)
             input_ids = self._to_device(plan.token_ids)
