@@ -1,7 +1,7 @@
 """The engine: builds the model runner and the pure logic, then runs the four actors in one anyio
 task group. Offline (`LLM`) and online (the server) both drive it through `generate` and `abort`.
 
-    API --Submit/Abort--> request actor --NewRequest/FinishRequests--> scheduler --StepProposal--> KV manager
+    API --Submit/Abort--> request actor --NewRequests/FinishRequests--> scheduler --StepProposal--> KV manager
           <-- OutputSlot --        ^                                   ^   ^                          |
                                    +------------ EngineOutputs --------+   +-- StepFeedback ----------+
                                                                        +-- StepResult <-- executor <-- StepPlan
@@ -191,16 +191,26 @@ class Frontend(abc.ABC):
         Raises ValueError for a bad prompt or parameters (this request only). Leaving the loop
         early (break, cancellation, client gone) aborts the request and frees its blocks.
         """
+        sub = Submit(request_id or uuid.uuid4().hex, prompt, params or SamplingParams(), OutputSlot(), priority,
+                     add_special_tokens, strict_length, final_only)
+        await self.submit([sub])
+        async for out in self.outputs(sub):
+            yield out
+
+    async def submit(self, subs: list[Submit]) -> None:
+        """Hand requests to the engine in one message: the scheduler takes them all before it plans
+        (an offline batch's first step is then full). Read each one's outputs with `outputs`."""
         if self._requests_in is None:
             raise RuntimeError("engine is not running")
-        request_id = request_id or uuid.uuid4().hex
-        slot = OutputSlot()
-        await self._requests_in.send(Submit(request_id, prompt, params or SamplingParams(), slot, priority,
-                                            add_special_tokens, strict_length, final_only))
+        await self._requests_in.send(subs)
+
+    async def outputs(self, sub: Submit) -> AsyncIterator[RequestOutput]:
+        """A submitted request's cumulative outputs as `generate` yields them; leaving the loop
+        early aborts the request."""
         finished = False
         try:
             while not finished:
-                out = await slot.get()
+                out = await sub.slot.get()
                 finished = out.finished
                 yield out
         except ValueError:
@@ -209,7 +219,7 @@ class Frontend(abc.ABC):
         finally:
             if not finished and self._requests_in is not None:
                 with anyio.CancelScope(shield=True):
-                    await self._requests_in.send(Abort(request_id))
+                    await self._requests_in.send(Abort(sub.req_id))
 
     async def abort(self, request_id: str) -> None:
         if self._requests_in is not None:
@@ -273,7 +283,7 @@ class Engine(Frontend):
     async def run_core(self, to_requests: ObjectSendStream, *,
                        task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """The device side alone: the scheduler, the KV manager and the executor, until cancelled.
-        Reports started with the scheduler's inbox (send NewRequest / FinishRequests there);
+        Reports started with the scheduler's inbox (send NewRequests / FinishRequests there);
         EngineOutputs go to `to_requests`."""
         # Bounded streams give backpressure, except the scheduler's inbox: the request actor and
         # the scheduler send to each other, so one side must never block; what it holds is bounded

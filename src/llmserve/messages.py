@@ -1,6 +1,6 @@
 """Messages between the actors: small, explicit, one per step per hop.
 
-    request actor --NewRequest / FinishRequests--> scheduler --StepProposal--> KV manager
+    request actor --NewRequests / FinishRequests--> scheduler --StepProposal--> KV manager
     KV manager --StepPlan--> executor                 KV manager --StepFeedback--> scheduler
     executor --StepResult--> scheduler --EngineOutputs--> request actor
 
@@ -32,6 +32,13 @@ class NewRequest:
     arrival: float = 0.0
     group: str | None = None
     """The parent request of one of n > 1 samples: siblings share prompt blocks."""
+
+
+@dataclass(slots=True)
+class NewRequests:
+    """Requests submitted together (an offline batch, the n samples of one request): the scheduler
+    takes them all before it plans, so a batch's first step is as full as its budget allows."""
+    requests: list[NewRequest]
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from llmserve.detokenizer import Detokenizer
-from llmserve.messages import EngineOutputs, FinishRequests, NewRequest, SequenceUpdate, TokenLogprobs
+from llmserve.messages import EngineOutputs, FinishRequests, NewRequest, NewRequests, SequenceUpdate, TokenLogprobs
 from llmserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -101,7 +101,7 @@ class RequestActor:
             async for msg in self.inbox:
                 if isinstance(msg, EngineOutputs):
                     await self._on_outputs(msg)
-                elif isinstance(msg, Submit):
+                elif isinstance(msg, list):  # Submits, handed in together
                     await self._on_submit(msg)
                 elif isinstance(msg, Abort):
                     await self._abort(msg.req_id)
@@ -114,7 +114,9 @@ class RequestActor:
                 raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids instead")
             return sub.prompt, self.tokenizer.encode(sub.prompt, add_special_tokens=sub.add_special_tokens)
         ids = list(sub.prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+        # C-level passes over the list (a per-token Python check cost ~0.1 ms a prompt: 256 of them
+        # delayed an offline batch's first step by ~30 ms)
+        if ids and (not set(map(type, ids)) <= {int} or min(ids) < 0 or max(ids) >= self.vocab_size):
             raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
         return None, ids
 
@@ -131,16 +133,25 @@ class RequestActor:
         if bad:
             raise ValueError(f"logit_bias/stop_token_ids: token ids must be < vocab size {self.vocab_size}, got {bad}")
 
-    async def _on_submit(self, sub: Submit) -> None:
-        if sub.req_id in self.requests:
-            sub.slot.put(ValueError(f"request_id {sub.req_id!r} is already in use"))
-            return
-        try:
-            prompt, ids = self._tokenize(sub)
-            self._validate(ids, sub.params, sub.strict_length)
-        except ValueError as exc:
-            sub.slot.put(exc)
-            return
+    async def _on_submit(self, subs: list[Submit]) -> None:
+        """Admit each valid submission (an invalid one gets its error in its slot); the scheduler
+        hears of them in one message."""
+        arrivals: list[NewRequest] = []
+        for sub in subs:
+            if sub.req_id in self.requests:
+                sub.slot.put(ValueError(f"request_id {sub.req_id!r} is already in use"))
+                continue
+            try:
+                prompt, ids = self._tokenize(sub)
+                self._validate(ids, sub.params, sub.strict_length)
+            except ValueError as exc:
+                sub.slot.put(exc)
+                continue
+            self._admit(sub, prompt, ids, arrivals)
+        if arrivals:
+            await self.to_scheduler.send(NewRequests(arrivals))
+
+    def _admit(self, sub: Submit, prompt: str | None, ids: list[int], arrivals: list[NewRequest]) -> None:
         p = sub.params
         base_seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
         req = _Request(sub.req_id, prompt, ids, p, sub.slot,
@@ -155,8 +166,7 @@ class RequestActor:
             req.children.append(child_id)
             self.child_of[child_id] = (req, i)
             child_params = replace(p, n=1, seed=(base_seed + i) % 2**63)
-            await self.to_scheduler.send(NewRequest(child_id, ids, child_params, sub.priority, now,
-                                                    sub.req_id if p.n > 1 else None))
+            arrivals.append(NewRequest(child_id, ids, child_params, sub.priority, now, sub.req_id if p.n > 1 else None))
 
     async def _abort(self, req_id: str) -> None:
         req = self.requests.get(req_id)

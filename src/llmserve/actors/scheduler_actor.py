@@ -10,7 +10,7 @@ import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from llmserve.core.scheduler import RequestStatus, Scheduler
-from llmserve.messages import EngineOutputs, FinishInFlight, FinishRequests, NewRequest, StepFeedback, StepResult
+from llmserve.messages import EngineOutputs, FinishInFlight, FinishRequests, NewRequests, StepFeedback, StepResult
 
 log = structlog.get_logger("llmserve.engine")
 
@@ -91,8 +91,9 @@ class SchedulerActor:
 
     async def _handle(self, msg: object) -> None:
         s = self.scheduler
-        if isinstance(msg, NewRequest):
-            s.add(msg)
+        if isinstance(msg, NewRequests):
+            for new in msg.requests:
+                s.add(new)
             self.stalled = False
         elif isinstance(msg, FinishRequests):
             s.finish(msg.req_ids, RequestStatus.FINISHED_STOPPED if msg.reason == "stop"

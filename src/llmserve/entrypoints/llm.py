@@ -13,6 +13,7 @@ import anyio
 from anyio.from_thread import start_blocking_portal
 from tqdm import tqdm
 
+from llmserve.actors.request_actor import OutputSlot, Submit
 from llmserve.config import EngineConfig
 from llmserve.engine import Engine
 from llmserve.logging import configure_logging
@@ -69,11 +70,12 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(items)
         bar = tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         t0, out_tokens = time.monotonic(), 0
+        subs = [Submit(str(start + i), items[i], params[i], OutputSlot(), priority[i], final_only=True)
+                for i in range(len(items))]
 
         async def one(i: int) -> None:
             nonlocal out_tokens
-            async for out in self.engine.generate(items[i], params[i], request_id=str(start + i), priority=priority[i],
-                                                  final_only=True):
+            async for out in self.engine.outputs(subs[i]):
                 results[i] = out
             out_tokens += sum(len(c.token_ids) for c in results[i].outputs)
             bar.set_postfix(output_tok_s=f"{out_tokens / max(time.monotonic() - t0, 1e-9):.1f}", refresh=False)
@@ -81,6 +83,7 @@ class LLM:
 
         try:
             async with anyio.create_task_group() as tg:
+                await self.engine.submit(subs)  # all at once: the first step is a full one
                 for i in range(len(items)):
                     tg.start_soon(one, i)
         except BaseExceptionGroup as group:
