@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU suite in one device call.
 #
-#   here (has pip and the registry):  bash scripts/gpu_suite.sh prepare
-#       -> .whl/: llmserve itself plus the packages the GPU box lacks (structlog, trio and its needs)
+#   here (has pip and the registry):  [BASE=<git rev>] bash scripts/gpu_suite.sh prepare
+#       -> .whl/: llmserve itself plus the packages the GPU box lacks (structlog, trio and its needs);
+#          with BASE, also .whl/base/: llmserve at that revision, for `run ab`
 #   on the GPU box (device tool, carry [".whl"]):
 #       bash scripts/gpu_suite.sh run [w-small|w-large|w-serve|quant-1|quant-2|none]
 #       -> installs .whl into /tmp/site, runs the GPU and kernel tests (SKIP_TESTS=1: not), then the
@@ -10,7 +11,9 @@
 #          (w-serve: the server plus `llmserve bench serve` at rate inf and at half the max;
 #          quant-1: int8 kernel sweep, batch-1 decode bf16 vs int8, quantization quality;
 #          quant-2: decode attention bf16 vs FP8 cache, W-small with a bf16 vs FP8 KV cache,
-#          W-large bf16 vs fp8);
+#          W-large bf16 vs fp8;
+#          ab WORKLOAD: the working tree's llmserve and BASE's alternately, AB_RUNS (4) runs in all,
+#          the same box and call: compare commits only this way, boxes of one kind differ by ~4%);
 #          logs and JSON results under $OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +29,14 @@ prepare)
         priority==2.0.0 hpack==4.2.0 hyperframe==6.1.0 pydantic==2.14.3 pydantic_core==2.50.4 \
         annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0
     "$PY" -m pip wheel -q --no-deps -w .whl .
-    ls -la .whl
+    if [ -n "${BASE:-}" ]; then
+        base_src=$(mktemp -d)
+        git archive "$BASE" | tar -x -C "$base_src"
+        "$PY" -m pip wheel -q --no-deps -w .whl/base "$base_src"
+        rm -rf "$base_src"
+        git rev-parse --short "$BASE" > .whl/base/REVISION
+    fi
+    ls -la .whl .whl/base 2>/dev/null
     ;;
 run)
     OUT=${OUT:-/tmp/llmserve-gpu-out}
@@ -63,6 +73,21 @@ run)
         }
         serve_bench true inf half
         serve_bench false inf
+    elif [ "$bench" = ab ]; then
+        # The working tree (new) and BASE (base) alternately on one box: base's llmserve shadows
+        # the new one on its PYTHONPATH, the other packages are shared.
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-base .whl/base/*.whl
+        w=${3:-w-small}
+        for i in $(seq 1 "${AB_RUNS:-4}"); do
+            if [ $((i % 2)) = 1 ]; then side=new site=/tmp/site; else side=base site=/tmp/site-base:/tmp/site; fi
+            PYTHONPATH=$site timeout 200 "$PY" -m llmserve.bench.throughput --workload "$w" ${BENCH_ARGS:-} \
+                --json "$OUT/$w-$side-$i.json" > "$OUT/$w-$side-$i.log" 2>&1
+            "$PY" -c 'import json, sys; r = json.load(open(sys.argv[1]))
+print(sys.argv[2], "%.3f s, %d tok/s, %.1f%% of roofline, start-up %.1f s" % (
+    r["wall_s"], r["output_tok_s"], 100 * r["roofline_fraction"], r["startup_s"]))
+print("   ", "; ".join("%s: %d in %.3f s (launch %.1f ms)" % (b["steps"], b["count"], b["total_s"], b["launch_ms"])
+                      for b in r["decode_steps"]["by_batch"]))' "$OUT/$w-$side-$i.json" "$side"
+        done
     elif [ "$bench" = quant-1 ]; then
         timeout 120 "$PY" scripts/int8_sweep.py --json "$OUT/int8-sweep.json" > "$OUT/int8-sweep.log" 2>&1
         tail -12 "$OUT/int8-sweep.log"
@@ -92,7 +117,7 @@ run)
     fi
     ;;
 *)
-    echo "usage: $0 prepare | run [w-small|w-large|w-serve|none]" >&2
+    echo "usage: $0 prepare | run [w-small|w-large|w-serve|quant-1|quant-2|none | ab WORKLOAD]" >&2
     exit 2
     ;;
 esac
