@@ -32,8 +32,10 @@ copies its hidden states into one buffer shared by all token counts, so the pool
 intermediates, not one set per graph. Inputs travel through pinned host buffers with one
 non-blocking copy each. Two sets alternate: with a step in flight, step N + 1 fills its buffers
 while N's copies may still be queued, and N + 2 (which reuses N's) is launched only after N has
-finished. The lm_head runs eagerly on the padded output (rows past the batch are ignored), so
-cuBLAS meets one shape per captured size, all of them first at capture time.
+finished. The lm_head runs eagerly on the padded output (rows past the batch are ignored; a mixed
+step's sampled rows are padded to a captured batch size too), so cuBLAS meets one shape per
+captured size, all of them first at capture time. Each graph is launched once at capture as well:
+a graph's first launch uploads it to the device.
 
 `emulate=True` runs the same padded buffers through the model eagerly instead of replaying
 (the padding logic on machines without CUDA: tests).
@@ -127,10 +129,16 @@ class StepGraphs:
             self.graphs[kind, b] = graph
         for b in self.sizes:  # cuBLAS picks (and lazily loads) a kernel per shape on first use
             self.model.compute_logits(self.outputs["decode", b])
+        for graph in self.graphs.values():  # a graph's first launch uploads it: ~25 ms mid-run otherwise
+            graph.replay()
         torch.cuda.synchronize()
 
     def fits(self, num_reqs: int) -> bool:
         return num_reqs <= self.max_batch
+
+    def batch_size(self, num_reqs: int) -> int:
+        """The captured decode batch size that `num_reqs` rows pad to."""
+        return next(s for s in self.sizes if s >= num_reqs)
 
     def fits_mixed(self, num_tokens: int, num_reqs: int) -> bool:
         return num_tokens <= self.max_tokens and num_reqs <= self.max_batch
@@ -141,7 +149,7 @@ class StepGraphs:
         b >= B (rows B.. are padding).
         from_device: (rows, token ids) already on the device that overwrite those rows of token_ids."""
         B = len(token_ids)
-        b = next(s for s in self.sizes if s >= B)
+        b = self.batch_size(B)
         host64, host32, host_tables = self._stage(token_ids, positions, slots, b)
         lens, order = host32[0].numpy(), host32[1].numpy()
         lens[:B], lens[B:b] = seq_lens, 1

@@ -311,8 +311,10 @@ class ModelRunner:
         if graphed and len(rows) == len(plan.req_ids):  # every row samples: lm_head at the captured size
             logits = self.model.compute_logits(hidden)[:len(rows)]
         else:
-            last = self._to_device(qsl[1:][rows] - 1)
-            logits = self.model.compute_logits(hidden[last])
+            last = qsl[1:][rows] - 1
+            if mixed_graphed:  # padded to a captured batch size, whose lm_head shape cuBLAS has met
+                last = np.pad(last, (0, self.graphs.batch_size(len(last)) - len(last)), mode="edge")
+            logits = self.model.compute_logits(hidden[self._to_device(last)])[:len(rows)]
         states = [self.seqs[r] for r in result.req_ids]
         batch = self._sampling_batch(states, logits.shape[-1])
         tokens = sample(logits, batch, self.backend.gumbel_argmax)
