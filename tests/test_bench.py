@@ -54,6 +54,8 @@ def test_step_timing_counts_idle_time_before_each_decode_step_only():
     assert rows == {"mixed": (1, 1.0), "decode <= 8": (2, 1.5), "decode > 8": (1, 1.0)}
     assert [(s["step"], s["tokens"], round(s["ms"])) for s in t.slowest(3)] == [(1, 4, 1000), (2, 50, 1000),
                                                                                 (4, 300, 1000)]
+    first = t.slowest(1)[0]  # step 1: 500 ms before it started, 500 launching, none finishing
+    assert (round(first["before_ms"]), round(first["launch_ms"]), round(first["finish_ms"])) == (500, 500, 0)
 
 
 def test_step_timing_separates_launch_from_waiting():

@@ -14,8 +14,9 @@ from contextlib import contextmanager
 def watch_stalls() -> Iterator[dict]:
     """Yields a dict filled as the region runs: "kernels" [{"kernel", "variant", "ms"}] for each Triton
     specialization first used in it (None where this Triton has no JIT hooks), "gc" {"collections",
-    "ms", "max_ms"} for collections of generation 1 and 2."""
-    seen: dict = {"kernels": None, "gc": {"collections": 0, "ms": 0.0, "max_ms": 0.0}}
+    "ms", "max_ms"} for collections of generation 1 and 2, and "gc_pauses" [(perf_counter at the
+    start, ms)] of those that took 1 ms or more."""
+    seen: dict = {"kernels": None, "gc": {"collections": 0, "ms": 0.0, "max_ms": 0.0}, "gc_pauses": []}
     gc_start = [0.0]
 
     def on_gc(phase: str, info: dict) -> None:
@@ -25,6 +26,8 @@ def watch_stalls() -> Iterator[dict]:
             gc_start[0] = time.perf_counter()
         else:
             ms = 1e3 * (time.perf_counter() - gc_start[0])
+            if ms >= 1.0:
+                seen["gc_pauses"].append((gc_start[0], ms))
             g = seen["gc"]
             g["collections"] += 1
             g["ms"] += ms

@@ -141,9 +141,16 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
         if profile:
             # A prefill step, steady decode with all requests running, and the long tail's small batches.
             timing.profile_windows, timing.profile_out = [(2, 2), (200, 5), (650, 5), (850, 5), (980, 5)], profile
+        allocator_before = _allocator_counts()
         with watch_stalls() as stalls:
             wall, outs = timed_generate(llm, w.prompts, w.params)
+        # device memory the caching allocator had to get (or give back) mid-run: each is a driver call
+        stalls["allocator"] = {k: v - allocator_before.get(k, 0) for k, v in _allocator_counts().items()}
         step_summary = {**timing.summary(), "by_batch": timing.by_batch(), "slowest": timing.slowest()}
+        pauses = stalls.pop("gc_pauses")
+        for row in step_summary["slowest"]:  # the collections inside each slow step's period
+            lo, hi = timing.records[row["step"] - 1].end, timing.records[row["step"]].end
+            row["gc_ms"] = sum(ms for t, ms in pauses if lo <= t < hi)
         if peer == "hf":
             # The same subset through our engine, for a like-for-like ratio measured in this run.
             sub_wall, _ = timed_generate(llm, w.prompts[:peer_requests], w.params[:peer_requests])
@@ -172,6 +179,13 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
     if peer_result is not None:
         result["peer"] = peer_result
     return result
+
+
+def _allocator_counts() -> dict:
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
 
 
 def main(argv: list[str] | None = None) -> None:

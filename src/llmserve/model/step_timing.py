@@ -99,6 +99,13 @@ class StepTiming:
                 for name, v in rows.items() if v]
 
     def slowest(self, n: int = 8) -> list[dict]:
-        """The n longest step periods, with the step's index, requests and tokens."""
+        """The n longest step periods, with the step's index, requests and tokens, and where the
+        period went: waiting for the plan before step() ("before_ms"), launching ("launch_ms"),
+        waiting for the step before to finish ("finish_ms")."""
         periods = sorted(self.periods(), key=lambda x: (-x[0], x[1]))
-        return [{"step": i, "requests": r, "tokens": t, "ms": 1e3 * p} for p, i, r, t in periods[:n]]
+        out = []
+        for p, i, r, t in periods[:n]:
+            prev, rec = self.records[i - 1], self.records[i]
+            out.append({"step": i, "requests": r, "tokens": t, "ms": 1e3 * p, "before_ms": 1e3 * (rec.start - prev.end),
+                        "launch_ms": 1e3 * (rec.launched - rec.start), "finish_ms": 1e3 * (rec.end - rec.launched)})
+        return out
