@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,18 +27,27 @@ log = structlog.get_logger("llmserve.request")
 
 class OutputSlot:
     """Holds a request's newest RequestOutput (or error). Outputs are cumulative, so a slow reader
-    skips intermediate ones instead of making the engine buffer them: memory stays bounded."""
+    skips intermediate ones instead of making the engine buffer them: memory stays bounded.
+    `notify`, if given, is called on each put (on the engine's loop): one reader can then serve
+    many slots (an offline batch) instead of a task per slot."""
 
-    def __init__(self) -> None:
+    def __init__(self, notify: Callable[[], None] | None = None) -> None:
         self._value: RequestOutput | BaseException | None = None
         self._ready = anyio.Event()
+        self._notify = notify
 
     def put(self, value: RequestOutput | BaseException) -> None:
         self._value = value
         self._ready.set()
+        if self._notify is not None:
+            self._notify()
 
     async def get(self) -> RequestOutput:
         await self._ready.wait()
+        return self.take()
+
+    def take(self) -> RequestOutput:
+        """The output put since the last take (raising the error put instead); call once notified."""
         value, self._value = self._value, None
         self._ready = anyio.Event()
         if isinstance(value, BaseException):

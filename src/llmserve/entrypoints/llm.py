@@ -5,8 +5,10 @@ Runs the same engine and actors as the server, on an event loop in a background 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import anyio
@@ -67,27 +69,30 @@ class LLM:
 
     async def _run_batch(self, items: list[str | list[int]], params: list[SamplingParams], priority: list[int],
                          start: int, use_tqdm: bool) -> list[RequestOutput]:
+        """Submit every request in one message (the first step is then a full one) and read their
+        final outputs as they finish, in one loop: each slot reports its index when it is filled
+        (a task per request cost ~50 ms of the event loop's time between the first two steps of a
+        256-request batch). The first error aborts the rest of the batch."""
         results: list[RequestOutput | None] = [None] * len(items)
         bar = tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         t0, out_tokens = time.monotonic(), 0
-        subs = [Submit(str(start + i), items[i], params[i], OutputSlot(), priority[i], final_only=True)
-                for i in range(len(items))]
-
-        async def one(i: int) -> None:
-            nonlocal out_tokens
-            async for out in self.engine.outputs(subs[i]):
-                results[i] = out
-            out_tokens += sum(len(c.token_ids) for c in results[i].outputs)
-            bar.set_postfix(output_tok_s=f"{out_tokens / max(time.monotonic() - t0, 1e-9):.1f}", refresh=False)
-            bar.update(1)
-
+        filled_send, filled = anyio.create_memory_object_stream(math.inf)
+        subs = [Submit(str(start + i), items[i], params[i], OutputSlot(partial(filled_send.send_nowait, i)),
+                       priority[i], final_only=True) for i in range(len(items))]
+        await self.engine.submit(subs)
         try:
-            async with anyio.create_task_group() as tg:
-                await self.engine.submit(subs)  # all at once: the first step is a full one
-                for i in range(len(items)):
-                    tg.start_soon(one, i)
-        except BaseExceptionGroup as group:
-            raise _first_leaf(group) from None
+            for _ in range(len(items)):
+                i = await filled.receive()
+                results[i] = out = subs[i].slot.take()  # final_only: the one output is the finished one
+                out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                bar.set_postfix(output_tok_s=f"{out_tokens / max(time.monotonic() - t0, 1e-9):.1f}", refresh=False)
+                bar.update(1)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                for sub, out in zip(subs, results):
+                    if out is None:
+                        await self.engine.abort(sub.req_id)
+            raise
         finally:
             bar.close()
         return results  # type: ignore[return-value]
@@ -123,9 +128,3 @@ def _prompt(p: PromptInput) -> str | list[int]:
         return p["prompt"]
     raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(p).__name__}")
 
-
-def _first_leaf(group: BaseExceptionGroup) -> BaseException:
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
