@@ -54,7 +54,9 @@ from llmserve.kernels.hardware import sm_count
 
 
 # Arguments that change with the batch are not specialized on (Triton would compile a variant
-# each time their divisibility by 16 changes, possibly mid-run): the block table's width, ml_half.
+# each time their divisibility by 16 changes, possibly mid-run): the block table's width, ml_half,
+# num_seqs. (SEQS_P, the batch's sequences rounded up to a power of two, is a variant per size
+# class for eager steps; a graphed step always passes every sequence slot of its buffers.)
 @triton.jit(do_not_specialize=["ml_half", "stride_bt", "num_seqs"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,

@@ -129,7 +129,7 @@ class StepGraphs:
             self.graphs[kind, b] = graph
         for b in self.sizes:  # cuBLAS picks (and lazily loads) a kernel per shape on first use
             self.model.compute_logits(self.outputs["decode", b])
-        for graph in self.graphs.values():  # a graph's first launch uploads it: ~25 ms mid-run otherwise
+        for graph in self.graphs.values():  # a graph's first launch uploads it: here, not mid-run
             graph.replay()
         torch.cuda.synchronize()
 
