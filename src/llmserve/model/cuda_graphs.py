@@ -34,8 +34,7 @@ non-blocking copy each. Two sets alternate: with a step in flight, step N + 1 fi
 while N's copies may still be queued, and N + 2 (which reuses N's) is launched only after N has
 finished. The lm_head runs eagerly on the padded output (rows past the batch are ignored; a mixed
 step's sampled rows are padded to a captured batch size too), so cuBLAS meets one shape per
-captured size, all of them first at capture time. Each graph is launched once at capture as well:
-a graph's first launch uploads it to the device.
+captured size, all of them first at capture time.
 
 `emulate=True` runs the same padded buffers through the model eagerly instead of replaying
 (the padding logic on machines without CUDA: tests).
@@ -129,8 +128,6 @@ class StepGraphs:
             self.graphs[kind, b] = graph
         for b in self.sizes:  # cuBLAS picks (and lazily loads) a kernel per shape on first use
             self.model.compute_logits(self.outputs["decode", b])
-        for graph in self.graphs.values():  # a graph's first launch uploads it: here, not mid-run
-            graph.replay()
         torch.cuda.synchronize()
 
     def fits(self, num_reqs: int) -> bool:
