@@ -19,12 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve.kernels.hardware import pdl, pdl_start
+
 
 # ---- RMSNorm (+ residual add) -------------------------------------------------------------------
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, N, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -50,9 +53,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res_out = torch.empty_like(x2) if residual is not None else out
     res2 = residual.reshape(-1, n) if residual is not None else x2
     if rows:
+        on = pdl(x.device)
         _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, x2.stride(0), res2.stride(0), out.stride(0),
                                   res_out.stride(0), n, eps, HAS_RES=residual is not None,
-                                  BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 2048 else 8)
+                                  BLOCK=triton.next_power_of_2(n), PDL=on, num_warps=4 if n <= 2048 else 8,
+                                  launch_pdl=on)
     if residual is None:
         return out.view(shape)
     return out.view(shape), res_out.view(shape)
@@ -92,7 +97,9 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
                    stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
                    HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-                   NORM: tl.constexpr, WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+                   NORM: tl.constexpr, WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, DP)
@@ -166,7 +173,8 @@ def _launch_rotary(q, k, v, positions, cos, sin, q_weight, k_weight, eps, k_cach
                          *cache_strides, k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
                          HQ=hq, HK=k.shape[1], HALF=dim // 2,
                          HP=triton.next_power_of_2(max(hq, k.shape[1])), DP=triton.next_power_of_2(dim // 2),
-                         NORM=norm, WRITE_KV=write_kv, BLOCK_SIZE=k_cache.shape[1] if write_kv else 1, FP8=fp8)
+                         NORM=norm, WRITE_KV=write_kv, BLOCK_SIZE=k_cache.shape[1] if write_kv else 1, FP8=fp8,
+                         PDL=pdl(q.device), launch_pdl=pdl(q.device))
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -206,7 +214,8 @@ def rotary_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
 # ---- SiLU(gate) * up ----------------------------------------------------------------------------
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -224,7 +233,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n = two_n // 2
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
-        _silu_and_mul_kernel[(rows,)](x, out, x.stride(0), out.stride(0), n, BLOCK=min(triton.next_power_of_2(n), 2048))
+        on = pdl(x.device)
+        _silu_and_mul_kernel[(rows,)](x, out, x.stride(0), out.stride(0), n, BLOCK=min(triton.next_power_of_2(n), 2048),
+                                      PDL=on, launch_pdl=on)
     return out
 
 

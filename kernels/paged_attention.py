@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve.kernels.hardware import sm_count
+from llmserve.kernels.hardware import pdl, pdl_start, sm_count
 
 
 # Arguments that change with the batch are not specialized on (Triton would compile a variant
@@ -66,8 +66,9 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, FP8: tl.constexpr, DOT_TY: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DECODE: tl.constexpr, ORDERED: tl.constexpr, SEQS_P: tl.constexpr,
+    DECODE: tl.constexpr, ORDERED: tl.constexpr, SEQS_P: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     if DECODE:  # a program per sequence; axis 1 numbers the key slices
         seq = tl.program_id(0)
         if ORDERED:
@@ -161,7 +162,8 @@ def _find_query_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr,
 
 @triton.jit(do_not_specialize=["ml_half"])
 def _merge_splits_kernel(out_ptr, part_ptr, ml_ptr, num_heads, ml_half, stride_ot, stride_oh,
-                         NUM_SPLITS: tl.constexpr, HEAD_D: tl.constexpr, HEAD_P: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, HEAD_D: tl.constexpr, HEAD_P: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = (t * num_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
@@ -253,10 +255,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32", FP8=fp8,
         DOT_TY=tl.float32 if query.dtype == torch.float32 else tl.float16, NUM_SPLITS=splits,
         DECODE=decode, ORDERED=seq_order is not None, SEQS_P=0 if decode else max(16, triton.next_power_of_2(num_seqs)),
-        num_warps=warps, num_stages=stages,
+        PDL=pdl(query.device), num_warps=warps, num_stages=stages, launch_pdl=pdl(query.device),
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part, ml, num_heads, ml_half, out.stride(0), out.stride(1),
-            NUM_SPLITS=splits, HEAD_D=head_dim, HEAD_P=max(triton.next_power_of_2(head_dim), 16))
+            NUM_SPLITS=splits, HEAD_D=head_dim, HEAD_P=max(triton.next_power_of_2(head_dim), 16),
+            PDL=pdl(query.device), launch_pdl=pdl(query.device))
     return out

@@ -1,12 +1,13 @@
-"""Decode-step GEMMs of W-small's layers: cuBLAS (F.linear) against the Triton tile kernel of
+"""Decode-step GEMMs of W-small's layers: cuBLAS (F.linear) against cuBLASLt, torch's TunableOp
+(every cuBLAS/cuBLASLt algorithm timed per shape, the fastest kept) and the Triton tile kernel of
 kernels/int8_matmul.py run on bf16 weights (unit scales), timed the way a decode step runs them:
 inside a CUDA graph, over 28 distinct weight matrices (one per layer, so the weights come from
 HBM, not L2). GPU only.
 
-    python scripts/gemm_bench.py [--ms 8,16,48,96,224] [--json out.json]
+    python scripts/gemm_bench.py [--ms 8,16,48,96,224] [--modes cublas,cublaslt,tunable,triton] [--json out.json]
 
-Per (M, layer): cuBLAS µs per GEMM, the best Triton configuration's µs and its weight-read
-bandwidth. Decides whether a Triton GEMM for small batches is worth having.
+Per (M, layer): µs per GEMM in each mode (the best Triton configuration's) and the weight-read
+bandwidth of the fastest. Decides whether anything beats the default cuBLAS at decode batch sizes.
 """
 
 import argparse
@@ -50,27 +51,44 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--ms", default="8,16,48,96,224")
+    ap.add_argument("--modes", default="cublas,cublaslt,tunable,triton")
     args = ap.parse_args()
+    modes = args.modes.split(",")
     rows = []
     for layer, (N, K) in SHAPES.items():
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
         ones = torch.ones(N, device="cuda")
         for M in map(int, args.ms.split(",")):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            cublas = graph_us(lambda i: torch.nn.functional.linear(x, ws[i]))
-            bm = max(16, min(triton.next_power_of_2(M), 64))
-            timed = []
-            for bn, bk, split in itertools.product((32, 64, 128), (64, 128), (1, 2, 4)):
-                cfg = (bm, bn, bk, 4, 4)
-                try:
-                    us = graph_us(lambda i: int8_matmul(x, ws[i], ones, config=cfg, split_k=split))
-                except Exception:  # out of shared memory and the like
-                    continue
-                timed.append((us, cfg, split))
-            best_us, cfg, split = min(timed)
-            row = {"M": M, "layer": layer, "cublas_us": round(cublas, 2), "triton_best_us": round(best_us, 2),
-                   "config": cfg, "split_k": split, "triton_weight_tb_s": round(N * K * 2 / best_us / 1e6, 2),
-                   "cublas_weight_tb_s": round(N * K * 2 / cublas / 1e6, 2), "speedup": round(cublas / best_us, 2)}
+            linear = lambda i: torch.nn.functional.linear(x, ws[i])  # noqa: E731
+            row = {"M": M, "layer": layer}
+            for mode in modes:
+                if mode == "triton":
+                    bm = max(16, min(triton.next_power_of_2(M), 64))
+                    timed = []
+                    for bn, bk, split in itertools.product((32, 64, 128), (64, 128), (1, 2, 4)):
+                        cfg = (bm, bn, bk, 4, 4)
+                        try:
+                            us = graph_us(lambda i: int8_matmul(x, ws[i], ones, config=cfg, split_k=split))
+                        except Exception:  # out of shared memory and the like
+                            continue
+                        timed.append((us, cfg, split))
+                    us, row["triton_config"], row["triton_split_k"] = min(timed)
+                elif mode == "tunable":  # tuned on the first (warm-up) calls, outside the capture
+                    torch.cuda.tunable.enable(True)
+                    torch.cuda.tunable.tuning_enable(True)
+                    torch.cuda.tunable.set_rotating_buffer_size(256)  # tune on cold operands, as in a step
+                    try:
+                        us = graph_us(linear)
+                    finally:
+                        torch.cuda.tunable.enable(False)
+                else:
+                    torch.backends.cuda.preferred_blas_library(mode)
+                    us = graph_us(linear)
+                    torch.backends.cuda.preferred_blas_library("cublas")
+                row[f"{mode}_us"] = round(us, 2)
+            best = min(modes, key=lambda m: row[f"{m}_us"])
+            row.update(best=best, best_weight_tb_s=round(N * K * 2 / row[f"{best}_us"] / 1e6, 2))
             rows.append(row)
             print(json.dumps(row), flush=True)
     report(rows, args.json, echo=False)

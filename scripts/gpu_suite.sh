@@ -82,11 +82,7 @@ run)
             if [ $((i % 2)) = 1 ]; then side=new site=/tmp/site; else side=base site=/tmp/site-base:/tmp/site; fi
             PYTHONPATH=$site timeout 200 "$PY" -m llmserve.bench.throughput --workload "$w" ${BENCH_ARGS:-} \
                 --json "$OUT/$w-$side-$i.json" > "$OUT/$w-$side-$i.log" 2>&1
-            "$PY" -c 'import json, sys; r = json.load(open(sys.argv[1]))
-print(sys.argv[2], "%.3f s, %d tok/s, %.1f%% of roofline, start-up %.1f s" % (
-    r["wall_s"], r["output_tok_s"], 100 * r["roofline_fraction"], r["startup_s"]))
-print("   ", "; ".join("%s: %d in %.3f s (launch %.1f ms)" % (b["steps"], b["count"], b["total_s"], b["launch_ms"])
-                      for b in r["decode_steps"]["by_batch"]))' "$OUT/$w-$side-$i.json" "$side"
+            echo "$side:"; "$PY" scripts/bench_summary.py "$OUT/$w-$side-$i.json"
         done
     elif [ "$bench" = quant-1 ]; then
         timeout 120 "$PY" scripts/int8_sweep.py --json "$OUT/int8-sweep.json" > "$OUT/int8-sweep.log" 2>&1

@@ -58,6 +58,35 @@ def test_step_timing_counts_idle_time_before_each_decode_step_only():
     assert (round(first["before_ms"]), round(first["launch_ms"]), round(first["finish_ms"])) == (500, 500, 0)
 
 
+def test_step_timing_splits_device_time_into_busy_and_idle():
+    from llmserve.model.step_timing import StepRecord, StepTiming
+
+    class Event:  # what the CUDA events around a step report: device timestamps in ms
+        def __init__(self, ms):
+            self.ms = ms
+
+        def elapsed_time(self, other):
+            return other.ms - self.ms
+
+        def synchronize(self):
+            pass
+
+    t = StepTiming()
+    t.records = [StepRecord(4, 100, 0.0, 0.1, 0.1), StepRecord(4, 4, 0.1, 0.2, 0.3), StepRecord(4, 4, 0.3, 0.4, 0.5),
+                 StepRecord(300, 300, 0.5, 0.6, 0.7)]
+    # device: step 0 runs 0-100 ms, step 1 100-300 (queued while 0 ran), step 2 340-360 after 40 ms idle,
+    # step 3 400-500 after 40 ms idle (its event pair recorded early, while the device was busy, counts 0)
+    t.device_events = [(Event(0), Event(100)), (Event(100), Event(300)), (Event(340), Event(360)),
+                       (Event(400), Event(500))]
+    assert [(round(b, 3), round(i, 3)) for b, i in t.device_s()] == [(0.1, 0), (0.2, 0), (0.02, 0.04), (0.1, 0.04)]
+    rows = {r["steps"]: (r["count"], round(r["device_s"], 3), round(r["idle_s"], 3)) for r in t.by_batch(edges=(8,))}
+    assert rows == {"decode <= 8": (2, 0.22, 0.04), "decode > 8": (1, 0.1, 0.04)}
+    assert [(r["step"], round(r["idle_ms"]), round(r["device_ms"])) for r in t.most_idle(2)] == [(2, 40, 20),
+                                                                                                (3, 40, 100)]
+    t.device_events = None  # not timing the device: no such columns
+    assert "device_s" not in t.by_batch()[0] and "idle_ms" not in t.slowest(1)[0] and t.most_idle() == []
+
+
 def test_step_timing_separates_launch_from_waiting():
     import time
 

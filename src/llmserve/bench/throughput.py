@@ -138,6 +138,8 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
         llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         timing = llm.engine.runner.timing
         timing.clear()
+        if torch.cuda.is_available():
+            timing.time_device()  # device busy/idle per step: two CUDA events a step
         if profile:
             # A prefill step, steady decode with all requests running, and the long tail's small batches.
             timing.profile_windows, timing.profile_out = [(2, 2), (200, 5), (650, 5), (850, 5), (980, 5)], profile
@@ -146,9 +148,13 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
             wall, outs = timed_generate(llm, w.prompts, w.params)
         # device memory the caching allocator had to get (or give back) mid-run: each is a driver call
         stalls["allocator"] = {k: v - allocator_before.get(k, 0) for k, v in _allocator_counts().items()}
-        step_summary = {**timing.summary(), "by_batch": timing.by_batch(), "slowest": timing.slowest()}
+        step_summary = {**timing.summary(), "by_batch": timing.by_batch(), "slowest": timing.slowest(),
+                        "most_idle": timing.most_idle()}
+        if timing.device_events:
+            busy = sum(b for b, _ in timing.device_s())
+            step_summary.update(device_busy_s=busy, device_busy_fraction=busy / wall)
         pauses = stalls.pop("gc_pauses")
-        for row in step_summary["slowest"]:  # the collections inside each slow step's period
+        for row in step_summary["slowest"] + step_summary["most_idle"]:  # the collections inside each step's period
             lo, hi = timing.records[row["step"] - 1].end, timing.records[row["step"]].end
             row["gc_ms"] = sum(ms for t, ms in pauses if lo <= t < hi)
         if peer == "hf":

@@ -1,5 +1,7 @@
-"""Where a step's time goes, measured around the runner's step() calls, and an optional torch
-profiler window over a few steps (`llmserve bench throughput --profile`)."""
+"""Where a step's time goes, measured around the runner's step() calls, optionally on the device
+too (CUDA events around each step's queued work: how long it ran and how long the device sat idle
+before it), and an optional torch profiler window over a few steps (`llmserve bench throughput
+--profile`)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,14 @@ class StepTiming:
         self.profile_windows: list[tuple[int, int]] = []  # (first step, steps)
         self.profile_out: str | None = None
         self._prof = None
+        # (start, end) CUDA events per record when timing the device (time_device()); None: not timing
+        self.device_events: list[tuple] | None = None
+        self._events: tuple | None = None
+
+    def time_device(self) -> None:
+        """Also record a CUDA event pair around each step's device work (a few µs of host time a
+        step): by_batch() then splits the run into device busy and idle time."""
+        self.device_events = []
 
     @contextmanager
     def step(self, num_reqs: int, num_tokens: int):
@@ -38,12 +48,20 @@ class StepTiming:
             self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                             torch.profiler.ProfilerActivity.CUDA])
             self._prof.__enter__()
+        if self.device_events is not None:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
         start = self._launched = time.perf_counter()
         try:
             yield
         finally:
             end = time.perf_counter()
             launched = self._launched if self._launched > start else end  # unmarked: all of it was launch
+            if self._events is not None:
+                if self._launched <= start:
+                    self._events[1].record()
+                self.device_events.append(self._events)
+                self._events = None
             self.records.append(StepRecord(num_reqs, num_tokens, start, launched, end))
             if self._prof is not None and index == sum(window) - 1:
                 self._prof.__exit__(None, None, None)
@@ -58,9 +76,27 @@ class StepTiming:
     def launched(self) -> None:
         """Mark the end of the current step's launch (the host work that queues it on the device)."""
         self._launched = time.perf_counter()
+        if self._events is not None:
+            self._events[1].record()
 
     def clear(self) -> None:
         self.records.clear()
+        if self.device_events is not None:
+            self.device_events.clear()
+
+    def device_s(self) -> list[tuple[float, float]] | None:
+        """(busy, idle before) seconds on the device per step: from the step's first queued work to
+        its last, and from the previous step's last to its first (0 when the device was still busy
+        with earlier work as the step was queued). Waits for the device. None if not timing it."""
+        if not self.device_events:
+            return None
+        self.device_events[-1][1].synchronize()
+        out, prev_end = [], None
+        for start, end in self.device_events:
+            idle = 0.0 if prev_end is None else max(prev_end.elapsed_time(start), 0.0) / 1e3
+            out.append((start.elapsed_time(end) / 1e3, idle))
+            prev_end = end
+        return out
 
     @property
     def launch_s(self) -> list[float]:
@@ -88,24 +124,45 @@ class StepTiming:
     def by_batch(self, edges: tuple[int, ...] = (8, 32, 64, 128, 256)) -> list[dict]:
         """Where the whole run's wall time went: step periods summed for steps with prompt tokens
         ("mixed") and for decode steps by batch size (up to each edge), with the mean host time
-        that launching them took ("launch_ms"; a period close to it means the host paces the device)."""
+        that launching them took ("launch_ms"; a period close to it means the host paces the device).
+        When timing the device: the steps' device time ("device_s") and the device's idle time
+        before them ("idle_s"), which together make up the wall time."""
         names = ["mixed", *(f"decode <= {x}" for x in edges), f"decode > {edges[-1]}"]
-        rows: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+        rows: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in names}
+        device = self.device_s() or [(float("nan"), float("nan"))] * len(self.records)
         for period, i, r, t in self.periods():
             name = "mixed" if t != r else names[1 + next((j for j, x in enumerate(edges) if r <= x), len(edges))]
-            rows[name].append((period, self.records[i].launched - self.records[i].start))
-        return [{"steps": name, "count": len(v), "total_s": sum(p for p, _ in v),
-                 "mean_ms": 1e3 * sum(p for p, _ in v) / len(v), "launch_ms": 1e3 * sum(x for _, x in v) / len(v)}
-                for name, v in rows.items() if v]
+            rows[name].append((period, self.records[i].launched - self.records[i].start, *device[i]))
+        out = []
+        for name, v in rows.items():
+            if not v:
+                continue
+            row = {"steps": name, "count": len(v), "total_s": sum(x[0] for x in v),
+                   "mean_ms": 1e3 * sum(x[0] for x in v) / len(v), "launch_ms": 1e3 * sum(x[1] for x in v) / len(v)}
+            if self.device_events:
+                row.update(device_s=sum(x[2] for x in v), idle_s=sum(x[3] for x in v))
+            out.append(row)
+        return out
 
     def slowest(self, n: int = 8) -> list[dict]:
         """The n longest step periods, with the step's index, requests and tokens, and where the
         period went: waiting for the plan before step() ("before_ms"), launching ("launch_ms"),
-        waiting for the step before to finish ("finish_ms")."""
-        periods = sorted(self.periods(), key=lambda x: (-x[0], x[1]))
-        out = []
-        for p, i, r, t in periods[:n]:
-            prev, rec = self.records[i - 1], self.records[i]
-            out.append({"step": i, "requests": r, "tokens": t, "ms": 1e3 * p, "before_ms": 1e3 * (rec.start - prev.end),
-                        "launch_ms": 1e3 * (rec.launched - rec.start), "finish_ms": 1e3 * (rec.end - rec.launched)})
-        return out
+        waiting for the step before to finish ("finish_ms"); when timing the device, the step's
+        device time and the device's idle time before it ("device_ms", "idle_ms")."""
+        device = self.device_s()
+        return [self._row(i, device) for _, i, _, _ in sorted(self.periods(), key=lambda x: (-x[0], x[1]))[:n]]
+
+    def most_idle(self, n: int = 8) -> list[dict]:
+        """The n steps before which the device sat idle longest (timing the device), as slowest() rows."""
+        device = self.device_s() or []
+        order = sorted(range(1, len(device)), key=lambda i: (-device[i][1], i))
+        return [self._row(i, device) for i in order[:n]]
+
+    def _row(self, i: int, device: list[tuple[float, float]] | None = None) -> dict:
+        prev, rec = self.records[i - 1], self.records[i]
+        row = {"step": i, "requests": rec.requests, "tokens": rec.tokens, "ms": 1e3 * (rec.end - prev.end),
+               "before_ms": 1e3 * (rec.start - prev.end), "launch_ms": 1e3 * (rec.launched - rec.start),
+               "finish_ms": 1e3 * (rec.end - rec.launched)}
+        if device:
+            row.update(device_ms=1e3 * device[i][0], idle_ms=1e3 * device[i][1])
+        return row

@@ -1,0 +1,29 @@
+"""One run's JSON from `llmserve bench throughput`, summarised in two lines (three more with -v:
+the steps the device waited longest for).
+
+    python scripts/bench_summary.py [-v] RESULT.json ...
+"""
+
+import json
+import sys
+
+
+def main(argv: list[str]) -> None:
+    verbose = argv[:1] == ["-v"]
+    for path in argv[verbose:]:
+        r = json.load(open(path))
+        d = r["decode_steps"]
+        busy = (f", device busy {d['device_busy_s']:.3f} s ({100 * d['device_busy_fraction']:.1f}%)"
+                if "device_busy_s" in d else "")
+        print(f"{path.rsplit('/', 1)[-1]}: {r['wall_s']:.3f} s, {r['output_tok_s']:.0f} tok/s, "
+              f"{100 * r.get('roofline_fraction', 0):.1f}% of roofline{busy}, start-up {r['startup_s']:.1f} s, "
+              f"GC {r['stalls']['gc']['ms']:.0f} ms")
+        print("   " + "; ".join(f"{b['steps']}: {b['count']} in {b['total_s']:.3f} s"
+                                + (f" (device {b['device_s']:.3f}, idle {b['idle_s']:.3f})" if "device_s" in b else "")
+                                + f" launch {b['launch_ms']:.1f} ms" for b in d["by_batch"]))
+        for row in d.get("most_idle", [])[:3] if verbose else []:
+            print("    idle before", {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
