@@ -123,12 +123,12 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
     w = WORKLOADS[workload]()
     device = measure_device() if torch.cuda.is_available() else {"device": "cpu"}
 
-    def timed_generate(llm, prompts, params) -> tuple[float, list]:
+    def timed_generate(llm, prompts, params) -> tuple[float, list, float]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return time.perf_counter() - start, outs
+        return time.perf_counter() - start, outs, start
 
     peer_result = None
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,11 +145,14 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
             timing.profile_windows, timing.profile_out = [(2, 2), (200, 5), (650, 5), (850, 5), (980, 5)], profile
         allocator_before = _allocator_counts()
         with watch_stalls() as stalls:
-            wall, outs = timed_generate(llm, w.prompts, w.params)
+            wall, outs, started = timed_generate(llm, w.prompts, w.params)
         # device memory the caching allocator had to get (or give back) mid-run: each is a driver call
         stalls["allocator"] = {k: v - allocator_before.get(k, 0) for k, v in _allocator_counts().items()}
         step_summary = {**timing.summary(), "by_batch": timing.by_batch(), "slowest": timing.slowest(),
                         "most_idle": timing.most_idle()}
+        # host time from generate() to the first step's launch: handing the batch in and planning it
+        first = next((r for r in timing.records if r.requests and r.start >= started), None)
+        step_summary["first_step_ms"] = None if first is None else 1e3 * (first.start - started)
         if timing.device_events:
             busy = sum(b for b, _ in timing.device_s())
             step_summary.update(device_busy_s=busy, device_busy_fraction=busy / wall)
@@ -159,7 +162,7 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
             row["gc_ms"] = sum(ms for t, ms in pauses if lo <= t < hi)
         if peer == "hf":
             # The same subset through our engine, for a like-for-like ratio measured in this run.
-            sub_wall, _ = timed_generate(llm, w.prompts[:peer_requests], w.params[:peer_requests])
+            sub_wall, _, _ = timed_generate(llm, w.prompts[:peer_requests], w.params[:peer_requests])
         preemptions = llm.engine.scheduler.num_preemptions
         leaked = llm.engine.kv.pool.num_blocks - llm.engine.kv.num_free_blocks()
         llm.shutdown()
