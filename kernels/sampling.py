@@ -1,7 +1,8 @@
 """Fused Gumbel-max sampling: one pass over a row of logits, no [B, V] temporaries.
 
 For row b with temperature T > 0 the token is argmax_v (logits[b, v] / T + g(key[b], v)) with Gumbel
-noise g = -log(-log u) and u in (0, 1) from a 32-bit counter hash of (row key, v): an exact sample
+noise g = -log(-log u) and u in (0, 1) from the top 23 bits of a 32-bit counter hash of (row key,
+v) (u = (k + 0.5) / 2**23, at most 1 - 2**-24: g < 16.7, never infinite): an exact sample
 from softmax(logits / T), reproducible from the key alone. T == 0 rows take argmax_v logits[b, v].
 Ties resolve to the smallest index, as torch.argmax does.
 
@@ -54,7 +55,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, key_ptr, best_ptr, index
         x = tl.load(logits_ptr + row.to(tl.int64) * stride + idx, mask=valid, other=float("-inf")).to(tl.float32)
         if t > 0:
             h = _hash32(key + idx.to(tl.uint32) * 0x9E3779B9)
-            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # see _uniform
             x = tl.where(valid, x / t - tl.log(-tl.log(u)), float("-inf"))
         better = x > best
         best = tl.where(better, x, best)
@@ -117,8 +118,15 @@ def gumbel_noise_reference(key: torch.Tensor, vocab: int) -> torch.Tensor:
     """float32 [B, V]: the kernel's Gumbel noise g(key, v)."""
     idx = torch.arange(vocab, device=key.device, dtype=torch.int64)
     h = _hash32_torch(((key & _MASK)[:, None] + idx[None, :] * _GOLDEN) & _MASK)
-    u = ((h >> 8).float() + 0.5) * (1.0 / 16777216.0)
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(_uniform(h)))
+
+
+def _uniform(h: torch.Tensor) -> torch.Tensor:
+    """float32 u in (0, 1) from the top 23 bits of a hash: (k + 0.5) / 2**23 is exact in float32
+    for k < 2**23, so u <= 1 - 2**-24 and the noise stays finite (with 24 bits, k + 0.5 rounds up
+    to 2**24 for the largest k: u = 1, infinite noise, a uniformly random token for ~1% of rows of
+    a 152k vocabulary)."""
+    return ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
 
 
 def gumbel_argmax_reference(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor) -> torch.Tensor:

@@ -137,6 +137,32 @@ def test_gumbel_argmax_matches_reference(dtype, slices):
     assert out[2] != out[3] or out[1] != out[2]  # different keys, different draws
 
 
+def _unhash32(h: int) -> int:
+    """The input that kernels/sampling.py's 32-bit hash maps to h (the hash is a bijection)."""
+    from llmserve.kernels.sampling import _M1, _M2
+    mask = 0xFFFFFFFF
+    h ^= h >> 16
+    h = (h * pow(_M2, -1, 2**32)) & mask
+    h ^= (h >> 15) ^ (h >> 30)
+    h = (h * pow(_M1, -1, 2**32)) & mask
+    return h ^ (h >> 16)
+
+
+def test_gumbel_noise_is_finite_for_the_largest_hash():
+    """Token 0's hash is 0xFFFFFFFF in this row. u must stay below 1 there: an infinite draw would
+    pick token 0 whatever its logit (it did for ~1% of rows of a 152k vocabulary)."""
+    from llmserve.kernels.sampling import _hash32_torch, gumbel_noise_reference
+    key = _unhash32(0xFFFFFFFF)
+    assert _hash32_torch(torch.tensor([key]))[0] == 0xFFFFFFFF
+    keys = torch.tensor([key, key], device=DEVICE)
+    noise = gumbel_noise_reference(keys, 64)
+    assert torch.isfinite(noise).all() and noise[0, 0] > 16  # the largest draw there is, still finite
+    logits = torch.zeros(2, 64, device=DEVICE)
+    logits[:, 0] = -1e4
+    for pick in (gumbel_argmax, gumbel_argmax_reference):
+        assert 0 not in pick(logits, torch.ones(2, device=DEVICE), keys).tolist()
+
+
 def test_gumbel_argmax_samples_the_softmax():
     n, v = 2000, 4
     logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4])).repeat(n, 1).to(DEVICE)
