@@ -17,34 +17,12 @@ import json
 import torch
 import triton
 
+from graph_timing import graph_us
 from llmserve.bench.report import report
 from llmserve.kernels.int8_matmul import int8_matmul
 
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
 LAYERS = 28
-
-
-def graph_us(fn, reps: int = 20) -> float:
-    """µs per fn() call, fn run LAYERS times per replay inside one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(LAYERS):
-            fn(i)  # compile and warm outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(LAYERS):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps / LAYERS
 
 
 def main() -> None:
@@ -69,7 +47,7 @@ def main() -> None:
                     for bn, bk, split in itertools.product((32, 64, 128), (64, 128), (1, 2, 4)):
                         cfg = (bm, bn, bk, 4, 4)
                         try:
-                            us = graph_us(lambda i: int8_matmul(x, ws[i], ones, config=cfg, split_k=split))
+                            us = graph_us(lambda i: int8_matmul(x, ws[i], ones, config=cfg, split_k=split), LAYERS)
                         except Exception:  # out of shared memory and the like
                             continue
                         timed.append((us, cfg, split))
@@ -79,12 +57,12 @@ def main() -> None:
                     torch.cuda.tunable.tuning_enable(True)
                     torch.cuda.tunable.set_rotating_buffer_size(256)  # tune on cold operands, as in a step
                     try:
-                        us = graph_us(linear)
+                        us = graph_us(linear, LAYERS)
                     finally:
                         torch.cuda.tunable.enable(False)
                 else:
                     torch.backends.cuda.preferred_blas_library(mode)
-                    us = graph_us(linear)
+                    us = graph_us(linear, LAYERS)
                     torch.backends.cuda.preferred_blas_library("cublas")
                 row[f"{mode}_us"] = round(us, 2)
             best = min(modes, key=lambda m: row[f"{m}_us"])

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graph_timing import graph_us
 from llmserve.bench.report import report
 from llmserve.kernels.fused import rms_norm
 
@@ -58,28 +59,6 @@ def norm_prefetch(x, w, weight_to_fetch, eps=1e-6):
     return out
 
 
-def graph_us(fn, reps: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(LAYERS):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(LAYERS):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps / LAYERS
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="8,64,224")
@@ -93,11 +72,11 @@ def main() -> None:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             F = torch.nn.functional
             row = {"M": M, "layer": layer,
-                   "norm_us": graph_us(lambda i: rms_norm(x, g, 1e-6)),
-                   "norm_prefetch_us": graph_us(lambda i: norm_prefetch(x, g, ws[i])),
-                   "cold_us": graph_us(lambda i: F.linear(rms_norm(x, g, 1e-6), ws[i])),
-                   "prefetch_us": graph_us(lambda i: F.linear(norm_prefetch(x, g, ws[i]), ws[i])),
-                   "hot_us": graph_us(lambda i: F.linear(rms_norm(x, g, 1e-6), ws[0]))}
+                   "norm_us": graph_us(lambda i: rms_norm(x, g, 1e-6), LAYERS),
+                   "norm_prefetch_us": graph_us(lambda i: norm_prefetch(x, g, ws[i]), LAYERS),
+                   "cold_us": graph_us(lambda i: F.linear(rms_norm(x, g, 1e-6), ws[i]), LAYERS),
+                   "prefetch_us": graph_us(lambda i: F.linear(norm_prefetch(x, g, ws[i]), ws[i]), LAYERS),
+                   "hot_us": graph_us(lambda i: F.linear(rms_norm(x, g, 1e-6), ws[0]), LAYERS)}
             y = F.linear(norm_prefetch(x, g, ws[0]), ws[0])
             torch.testing.assert_close(y, F.linear(rms_norm(x, g, 1e-6), ws[0]))
             row = {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}

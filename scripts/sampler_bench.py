@@ -15,30 +15,11 @@ import json
 import torch
 import triton
 
+from graph_timing import graph_us
 from llmserve.bench.report import report
 from llmserve.kernels import sampling
 
 VOCAB = 151936
-
-
-def graph_us(fn, reps: int = 50) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
 
 
 def run_config(logits, temperature, key, out, block: int, warps: int, slices: int) -> None:
@@ -63,14 +44,14 @@ def main() -> None:
         key = torch.randint(0, 2**32, (B,), device="cuda")
         out = torch.empty(B, dtype=torch.int64, device="cuda")
         want = sampling.gumbel_argmax(logits, temperature, key)
-        shipped = graph_us(lambda: sampling.gumbel_argmax(logits, temperature, key))
-        floor = graph_us(lambda: logits.amax(-1))
+        shipped = graph_us(lambda _: sampling.gumbel_argmax(logits, temperature, key), reps=50)
+        floor = graph_us(lambda _: logits.amax(-1), reps=50)
         timed = []
         default_s = sampling.vocab_slices(B, VOCAB, logits.device)
         for block, warps, mult in itertools.product((512, 1024, 2048, 4096), (4, 8, 16), (0.5, 1, 2, 4)):
             slices = max(1, min(sampling.MAX_SLICES, round(default_s * mult)))
             try:
-                us = graph_us(lambda: run_config(logits, temperature, key, out, block, warps, slices))
+                us = graph_us(lambda _: run_config(logits, temperature, key, out, block, warps, slices), reps=50)
             except Exception:  # too many registers and the like
                 continue
             run_config(logits, temperature, key, out, block, warps, slices)
