@@ -29,8 +29,8 @@ PDL_ENABLED = os.environ.get("LLMSERVE_PDL", "1") != "0"  # LLMSERVE_PDL=0: plai
 def pdl(device: torch.device) -> bool:
     """Whether kernels on `device` launch with programmatic dependent launch: Hopper and later,
     so that a kernel's programs are placed on the SMs while the kernel before it drains, instead
-    of after. Such a kernel starts with pdl_start. Never off the GPU or with LLMSERVE_PDL=0."""
-    if device.type != "cuda" or not PDL_ENABLED:
+    of after. Such a kernel starts with pdl_start. Never off NVIDIA GPUs or with LLMSERVE_PDL=0."""
+    if device.type != "cuda" or not PDL_ENABLED or torch.version.hip is not None:  # NVIDIA only
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _pdl:
