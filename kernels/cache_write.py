@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve.kernels.hardware import pdl, pdl_start
+
 
 @triton.jit
 def _store(x_ptr, cache_ptr, scale_ptr, dst, scale_dst, h_ok, mask, FP8: tl.constexpr):
@@ -30,8 +32,9 @@ def _write_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
     BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr, HEADS_P: tl.constexpr, HEAD_D: tl.constexpr, HEAD_P: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot < 0:
@@ -65,5 +68,6 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         scales[0].stride(0), scales[0].stride(1),
         BLOCK_SIZE=k_cache.shape[1], HEADS=heads, HEADS_P=triton.next_power_of_2(heads),
-        HEAD_D=head_dim, HEAD_P=triton.next_power_of_2(head_dim), FP8=fp8,
+        HEAD_D=head_dim, HEAD_P=triton.next_power_of_2(head_dim), FP8=fp8, PDL=pdl(key.device),
+        launch_pdl=pdl(key.device),
     )

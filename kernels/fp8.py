@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve.kernels.hardware import pdl, pdl_start
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
 _MIN_SCALE = 1e-12  # an all-zero row still gets a positive scale
@@ -36,7 +38,8 @@ def per_token_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 @triton.jit
 def _per_token_fp8_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
-                          FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+                          FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     m = tl.program_id(0)
     k = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + m * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
@@ -52,8 +55,10 @@ def per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(M, K, dtype=FP8, device=x.device)
     scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     if M:
+        on = pdl(x.device)
         _per_token_fp8_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), BLOCK=triton.next_power_of_2(K),
-                                    FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, num_warps=4 if K <= 4096 else 8)
+                                    FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, PDL=on,
+                                    num_warps=4 if K <= 4096 else 8, launch_pdl=on)
     return q, scale
 
 

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve.kernels.hardware import pdl, pdl_start
+
 
 def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row INT8: w [rows, in] -> (int8 [rows, in], float32 scale [rows]), w ~= q * scale."""
@@ -49,8 +51,9 @@ def _int8_matmul_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K,
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -160,7 +163,7 @@ def int8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: tor
         x2, w, scale, bias if bias is not None else scale, out, ws, counts, M, N, K,
         x2.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl(x.device),
+        num_warps=warps, num_stages=stages, launch_pdl=pdl(x.device),
     )
     return out.reshape(*lead, N)
