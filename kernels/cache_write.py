@@ -62,12 +62,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     fp8 = k_scale is not None
     assert not fp8 or (k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1)
     scales = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unused pointers without FP8
+    on = pdl(key.device)
     _write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, *scales,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         scales[0].stride(0), scales[0].stride(1),
         BLOCK_SIZE=k_cache.shape[1], HEADS=heads, HEADS_P=triton.next_power_of_2(heads),
-        HEAD_D=head_dim, HEAD_P=triton.next_power_of_2(head_dim), FP8=fp8, PDL=pdl(key.device),
-        launch_pdl=pdl(key.device),
+        HEAD_D=head_dim, HEAD_P=triton.next_power_of_2(head_dim), FP8=fp8, PDL=on, launch_pdl=on,
     )

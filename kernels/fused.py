@@ -167,6 +167,7 @@ def _launch_rotary(q, k, v, positions, cos, sin, q_weight, k_weight, eps, k_cach
         v, k_cache, v_cache, slot_mapping = k, cos, cos, positions
     scales = (k_scale, v_scale) if fp8 else (cos, cos)
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)) if write_kv else (0, 0, 0)
+    on = pdl(q.device)
     _rotary_kernel[(T,)](q, k, v, positions, cos, sin, q_weight if norm else cos, k_weight if norm else cos, eps,
                          k_cache, v_cache, slot_mapping, *scales,
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
@@ -174,7 +175,7 @@ def _launch_rotary(q, k, v, positions, cos, sin, q_weight, k_weight, eps, k_cach
                          HQ=hq, HK=k.shape[1], HALF=dim // 2,
                          HP=triton.next_power_of_2(max(hq, k.shape[1])), DP=triton.next_power_of_2(dim // 2),
                          NORM=norm, WRITE_KV=write_kv, BLOCK_SIZE=k_cache.shape[1] if write_kv else 1, FP8=fp8,
-                         PDL=pdl(q.device), launch_pdl=pdl(q.device))
+                         PDL=on, launch_pdl=on)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

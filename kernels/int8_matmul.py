@@ -159,11 +159,12 @@ def int8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: tor
         ws, counts = _workspace(x.device, 8 * max(M, _SPLIT_M_MAX) * N, grid[0] * grid[1])
     else:
         ws, counts = out, out  # unused
+    on = pdl(x.device)
     _int8_matmul_kernel[grid](
         x2, w, scale, bias if bias is not None else scale, out, ws, counts, M, N, K,
         x2.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl(x.device),
-        num_warps=warps, num_stages=stages, launch_pdl=pdl(x.device),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=on,
+        num_warps=warps, num_stages=stages, launch_pdl=on,
     )
     return out.reshape(*lead, N)

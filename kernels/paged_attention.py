@@ -244,6 +244,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     else:  # an upper bound on the query tiles: each sequence's last tile may be partial
         grid = (triton.cdiv(num_tokens, block_q) + num_seqs, 1, num_kv_heads)
     ml_half = num_tokens * num_heads * splits
+    on = pdl(query.device)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         seq_order if seq_order is not None else seq_lens, *scales, part, ml, scale, num_heads, num_seqs, ml_half,
@@ -255,11 +256,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32", FP8=fp8,
         DOT_TY=tl.float32 if query.dtype == torch.float32 else tl.float16, NUM_SPLITS=splits,
         DECODE=decode, ORDERED=seq_order is not None, SEQS_P=0 if decode else max(16, triton.next_power_of_2(num_seqs)),
-        PDL=pdl(query.device), num_warps=warps, num_stages=stages, launch_pdl=pdl(query.device),
+        PDL=on, num_warps=warps, num_stages=stages, launch_pdl=on,
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part, ml, num_heads, ml_half, out.stride(0), out.stride(1),
             NUM_SPLITS=splits, HEAD_D=head_dim, HEAD_P=max(triton.next_power_of_2(head_dim), 16),
-            PDL=pdl(query.device), launch_pdl=pdl(query.device))
+            PDL=on, launch_pdl=on)
     return out
