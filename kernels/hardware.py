@@ -22,20 +22,25 @@ def sm_count(device: torch.device) -> int:
     return _sm_counts[index]
 
 
-_pdl: dict[int, bool] = {}
+_hopper: dict[int, bool] = {}
 PDL_ENABLED = os.environ.get("LLMSERVE_PDL", "1") != "0"  # LLMSERVE_PDL=0: plain launches (for comparisons)
+
+
+def hopper(device: torch.device) -> bool:
+    """An NVIDIA GPU of compute capability 9.0 or later (a ROCm device reports type cuda too)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _hopper:
+        _hopper[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return _hopper[index]
 
 
 def pdl(device: torch.device) -> bool:
     """Whether kernels on `device` launch with programmatic dependent launch: Hopper and later,
     so that a kernel's programs are placed on the SMs while the kernel before it drains, instead
     of after. Such a kernel starts with pdl_start. Never off NVIDIA GPUs or with LLMSERVE_PDL=0."""
-    if device.type != "cuda" or not PDL_ENABLED or torch.version.hip is not None:  # NVIDIA only
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _pdl:
-        _pdl[index] = torch.cuda.get_device_capability(index) >= (9, 0)
-    return _pdl[index]
+    return PDL_ENABLED and hopper(device)
 
 
 @triton.jit

@@ -3,7 +3,8 @@ output channel, dequantized on the fly.
 
     out[m, n] = scale[n] * sum_k x[m, k] * w[n, k]  (+ bias[n])
 
-Grid: (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)). A program owns a BLOCK_M x BLOCK_N output tile and
+The kernel is kernels/matmul.py's (HAS_SCALE); this module chooses its tiles and split for INT8
+weights. Grid: (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)). A program owns a BLOCK_M x BLOCK_N output tile and
 walks K in BLOCK_K steps: it loads an x tile [BLOCK_M, BLOCK_K] and the weight tile
 [BLOCK_K, BLOCK_N] as int8 (half the bytes of bf16: the whole point for memory-bound decode),
 converts the weights to x's dtype (exact: |w| <= 127), and accumulates on the tensor cores in
@@ -24,9 +25,9 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
-from llmserve.kernels.hardware import pdl, pdl_start
+from llmserve.kernels.hardware import pdl
+from llmserve.kernels.matmul import matmul_kernel, split_k_workspace
 
 
 def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,73 +47,7 @@ def int8_matmul_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     return out.to(x.dtype)
 
 
-@triton.jit
-def _int8_matmul_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K,
-    stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-):
-    pdl_start(PDL)
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
-    k_per = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
-    k_lo = pid_k * k_per
-    k_hi = tl.minimum(k_lo + k_per, K)
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
-    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_ok = rk + k0 < k_hi
-        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0)
-        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    tile_mask = m_ok[:, None] & n_ok[None, :]
-    out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    if SPLIT_K == 1:
-        _epilogue(acc, scale_ptr, bias_ptr, out_ptrs, rn, n_ok, tile_mask, HAS_BIAS)
-    else:
-        tile_off = rm[:, None] * N + rn[None, :]
-        tl.store(ws_ptr + pid_k * M * N + tile_off, acc, mask=tile_mask)
-        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:  # the last partial is in
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k in tl.static_range(SPLIT_K):
-                total += tl.load(ws_ptr + k * M * N + tile_off, mask=tile_mask, other=0.0, cache_modifier=".cg")
-            _epilogue(total, scale_ptr, bias_ptr, out_ptrs, rn, n_ok, tile_mask, HAS_BIAS)
-            tl.atomic_xchg(counter, 0)
-
-
-@triton.jit
-def _epilogue(acc, scale_ptr, bias_ptr, out_ptrs, rn, n_ok, tile_mask, HAS_BIAS: tl.constexpr):
-    acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=tile_mask)
-
-
 _SPLIT_M_MAX = 16  # split-K only for batches up to this; the workspace is sized for it
-_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _workspace(device: torch.device, numel: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 partials and int32 per-tile counters (zero between calls), grown on demand."""
-    ws, counts = _workspaces.get(device, (None, None))
-    if ws is None or ws.numel() < numel or counts.numel() < tiles:
-        ws = torch.empty(max(numel, 0 if ws is None else ws.numel()), dtype=torch.float32, device=device)
-        counts = torch.zeros(max(tiles, 0 if counts is None else counts.numel()), dtype=torch.int32, device=device)
-        _workspaces[device] = ws, counts
-    return ws, counts
-
-
 def _split_k(M: int, N: int, K: int, block_n: int, block_k: int) -> int:
     """Enough programs to cover every SM a few times over when N alone gives too few tiles."""
     if M > _SPLIT_M_MAX:
@@ -156,14 +91,14 @@ def int8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: tor
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
     if split > 1:
         # sized for the largest split batch, so CUDA-graph replays of smaller ones never regrow it
-        ws, counts = _workspace(x.device, 8 * max(M, _SPLIT_M_MAX) * N, grid[0] * grid[1])
+        ws, counts = split_k_workspace(x.device, 8 * max(M, _SPLIT_M_MAX) * N, grid[0] * grid[1], "int8")
     else:
         ws, counts = out, out  # unused
     on = pdl(x.device)
-    _int8_matmul_kernel[grid](
+    matmul_kernel[grid](
         x2, w, scale, bias if bias is not None else scale, out, ws, counts, M, N, K,
         x2.stride(0), w.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, GATED=False, HAS_SCALE=True, HAS_BIAS=bias is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=on,
         num_warps=warps, num_stages=stages, launch_pdl=on,
     )

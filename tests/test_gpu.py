@@ -92,14 +92,12 @@ def test_cuda_kernels_launched_with_pdl_give_the_same_tokens(monkeypatch):
     results = []
     for enabled in (False, True):
         monkeypatch.setattr(hardware, "PDL_ENABLED", enabled)
-        hardware._pdl.clear()
         for eager in (True, False):
             with LLM("builtin", dtype="bfloat16", device="cuda", num_blocks=512, max_num_seqs=24, enforce_eager=eager,
                      log_interval_s=0) as llm:
                 assert hardware.pdl(llm.engine.device) == (enabled and torch.cuda.get_device_capability() >= (9, 0))
                 results.append([[o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
                                 for p in params])
-    hardware._pdl.clear()
     assert results[1] == results[0] and results[3] == results[2]  # PDL changes nothing, eager or graphed
     assert len({len(t) for r in results for rows in r for t in rows}) == 1
 

@@ -314,6 +314,24 @@ def test_write_kv_fp8_quantizes_per_token_and_head_like_the_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("gated", [False, True])
+def test_dense_matmul_matches_reference(gated, dtype):
+    """Plain (with a bias) and gated (silu(gate) * up from the merged [gate; up] weight), over masked
+    M, N and K edges, one and several N tiles, and split-K whose counters must reset between calls."""
+    from llmserve.kernels.matmul import dense_matmul, dense_matmul_reference
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(2 * 40 if gated else 40, 96, generator=g) / 8).to(dtype).to(DEVICE)
+    bias = None if gated else torch.randn(40, generator=g).to(dtype).to(DEVICE)
+    for M, config, split_k in [(1, (16, 32, 64, 4, 1), 1), (5, None, None), (19, (16, 16, 32, 4, 1), 3),
+                               (19, (16, 16, 32, 4, 1), 3)]:
+        x = torch.randn(M, 96, generator=g).to(dtype).to(DEVICE)
+        ref = dense_matmul_reference(x.float(), w.float(), None if bias is None else bias.float(), gated)
+        out = dense_matmul(x, w, bias, gated, config=config, split_k=split_k)
+        assert out.dtype == dtype and out.shape == (M, 40)
+        assert torch.allclose(out.float(), ref, rtol=1e-2 if dtype == torch.float16 else 1e-5, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("M", [1, 5, 70])
 def test_int8_matmul_matches_reference(M, dtype):
     from llmserve.kernels.int8_matmul import int8_matmul, int8_matmul_reference, quantize_int8_rows
@@ -331,6 +349,29 @@ def test_int8_matmul_matches_reference(M, dtype):
         out = int8_matmul(x, w, scale, bias, config=config, split_k=split_k)
         assert out.dtype == dtype and out.shape == (M, 48)
         assert torch.allclose(out.float(), ref.float(), rtol=1e-3 if dtype == torch.float16 else 1e-5, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_decode_matmul_takes_hopper_decode_batches_and_matches_cublas():
+    """W-small's layer shapes at the decode batches the kernel takes, bf16: within bf16 rounding of
+    F.linear (+ SiLU·mul), with the default tiles and split-K (the o and down projections)."""
+    from llmserve.kernels.fused import silu_and_mul
+    from llmserve.kernels.matmul import DECODE_MAX_M, dense_matmul, takes
+    g = torch.Generator(device="cuda").manual_seed(8)
+    for (N, K), gated in [((4096, 1024), False), ((1024, 2048), False), ((6144, 1024), True), ((1024, 3072), False)]:
+        w = torch.randn(N, K, device="cuda", generator=g).bfloat16() * 0.02
+        for M in (1, 16, 48, DECODE_MAX_M):
+            x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+            assert takes(x, w) == (torch.cuda.get_device_capability() >= (9, 0))
+            ref = torch.nn.functional.linear(x, w)
+            ref = silu_and_mul(ref) if gated else ref
+            for _ in range(2):  # split-K counters reset
+                out = dense_matmul(x, w, gated=gated)
+                torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
+    x = torch.zeros(4, 4096, device="cuda", dtype=torch.bfloat16)
+    assert not takes(torch.zeros(DECODE_MAX_M + 1, 1024, device="cuda", dtype=torch.bfloat16), w)
+    assert not takes(x.float(), w.float())  # float32: cuBLAS
+    assert not takes(x, torch.zeros(4096, 4096, device="cuda", dtype=torch.bfloat16))  # 32 MB: an 8B model's
 
 
 @pytest.mark.gpu

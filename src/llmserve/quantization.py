@@ -9,6 +9,8 @@ knows whether it holds bf16, INT8, FP8 or packed INT4 weights. The life of a lay
                                           ...) into `shard`'s rows of a merged layer (q/k/v, gate/up)
     finish_loading(layer)                 once every tensor is in: repack, transpose, check
     apply(layer, x)                       x [T, in] -> [T, out] in x's dtype
+    apply_gated(layer, x, silu_and_mul)   an MLP's gate_up layer: x -> silu(gate) * up (default:
+                                          apply, then the backend's SiLU·mul)
 
 A method instance is made per engine by its factory: `factory(checkpoint_config)` where
 checkpoint_config is config.json's `quantization_config` (None for a full-precision checkpoint),
@@ -22,6 +24,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from llmserve.kernels.matmul import dense_matmul
+from llmserve.kernels.matmul import takes as decode_matmul_takes
 
 if TYPE_CHECKING:
     from llmserve.model.layers import Linear
@@ -78,15 +83,32 @@ class QuantizationMethod:
         """x [T, in_features] -> [T, out_features] in x.dtype, bias included."""
         return F.linear(x, layer.weight, layer.bias)
 
+    def apply_gated(self, layer: "Linear", x: torch.Tensor, silu_and_mul) -> torch.Tensor:
+        """An MLP's merged gate_up layer (two equal shards, gate first): x [T, in_features] ->
+        silu(x W_gate^T) * (x W_up^T) [T, out_features / 2]. `silu_and_mul` is the backend's kernel
+        for [gate | up] rows; a method may fuse it into its matmul instead."""
+        return silu_and_mul(self.apply(layer, x))
+
     def weight_bytes(self, layer: "Linear") -> int:
         return sum(p.numel() * p.element_size() for p in layer.parameters())
 
 
 class Unquantized(QuantizationMethod):
-    """The default: weights stay in the model dtype."""
+    """The default: weights stay in the model dtype. Decode batches on Hopper multiply with
+    kernels/matmul.py (PDL-launched, SiLU·mul fused into gate_up), the rest with cuBLAS."""
 
     def __init__(self, checkpoint_config: dict[str, Any] | None = None) -> None:
         pass
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        if decode_matmul_takes(x, layer.weight):
+            return dense_matmul(x, layer.weight, layer.bias)
+        return F.linear(x, layer.weight, layer.bias)
+
+    def apply_gated(self, layer: "Linear", x: torch.Tensor, silu_and_mul) -> torch.Tensor:
+        if layer.bias is None and decode_matmul_takes(x, layer.weight):
+            return dense_matmul(x, layer.weight, gated=True)
+        return silu_and_mul(F.linear(x, layer.weight, layer.bias))
 
 
 class QuantizeAtLoad(QuantizationMethod):

@@ -54,7 +54,8 @@ class MLP(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        return self.down_proj(gate_up.quant.apply_gated(gate_up, x, self.backend.silu_and_mul))
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,192 @@
+"""Decode-batch matrix multiply for weights in the model dtype: out = x @ w^T (+ bias), x [M, K],
+w [N, K]; and the gated form of an MLP's gate_up projection, out = silu(x @ w_gate^T) * (x @ w_up^T),
+with w = [w_gate; w_up] (the merged gate_up weight, [2N, K]).
+
+cuBLAS is the GEMM for prefill. At decode batches a GEMM is a short stream of its weight matrix,
+and what costs is the time around the stream: this kernel launches with PDL like the engine's
+other kernels, so its programs are placed while the kernel before it (RMSNorm, attention) drains
+instead of after, and the kernel after it is placed while it drains; the gated form also saves
+the SiLU·mul kernel and the round trip of the [M, 2N] gate_up output through memory. `takes(x)`
+says when it is the faster choice: up to DECODE_MAX_M rows and weights of up to 16 MB, on Hopper
+(W-small's layers on an H100, graphed after an RMSNorm: 1.0-1.6 µs faster than cuBLAS per GEMM
+and 2.7-3.1 µs gated up to 64 rows, 1 µs a layer at 128, behind from 160; BENCHMARKS.md).
+
+Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K): program (n, m, k) owns a BLOCK_M x BLOCK_N
+output tile and the k-th slice of K. Gated, it multiplies the tile's gate rows and up rows (N
+apart in w) into two accumulators and writes silu(gate) * up with transformers' roundings (each
+product rounded to the activation dtype, SiLU rounded before the multiply, as SiLU·mul does).
+Split-K (matrices with too few output tiles to fill the SMs: a small model's o and down
+projections): program k stores its float32 partial tile(s) in a workspace slice
+[k, PARTS, M, N] and bumps the tile's counter; the program that arrives last sums the SPLIT_K
+partials, writes the output and resets the counter to 0 for the next call. One launch, no memset,
+and graph-safe: the workspace and counters are allocated once per device and only grow before
+CUDA-graph capture (the warm-up runs every layer first).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llmserve.kernels.fused import silu_and_mul_reference
+from llmserve.kernels.hardware import hopper, pdl, pdl_start, sm_count
+
+
+_workspaces: dict[tuple[torch.device, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_k_workspace(device: torch.device, numel: int, tiles: int, owner: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 partials and int32 per-tile counters (zero between calls), grown on demand; one pair
+    per device and `owner` (a kernel), so that one kernel's growth never moves another's buffers."""
+    ws, counts = _workspaces.get((device, owner), (None, None))
+    if ws is None or ws.numel() < numel or counts.numel() < tiles:
+        ws = torch.empty(max(numel, 0 if ws is None else ws.numel()), dtype=torch.float32, device=device)
+        counts = torch.zeros(max(tiles, 0 if counts is None else counts.numel()), dtype=torch.int32, device=device)
+        _workspaces[device, owner] = ws, counts
+    return ws, counts
+
+
+@triton.jit
+def matmul_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    GATED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The module's GEMM, also int8_matmul's: with HAS_SCALE the weights may be INT8, converted to
+    x's dtype as they load (exact) and scaled per output channel on the finished tile."""
+    pdl_start(PDL)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    k_per = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per
+    k_hi = tl.minimum(k_lo + k_per, K)
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
+    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
+    up_offset = N.to(tl.int64) * stride_wn  # gated: the up rows follow the gate rows
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = rk + k0 < k_hi
+        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = n_ok[None, :] & k_ok[:, None]
+        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0).to(a.dtype), acc, input_precision=PRECISION)
+        if GATED:
+            acc_up = tl.dot(a, tl.load(w_ptrs + up_offset, mask=w_mask, other=0).to(a.dtype), acc_up,
+                            input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    tile_mask = m_ok[:, None] & n_ok[None, :]
+    out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    if SPLIT_K > 1:
+        parts = 2 if GATED else 1
+        tile_off = rm[:, None] * N + rn[None, :]
+        part = ws_ptr + pid_k * parts * M * N + tile_off
+        tl.store(part, acc, mask=tile_mask)
+        if GATED:
+            tl.store(part + M * N, acc_up, mask=tile_mask)
+        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:  # the last partial is in
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k in tl.static_range(SPLIT_K):
+                part = ws_ptr + k * parts * M * N + tile_off
+                acc += tl.load(part, mask=tile_mask, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(part + M * N, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            _store(out_ptrs, acc, acc_up, scale_ptr, bias_ptr, rn, n_ok, tile_mask, GATED, HAS_SCALE, HAS_BIAS)
+            tl.atomic_xchg(counter, 0)
+    else:
+        _store(out_ptrs, acc, acc_up, scale_ptr, bias_ptr, rn, n_ok, tile_mask, GATED, HAS_SCALE, HAS_BIAS)
+
+
+@triton.jit
+def _store(out_ptrs, acc, acc_up, scale_ptr, bias_ptr, rn, n_ok, mask, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
+           HAS_BIAS: tl.constexpr):
+    ty = out_ptrs.dtype.element_ty
+    if GATED:
+        gate = acc.to(ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(ty)
+        tl.store(out_ptrs, (act * acc_up.to(ty)).to(ty), mask=mask)
+    else:
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS:  # as F.linear: the bias added to the float32 sum, rounded once
+            acc = acc + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(ty), mask=mask)
+
+
+DECODE_MAX_M = 128  # above this cuBLAS is as fast or faster (scripts/decode_gemm_bench.py, BENCHMARKS.md)
+DECODE_MAX_WEIGHT_BYTES = 16 << 20  # larger matrices stream long enough for cuBLAS's tiles to win
+
+
+def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether dense_matmul is the faster GEMM for x [M, K] @ w^T: a half-precision decode batch
+    and a weight matrix of a few microseconds' reading (W-small's 4-13 MB: 1-3 µs faster than
+    cuBLAS; an 8B model's 48-235 MB: up to 10 µs slower), on a GPU that launches with PDL (Hopper;
+    the choice does not follow LLMSERVE_PDL, so that PDL on and off compute the same numbers)."""
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.shape[0] <= DECODE_MAX_M
+            and w.numel() * w.element_size() <= DECODE_MAX_WEIGHT_BYTES and hopper(x.device))
+
+
+def dense_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
+                 config: tuple[int, int, int, int, int] | None = None, split_k: int | None = None) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T (+ bias [N]) -> [..., N] in x's dtype; gated: w is [2N, K] = [gate; up]
+    and the result silu(x @ gate^T) * (x @ up^T) (no bias). `config` = (BLOCK_M, BLOCK_N, BLOCK_K,
+    num_warps, num_stages) and `split_k` override the choice for the batch."""
+    assert not (gated and bias is not None)
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    N = w.shape[0] // 2 if gated else w.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.reshape(*lead, N)
+    bm, bn, bk, warps, stages = config or _config(M)
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
+    split = split_k or _split_k(grid[0] * grid[1], K, sm_count(x.device))
+    if split > 1:  # sized for any batch this path takes (4 slices, 2 parts): replays never regrow it
+        rows = max(M, DECODE_MAX_M)
+        ws, counts = split_k_workspace(x.device, 8 * rows * N, triton.cdiv(N, 16) * triton.cdiv(rows, 16), "dense")
+    else:
+        ws, counts = out, out  # unused
+    on = pdl(x.device)
+    matmul_kernel[grid + (split,)](
+        x2, w, w, bias if bias is not None else w, out, ws, counts, M, N, K, x2.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, GATED=gated, HAS_SCALE=False, HAS_BIAS=bias is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=on,
+        num_warps=warps, num_stages=stages, launch_pdl=on,
+    )
+    return out.reshape(*lead, N)
+
+
+def dense_matmul_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                           gated: bool = False) -> torch.Tensor:
+    out = torch.nn.functional.linear(x, w, bias)
+    return silu_and_mul_reference(out) if gated else out
+
+
+def _config(M: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the best of the H100 sweep at W-small's
+    decode batches (BENCHMARKS.md): narrow 32-column tiles up to 64 rows, then 64."""
+    if M <= 16:
+        return 16, 32, 128, 4, 4
+    return (64, 32 if M <= 64 else 64, 128, 4, 4)
+
+
+def _split_k(tiles: int, K: int, sms: int) -> int:
+    """K slices: as many as keep the programs within one wave of the SMs, each slice >= 512 deep
+    (the o and down projections of a small model: 32 tiles of 1,024 outputs, K 2,048-3,072)."""
+    split = 1
+    while tiles * split * 2 <= sms and K // (split * 2) >= 512 and split < 4:  # <= 4: the workspace's size
+        split *= 2
+    return split
