@@ -1,10 +1,16 @@
 """Fused Gumbel-max sampling: one pass over a row of logits, no [B, V] temporaries.
 
-For row b with temperature T > 0 the token is argmax_v (logits[b, v] / T + g(key[b], v)) with Gumbel
-noise g = -log(-log u) and u in (0, 1) from the top 23 bits of a 32-bit counter hash of (row key,
-v) (u = (k + 0.5) / 2**23, at most 1 - 2**-24: g < 16.7, never infinite): an exact sample
-from softmax(logits / T), reproducible from the key alone. T == 0 rows take argmax_v logits[b, v].
-Ties resolve to the smallest index, as torch.argmax does.
+For row b with temperature T > 0 the token is argmax_v (logits[b, v] * (1 / T) + g(key[b], v)) with
+Gumbel noise g = -log(-log u) and u in (0, 1) from the top 23 bits of a 32-bit counter hash of
+(row key, v) (u = (k + 0.5) / 2**23, at most 1 - 2**-24: g < 16.7, never infinite): an exact
+sample from softmax(logits / T), reproducible from the key alone. T == 0 rows take argmax_v
+logits[b, v]. Ties resolve to the smallest index, as torch.argmax does.
+
+The kernel is bound by arithmetic, not by reading the logits, so on the GPU the outer logarithm
+is the hardware's approximate one (MUFU lg2: relative error ~2**-22 of e = -log u, an absolute
+error ~1e-7 of the noise); the inner stays accurate, since near u = 1 e is tiny and an absolute
+error there would be a large relative error of e, i.e. of the noise. The scale is one multiply
+by 1 / T, not a division per logit.
 
 Grid: (B, S). Program (b, s) walks slice s of row b BLOCK entries at a time, keeping per-lane
 running maxima and their indices, and leaves the slice's best (value, index); a second kernel
@@ -21,6 +27,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from triton.language.extra import libdevice
 
 from llmserve.kernels.hardware import pdl, pdl_start, sm_count
 
@@ -42,10 +50,11 @@ def _hash32(x):
 
 @triton.jit
 def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, key_ptr, best_ptr, index_ptr, V, CHUNK, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr):
+                          FAST_LOG: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     row, part = tl.program_id(0), tl.program_id(1)
     t = tl.load(temp_ptr + row)
+    inv_t = 1.0 / t
     key = tl.load(key_ptr + row).to(tl.uint32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK], tl.int32)
@@ -56,7 +65,8 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, key_ptr, best_ptr, index
         if t > 0:
             h = _hash32(key + idx.to(tl.uint32) * 0x9E3779B9)
             u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # see _uniform
-            x = tl.where(valid, x / t - tl.log(-tl.log(u)), float("-inf"))
+            e = -tl.log(u)  # accurate: near u = 1, e is tiny and its relative error would be the noise's error
+            x = tl.where(valid, x * inv_t - (libdevice.fast_logf(e) if FAST_LOG else tl.log(e)), float("-inf"))
         better = x > best
         best = tl.where(better, x, best)
         best_idx = tl.where(better, idx, best_idx)
@@ -101,7 +111,7 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Te
         index = torch.empty(B, S, dtype=torch.int32, device=logits.device)
         on = pdl(logits.device)
         _gumbel_argmax_kernel[(B, S)](logits, logits.stride(0), temperature, key, best, index, V, chunk,
-                                      BLOCK=_BLOCK, PDL=on, num_warps=_WARPS, launch_pdl=on)
+                                      BLOCK=_BLOCK, FAST_LOG=logits.is_cuda, PDL=on, num_warps=_WARPS, launch_pdl=on)
         _pick_slice_kernel[(B,)](best, index, out, S, V, S_P=MAX_SLICES, PDL=on, launch_pdl=on)
     return out
 
@@ -130,7 +140,7 @@ def _uniform(h: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_argmax_reference(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = logits.float() * (1.0 / torch.where(temperature > 0, temperature, 1.0))[:, None]
     noisy = scaled + gumbel_noise_reference(key, logits.shape[1])
     return torch.where(temperature > 0, noisy.argmax(-1), logits.argmax(-1))
 

@@ -28,7 +28,7 @@ def run_config(logits, temperature, key, out, block: int, warps: int, slices: in
     best = torch.empty(B, slices, dtype=torch.float32, device=logits.device)
     index = torch.empty(B, slices, dtype=torch.int32, device=logits.device)
     sampling._gumbel_argmax_kernel[(B, slices)](logits, logits.stride(0), temperature, key, best, index, V, chunk,
-                                                BLOCK=block, PDL=False, num_warps=warps)
+                                                BLOCK=block, FAST_LOG=True, PDL=False, num_warps=warps)
     sampling._pick_slice_kernel[(B,)](best, index, out, slices, V, S_P=sampling.MAX_SLICES, PDL=False)
 
 
