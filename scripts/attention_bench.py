@@ -1,7 +1,7 @@
 """Decode attention with a bf16 vs an FP8 KV cache (GPU): time per call and KV bytes read per second.
 
     python scripts/attention_bench.py [--json out.json] [--sweep] [--splits] [--prefill] [--mixed] [--layout]
-                                      [--ceiling]
+                                      [--ceiling] [--heads]
 
 W-small's attention shape (16 query heads, 8 KV heads, head_dim 128, blocks of 16), a decode step
 of `batch` requests with `context` cached tokens each, blocks scattered over the pool; each shape
@@ -17,6 +17,8 @@ head-major blocks, [blocks, kv_heads, block_size, dim] (a block's keys of one he
 passed to the same kernel as a strided view. --ceiling measures what the device reads at best (a
 copy, a plain streaming read, the decode kernel's gather without its arithmetic) and times decode
 tiles on uniform batches and on W-small's real decode batches in request order and longest first.
+--heads times that gather with 1, 2 or 4 adjacent KV heads a program (longer contiguous rows,
+fewer programs) on a uniform batch and W-small's ragged ones, against the decode kernel.
 """
 
 import argparse
@@ -41,9 +43,12 @@ def main() -> None:
     ap.add_argument("--mixed", action="store_true", help="a mixed step in one launch vs prefill and decode apart")
     ap.add_argument("--layout", action="store_true", help="token-major vs head-major cache blocks")
     ap.add_argument("--ceiling", action="store_true", help="read bandwidth ceiling and the decode tile sweep")
+    ap.add_argument("--heads", action="store_true", help="the gather with 1, 2, 4 KV heads a program")
     args = ap.parse_args()
     if args.ceiling:
         return read_ceiling(args.json)
+    if args.heads:
+        return heads_per_program(args.json)
     if args.layout:
         return layout_compare(args.json)
     if args.splits:
@@ -283,6 +288,39 @@ def read_ceiling(json_path: str | None) -> None:
     report(rows, json_path, echo=False)
 
 
+def heads_per_program(json_path: str | None) -> None:
+    """Would a decode program that reads several adjacent KV heads (longer contiguous rows, fewer
+    and longer programs) read faster? The gather alone, 1, 2 and 4 heads a program, on a uniform
+    batch and on W-small's real ragged ones (longest first), against the decode kernel."""
+    rows = []
+    batches = [("uniform 256x1024", [1024] * 256)] + [(f"w-small step {t}", sorted(w_small_contexts(t), reverse=True))
+                                                       for t in (50, 250, 450, 650)]
+    for name, ctx in batches:
+        q, k, v, tables, qsl, lens = decode_inputs_ragged(ctx)
+        kv_bytes = 2 * sum(ctx) * 8 * 128 * 2
+        sink = torch.empty(len(ctx), 8, 128, device="cuda", dtype=torch.float32)
+        row = {"batch": name, "running": len(ctx)}
+        for heads, block_n, warps, stages in itertools.product((1, 2, 4), (32, 64, 128), (4, 8), (2, 3)):
+            if heads * block_n > 256:
+                continue
+            try:
+                ms = triton.testing.do_bench(lambda: _gather_read[(len(ctx), 8 // heads)](
+                    k, v, tables, lens, sink, tables.stride(0), k.stride(0), k.stride(1), k.stride(2),
+                    BLOCK_SIZE=16, BLOCK_N=block_n, HEAD_D=128, HEADS=heads, num_warps=warps, num_stages=stages))
+            except Exception:  # out of resources
+                continue
+            row[f"gather h{heads} {block_n},{warps},{stages}"] = kv_bytes / ms / 1e9
+        for heads in (1, 2, 4):
+            timed = {key: val for key, val in row.items() if key.startswith(f"gather h{heads} ")}
+            best = max(timed, key=timed.get)
+            row[f"h{heads}_best"], row[f"h{heads}_tb_s"] = best, round(timed[best], 3)
+        ms = triton.testing.do_bench(lambda: paged_attention(q, k, v, tables, qsl, lens, 0.088, 1))
+        row["attn_default_tb_s"] = round(kv_bytes / ms / 1e9, 3)
+        rows.append(row)
+        _print_summary(row)
+    report(rows, json_path, echo=False)
+
+
 def _tile_times(row: dict, kind: str, kv_bytes: int, tile_grid, q, k, v, tables, qsl, lens) -> None:
     """row[f"{kind} {tiles}"] = TB/s for each tile choice, plus the default's and the best."""
     for tiles in tile_grid:
@@ -341,11 +379,13 @@ def _xor(a, b):
 
 @triton.jit
 def _gather_read(k_ptr, v_ptr, tables_ptr, lens_ptr, sink_ptr, stride_bt, stride_cb, stride_ct, stride_ch,
-                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
-    seq, head = tl.program_id(0), tl.program_id(1)
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, HEADS: tl.constexpr = 1):
+    """Each (sequence, group of HEADS adjacent KV heads) program reads its keys' and values' rows
+    through the block table (HEADS * HEAD_D contiguous elements a row) and sums them."""
+    seq, head = tl.program_id(0), tl.program_id(1) * HEADS
     n = tl.load(lens_ptr + seq)
-    d = tl.arange(0, HEAD_D)
-    acc = tl.zeros([HEAD_D], dtype=tl.float32)
+    d = tl.arange(0, HEADS * HEAD_D)
+    acc = tl.zeros([HEADS * HEAD_D], dtype=tl.float32)
     for start in range(0, n, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         ok = pos < n
@@ -354,7 +394,7 @@ def _gather_read(k_ptr, v_ptr, tables_ptr, lens_ptr, sink_ptr, stride_bt, stride
         kk = tl.load(k_ptr + off, mask=ok[:, None], other=0.0)
         vv = tl.load(v_ptr + off, mask=ok[:, None], other=0.0)
         acc += tl.sum(kk.to(tl.float32) + vv.to(tl.float32), 0)
-    tl.store(sink_ptr + (seq * tl.num_programs(1) + head) * HEAD_D + d, acc)
+    tl.store(sink_ptr + (seq * tl.num_programs(1) * HEADS + head) * HEAD_D + d, acc)
 
 
 if __name__ == "__main__":
