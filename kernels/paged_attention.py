@@ -186,22 +186,24 @@ MAX_SPLITS = 16
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Key slices per sequence for a decode step: enough programs for two per SM, when the batch
-    alone gives fewer."""
+    """Key slices per sequence for a decode step. A batch of fewer than four waves of programs
+    (one per SM at a time) ends on a partly idle GPU: split each sequence at least in two, and
+    further until there are 1.5 programs per SM. W-small's decode batches on an H100, graphed
+    (`attention_bench.py --splits`, BENCHMARKS.md): 2 slices 5-6% faster at 23-37 running, 2%
+    at 48, equal at 59-65; 4 slices at 7 running 12% over 8."""
     sms, programs = sm_count(device), num_seqs * num_kv_heads  # one "SM" off the GPU: no split
-    if programs >= sms:
+    if programs >= 4 * sms or sms == 1:
         return 1
-    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, programs)))
+    split = 2
+    while programs * split * 2 < 3 * sms and split < MAX_SPLITS:
+        split *= 2
+    return split
 
 
-def decode_tiles(num_seqs: int, fp8: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of a decode step. 128-key tiles for small batches (23
-    running: 15% over 64-key tiles) and for large batches of unequal contexts (2-6% from 88 running
-    up, equal on uniform contexts), 64 between (37-59 running: within 3%); H100, W-small's decode
-    batches (BENCHMARKS.md)."""
-    if fp8:
-        return (128, 4, 4)
-    return (128, 4, 3) if num_seqs <= 32 or num_seqs > 64 else (64, 4, 3)
+def decode_tiles(fp8: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of a decode step: 128-key tiles (with the slices above,
+    the best or within 1% at every W-small batch size on an H100; BENCHMARKS.md)."""
+    return (128, 4, 4) if fp8 else (128, 4, 3)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -232,7 +234,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     assert not fp8 or (k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1)
     scales = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)  # unused pointers without FP8
     decode = max_query_len == 1
-    block_n, warps, stages = tiles or (decode_tiles(num_seqs, fp8) if decode else PREFILL_TILES)
+    block_n, warps, stages = tiles or (decode_tiles(fp8) if decode else PREFILL_TILES)
     splits = 1 if not decode else (num_splits or decode_splits(num_seqs, num_kv_heads, query.device))
     if splits > 1:
         part = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
