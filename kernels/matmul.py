@@ -6,7 +6,7 @@ cuBLAS is the GEMM for prefill. At decode batches a GEMM is a short stream of it
 and what costs is the time around the stream: this kernel launches with PDL like the engine's
 other kernels, so its programs are placed while the kernel before it (RMSNorm, attention) drains
 instead of after, and the kernel after it is placed while it drains; the gated form also saves
-the SiLU·mul kernel and the round trip of the [M, 2N] gate_up output through memory. `takes(x)`
+the SiLU·mul kernel and the round trip of the [M, 2N] gate_up output through memory. `takes(x, w)`
 says when it is the faster choice: up to DECODE_MAX_M rows and weights of up to 16 MB, on Hopper
 (W-small's layers on an H100, graphed after an RMSNorm: 1.0-1.6 µs faster than cuBLAS per GEMM
 and 2.7-3.1 µs gated up to 64 rows, 1 µs a layer at 128, behind from 160; BENCHMARKS.md).
