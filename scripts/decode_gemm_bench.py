@@ -10,11 +10,10 @@ Per (M, layer): µs per norm + GEMM (+ SiLU·mul) for each, and the norm alone.
 
 import argparse
 import itertools
-import json
 
 import torch
 
-from graph_timing import graph_us
+from graph_timing import emit, graph_us
 from llmserve.bench.report import report
 from llmserve.kernels.fused import rms_norm, silu_and_mul
 from llmserve.kernels.matmul import dense_matmul
@@ -71,9 +70,7 @@ def main() -> None:
                     except Exception as e:  # out of shared memory and the like
                         print("skip", layer, M, cfg, split, type(e).__name__, str(e)[:100], flush=True)
                 row["top5"] = [(round(u, 2), c, s) for u, c, s in sorted(timed)[:5]]
-            row = {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            emit(rows, row)
     report(rows, args.json, echo=False)
 
 

@@ -1,4 +1,7 @@
-"""Timing GPU work the way the engine runs it: inside one CUDA graph (the benchmark scripts' helper)."""
+"""Timing GPU work the way the engine runs it: inside one CUDA graph (the benchmark scripts' helper),
+and printing a result row as it comes."""
+
+import json
 
 import torch
 
@@ -26,3 +29,10 @@ def graph_us(fn, calls: int = 1, reps: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / reps / calls
+
+
+def emit(rows: list, row: dict) -> None:
+    """Round the row's floats to 2 decimals, keep it in `rows` and print it as one JSON line."""
+    row = {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}
+    rows.append(row)
+    print(json.dumps(row), flush=True)

@@ -11,13 +11,12 @@ CUDA graph (28 distinct weights, so they come from HBM), three ways:
 """
 
 import argparse
-import json
 
 import torch
 import triton
 import triton.language as tl
 
-from graph_timing import graph_us
+from graph_timing import emit, graph_us
 from llmserve.bench.report import report
 from llmserve.kernels.fused import rms_norm
 
@@ -79,9 +78,7 @@ def main() -> None:
                    "hot_us": graph_us(lambda i: F.linear(rms_norm(x, g, 1e-6), ws[0]), LAYERS)}
             y = F.linear(norm_prefetch(x, g, ws[0]), ws[0])
             torch.testing.assert_close(y, F.linear(rms_norm(x, g, 1e-6), ws[0]))
-            row = {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            emit(rows, row)
     report(rows, args.json, echo=False)
 
 
