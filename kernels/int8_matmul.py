@@ -26,8 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from llmserve.kernels.hardware import pdl
-from llmserve.kernels.matmul import matmul_kernel, split_k_workspace
+from llmserve.kernels.matmul import weight_matmul
 
 
 def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +47,8 @@ def int8_matmul_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
 
 
 _SPLIT_M_MAX = 16  # split-K only for batches up to this; the workspace is sized for it
+
+
 def _split_k(M: int, N: int, K: int, block_n: int, block_k: int) -> int:
     """Enough programs to cover every SM a few times over when N alone gives too few tiles."""
     if M > _SPLIT_M_MAX:
@@ -78,28 +79,9 @@ def int8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: tor
     """Same contract as int8_matmul_reference (x may have leading dims; the last one is K);
     `config` overrides the tile choice (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) and
     `split_k` the number of K slices."""
-    lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    M, N = x2.shape[0], w.shape[0]
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M == 0:
-        return out.reshape(*lead, N)
-    bm, bn, bk, warps, stages = config or _config(M)
-    split = split_k or _split_k(M, N, K, bn, bk)
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
-    if split > 1:
-        # sized for the largest split batch, so CUDA-graph replays of smaller ones never regrow it
-        ws, counts = split_k_workspace(x.device, 8 * max(M, _SPLIT_M_MAX) * N, grid[0] * grid[1], "int8")
-    else:
-        ws, counts = out, out  # unused
-    on = pdl(x.device)
-    matmul_kernel[grid](
-        x2, w, scale, bias if bias is not None else scale, out, ws, counts, M, N, K,
-        x2.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, GATED=False, HAS_SCALE=True, HAS_BIAS=bias is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=on,
-        num_warps=warps, num_stages=stages, launch_pdl=on,
-    )
-    return out.reshape(*lead, N)
+
+    def choose(M: int, N: int, K: int) -> tuple[tuple[int, int, int, int, int], int]:
+        cfg = config or _config(M)
+        return cfg, split_k or _split_k(M, N, K, cfg[1], cfg[2])
+
+    return weight_matmul(x, w, choose, scale=scale, bias=bias, owner="int8", max_rows=_SPLIT_M_MAX)

@@ -36,7 +36,7 @@ from llmserve.kernels.hardware import hopper, pdl, pdl_start, sm_count
 _workspaces: dict[tuple[torch.device, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def split_k_workspace(device: torch.device, numel: int, tiles: int, owner: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_k_workspace(device: torch.device, numel: int, tiles: int, owner: str) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 partials and int32 per-tile counters (zero between calls), grown on demand; one pair
     per device and `owner` (a kernel), so that one kernel's growth never moves another's buffers."""
     ws, counts = _workspaces.get((device, owner), (None, None))
@@ -48,14 +48,14 @@ def split_k_workspace(device: torch.device, numel: int, tiles: int, owner: str) 
 
 
 @triton.jit
-def matmul_kernel(
+def _matmul_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GATED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """The module's GEMM, also int8_matmul's: with HAS_SCALE the weights may be INT8, converted to
-    x's dtype as they load (exact) and scaled per output channel on the finished tile."""
+    """The GEMM of dense_matmul and int8_matmul: with HAS_SCALE the weights may be INT8, converted
+    to x's dtype as they load (exact) and scaled per output channel on the finished tile."""
     pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -142,6 +142,20 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     and the result silu(x @ gate^T) * (x @ up^T) (no bias). `config` = (BLOCK_M, BLOCK_N, BLOCK_K,
     num_warps, num_stages) and `split_k` override the choice for the batch."""
     assert not (gated and bias is not None)
+
+    def choose(M: int, N: int, K: int) -> tuple[tuple[int, int, int, int, int], int]:
+        cfg = config or _config(M)
+        tiles = triton.cdiv(N, cfg[1]) * triton.cdiv(M, cfg[0])
+        return cfg, split_k or _split_k(tiles, K, sm_count(x.device))
+
+    return weight_matmul(x, w, choose, bias=bias, gated=gated, owner="dense", max_rows=DECODE_MAX_M)
+
+
+def weight_matmul(x: torch.Tensor, w: torch.Tensor, choose, *, scale: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None, gated: bool = False, owner: str, max_rows: int) -> torch.Tensor:
+    """_matmul_kernel's launcher, shared by dense_matmul and int8_matmul: x [..., K] @ w^T -> [..., N].
+    choose(M, N, K) -> (config, split_k), at most 8 slices (4 when gated); the split-K workspace
+    (one per `owner`) is sized for max(M, max_rows) rows, so CUDA-graph replays never regrow it."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(1) != 1:
@@ -151,19 +165,18 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out.reshape(*lead, N)
-    bm, bn, bk, warps, stages = config or _config(M)
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
-    split = split_k or _split_k(grid[0] * grid[1], K, sm_count(x.device))
-    if split > 1:  # sized for any batch this path takes (4 slices, 2 parts): replays never regrow it
-        rows = max(M, DECODE_MAX_M)
-        ws, counts = split_k_workspace(x.device, 8 * rows * N, triton.cdiv(N, 16) * triton.cdiv(rows, 16), "dense")
+    (bm, bn, bk, warps, stages), split = choose(M, N, K)
+    if split > 1:
+        rows = max(M, max_rows)
+        ws, counts = _split_k_workspace(x.device, 8 * rows * N, triton.cdiv(N, 16) * triton.cdiv(rows, 16), owner)
     else:
         ws, counts = out, out  # unused
     on = pdl(x.device)
-    matmul_kernel[grid + (split,)](
-        x2, w, w, bias if bias is not None else w, out, ws, counts, M, N, K, x2.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, GATED=gated, HAS_SCALE=False, HAS_BIAS=bias is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=on,
+    _matmul_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), split)](
+        x2, w, scale if scale is not None else w, bias if bias is not None else w, out, ws, counts, M, N, K,
+        x2.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, GATED=gated, HAS_SCALE=scale is not None,
+        HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=on,
         num_warps=warps, num_stages=stages, launch_pdl=on,
     )
     return out.reshape(*lead, N)
@@ -187,6 +200,6 @@ def _split_k(tiles: int, K: int, sms: int) -> int:
     """K slices: as many as keep the programs within one wave of the SMs, each slice >= 512 deep
     (the o and down projections of a small model: 32 tiles of 1,024 outputs, K 2,048-3,072)."""
     split = 1
-    while tiles * split * 2 <= sms and K // (split * 2) >= 512 and split < 4:  # <= 4: the workspace's size
+    while tiles * split * 2 <= sms and K // (split * 2) >= 512 and split < 4:  # gated: 4 fill the workspace
         split *= 2
     return split
