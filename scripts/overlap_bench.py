@@ -1,0 +1,158 @@
+"""Would a step run faster as two half batches ("nano-batches") on two CUDA streams? GPU only.
+
+A decoder layer as the engine runs it (add + RMSNorm, qkv GEMM, rotary + KV write, paged attention,
+o GEMM, add + RMSNorm, gate_up GEMM + SiLU·mul, down GEMM; the engine's kernels, every layer with
+its own weights) on a real batch, captured in one CUDA graph three ways:
+
+- full: the whole batch, one stream (what the engine does);
+- halves, one stream: the batch as two halves one after the other (what splitting costs: every
+  GEMM twice at half the rows, its weights read twice);
+- halves, two streams: the halves forked onto two streams and joined, so that one half's GEMMs
+  may run while the other half's attention streams the KV cache.
+
+Batches: W-small's decode step t (every running request's context, longest first; --steps), and
+W-large's steady mixed step (--w-large: 8,192 tokens, 248 decoding requests with 1,024-1,151
+cached tokens and 7,944 tokens of fresh prompt chunks, the shape the scheduler packs).
+
+    python scripts/overlap_bench.py [--steps 50,250,450,650] [--w-large] [--json out.json]
+"""
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from attention_bench import w_small_contexts
+from graph_timing import emit, graph_us
+from llmserve.bench.report import report
+from llmserve.kernels.fused import rms_norm, rotary_and_write_kv, silu_and_mul
+from llmserve.kernels.matmul import dense_matmul, takes
+from llmserve.kernels.paged_attention import paged_attention
+
+BS = 16
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    inter: int
+    layers: int
+    dim: int = 128
+    theta: float = 1e6
+    qk_norm: bool = False
+
+
+W_SMALL = Shape(1024, 16, 8, 3072, 28, qk_norm=True)
+W_LARGE = Shape(4096, 32, 8, 14336, 32, theta=5e5)
+
+
+class Weights:
+    def __init__(self, s: Shape) -> None:
+        def w(n, k):
+            return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(s.layers)]
+        q, kv = s.heads * s.dim, s.kv_heads * s.dim
+        self.qkv, self.o = w(q + 2 * kv, s.hidden), w(s.hidden, q)
+        self.gate_up, self.down = w(2 * s.inter, s.hidden), w(s.hidden, s.inter)
+        self.g = torch.ones(s.hidden, device="cuda", dtype=torch.bfloat16)
+        self.qk_g = torch.ones(s.dim, device="cuda", dtype=torch.bfloat16) if s.qk_norm else None
+        inv = 1.0 / (s.theta ** (torch.arange(0, s.dim, 2, device="cuda").float() / s.dim))
+        emb = torch.cat([torch.outer(torch.arange(4096, device="cuda").float(), inv)] * 2, -1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+
+class Batch:
+    """One batch's inputs and KV cache (blocks scattered over the pool): sequences with `cached`
+    tokens in the cache computing `new` tokens each (1 for a decode)."""
+
+    def __init__(self, s: Shape, cached: list[int], new: list[int]) -> None:
+        self.s = s
+        width = max(-(-(c + n) // BS) for c, n in zip(cached, new))
+        B, T = len(cached), sum(new)
+        self.T = T
+        self.tables = torch.randperm(B * width, device="cuda", dtype=torch.int32).view(B, width)
+        self.k = torch.randn(B * width, BS, s.kv_heads, s.dim, device="cuda", dtype=torch.bfloat16)
+        self.v = torch.randn_like(self.k)
+        seq = torch.repeat_interleave(torch.arange(B, device="cuda"), torch.tensor(new, device="cuda"))
+        starts = torch.tensor([0, *new], device="cuda").cumsum(0)
+        pos = torch.tensor(cached, device="cuda")[seq] + torch.arange(T, device="cuda") - starts[seq]
+        self.positions = pos
+        self.slots = self.tables[seq, pos // BS].long() * BS + pos % BS
+        self.lens = torch.tensor([c + n for c, n in zip(cached, new)], device="cuda", dtype=torch.int32)
+        self.qsl = starts.to(torch.int32)
+        self.max_query_len = max(new)
+        self.order = torch.argsort(self.lens, descending=True).to(torch.int32) if self.max_query_len == 1 else None
+        self.x = torch.randn(T, s.hidden, device="cuda", dtype=torch.bfloat16)
+        self.r = torch.randn(T, s.hidden, device="cuda", dtype=torch.bfloat16)
+
+    def step(self, w: Weights) -> torch.Tensor:
+        F, s, T = torch.nn.functional, self.s, self.T
+        q_size, kv_size = s.heads * s.dim, s.kv_heads * s.dim
+
+        def gemm(x, weight, gated=False):
+            if takes(x, weight):
+                return dense_matmul(x, weight, gated=gated)
+            return silu_and_mul(F.linear(x, weight)) if gated else F.linear(x, weight)
+
+        x, r = self.x, self.r
+        for i in range(s.layers):
+            h, r = rms_norm(x, w.g, 1e-6, r)
+            q, k, v = gemm(h, w.qkv[i]).split([q_size, kv_size, kv_size], -1)
+            q, k, v = q.view(T, s.heads, s.dim), k.view(T, s.kv_heads, s.dim), v.view(T, s.kv_heads, s.dim)
+            rotary_and_write_kv(q, k, v, self.positions, w.cos, w.sin, self.k, self.v, self.slots,
+                                q_weight=w.qk_g, k_weight=w.qk_g, eps=1e-6)
+            a = paged_attention(q, self.k, self.v, self.tables, self.qsl, self.lens, s.dim ** -0.5,
+                                self.max_query_len, seq_order=self.order)
+            h, r = rms_norm(gemm(a.view(T, q_size), w.o[i]), w.g, 1e-6, r)
+            x = gemm(gemm(h, w.gate_up[i], gated=True), w.down[i])
+        return x + r
+
+
+def two_streams(a: Batch, b: Batch, w: Weights, streams) -> None:
+    main = torch.cuda.current_stream()
+    for s in streams:
+        s.wait_stream(main)
+    for s, half in zip(streams, (a, b)):
+        with torch.cuda.stream(s):
+            half.step(w)
+    for s in streams:
+        main.wait_stream(s)
+
+
+def compare(rows: list, row: dict, s: Shape, w: Weights, cached: list[int], new: list[int]) -> None:
+    """Full batch against its halves (alternate sequences) on one and on two streams."""
+    full = Batch(s, cached, new)
+    a, b = Batch(s, cached[0::2], new[0::2]), Batch(s, cached[1::2], new[1::2])
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    row["full_ms"] = graph_us(lambda i: full.step(w), reps=10) / 1e3
+    row["halves_one_stream_ms"] = graph_us(lambda i: (a.step(w), b.step(w)), reps=10) / 1e3
+    row["halves_two_streams_ms"] = graph_us(lambda i: two_streams(a, b, w, streams), reps=10) / 1e3
+    row["two_streams_gain"] = 1 - row["halves_two_streams_ms"] / row["full_ms"]
+    emit(rows, row)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", default="50,250,450,650")
+    ap.add_argument("--w-large", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    rows = []
+    if args.w_large:
+        w = Weights(W_LARGE)
+        decodes = [1024 + i % 128 for i in range(248)]
+        prompts = [1024] * 7 + [776]  # 7,944 tokens of fresh prompt chunks
+        compare(rows, {"batch": "w-large mixed step", "tokens": 8192}, W_LARGE, w,
+                [0] * len(prompts) + decodes, prompts + [1] * len(decodes))
+    else:
+        w = Weights(W_SMALL)
+        for step in map(int, args.steps.split(",")):
+            ctx = sorted(w_small_contexts(step), reverse=True)
+            compare(rows, {"w_small_step": step, "running": len(ctx)}, W_SMALL, w, ctx, [1] * len(ctx))
+            torch.cuda.empty_cache()
+    report(rows, args.json, echo=False)
+
+
+if __name__ == "__main__":
+    main()
