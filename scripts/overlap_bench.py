@@ -18,61 +18,51 @@ cached tokens and 7,944 tokens of fresh prompt chunks, the shape the scheduler p
 """
 
 import argparse
-from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from attention_bench import w_small_contexts
 from graph_timing import emit, graph_us
 from llmserve.bench.report import report
+from llmserve.bench.workloads import LLAMA31_8B, QWEN3_0_6B
 from llmserve.kernels.fused import rms_norm, rotary_and_write_kv, silu_and_mul
-from llmserve.kernels.matmul import dense_matmul, takes
 from llmserve.kernels.paged_attention import paged_attention
+from llmserve.model.layers import RotaryEmbedding
+from llmserve.model.spec import ModelSpec
+from llmserve.quantization import Unquantized
 
 BS = 16
 
 
-@dataclass(frozen=True)
-class Shape:
-    hidden: int
-    heads: int
-    kv_heads: int
-    inter: int
-    layers: int
-    dim: int = 128
-    theta: float = 1e6
-    qk_norm: bool = False
-
-
-W_SMALL = Shape(1024, 16, 8, 3072, 28, qk_norm=True)
-W_LARGE = Shape(4096, 32, 8, 14336, 32, theta=5e5)
-
-
 class Weights:
-    def __init__(self, s: Shape) -> None:
+    """A model shape's decoder weights (random, every layer its own) as the engine's unquantized
+    linear layers hold them, with unit norm weights and the model's rotary tables."""
+
+    def __init__(self, s: ModelSpec) -> None:
         def w(n, k):
-            return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(s.layers)]
-        q, kv = s.heads * s.dim, s.kv_heads * s.dim
-        self.qkv, self.o = w(q + 2 * kv, s.hidden), w(s.hidden, q)
-        self.gate_up, self.down = w(2 * s.inter, s.hidden), w(s.hidden, s.inter)
-        self.g = torch.ones(s.hidden, device="cuda", dtype=torch.bfloat16)
-        self.qk_g = torch.ones(s.dim, device="cuda", dtype=torch.bfloat16) if s.qk_norm else None
-        inv = 1.0 / (s.theta ** (torch.arange(0, s.dim, 2, device="cuda").float() / s.dim))
-        emb = torch.cat([torch.outer(torch.arange(4096, device="cuda").float(), inv)] * 2, -1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+            return [SimpleNamespace(weight=torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, bias=None)
+                    for _ in range(s.num_layers)]
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.qkv, self.o = w(q + 2 * kv, s.hidden_size), w(s.hidden_size, q)
+        self.gate_up, self.down = w(2 * s.intermediate_size, s.hidden_size), w(s.hidden_size, s.intermediate_size)
+        self.g = torch.ones(s.hidden_size, device="cuda", dtype=torch.bfloat16)
+        self.qk_g = torch.ones(s.head_dim, device="cuda", dtype=torch.bfloat16) if s.qk_norm else None
+        rotary = RotaryEmbedding(s.head_dim, 4096, s.rope_theta, s.rope_scaling, backend=None)
+        self.cos, self.sin = rotary.cos.cuda(), rotary.sin.cuda()
 
 
 class Batch:
     """One batch's inputs and KV cache (blocks scattered over the pool): sequences with `cached`
     tokens in the cache computing `new` tokens each (1 for a decode)."""
 
-    def __init__(self, s: Shape, cached: list[int], new: list[int]) -> None:
+    def __init__(self, s: ModelSpec, cached: list[int], new: list[int]) -> None:
         self.s = s
         width = max(-(-(c + n) // BS) for c, n in zip(cached, new))
         B, T = len(cached), sum(new)
         self.T = T
         self.tables = torch.randperm(B * width, device="cuda", dtype=torch.int32).view(B, width)
-        self.k = torch.randn(B * width, BS, s.kv_heads, s.dim, device="cuda", dtype=torch.bfloat16)
+        self.k = torch.randn(B * width, BS, s.num_kv_heads, s.head_dim, device="cuda", dtype=torch.bfloat16)
         self.v = torch.randn_like(self.k)
         seq = torch.repeat_interleave(torch.arange(B, device="cuda"), torch.tensor(new, device="cuda"))
         starts = torch.tensor([0, *new], device="cuda").cumsum(0)
@@ -83,29 +73,25 @@ class Batch:
         self.qsl = starts.to(torch.int32)
         self.max_query_len = max(new)
         self.order = torch.argsort(self.lens, descending=True).to(torch.int32) if self.max_query_len == 1 else None
-        self.x = torch.randn(T, s.hidden, device="cuda", dtype=torch.bfloat16)
-        self.r = torch.randn(T, s.hidden, device="cuda", dtype=torch.bfloat16)
+        self.x = torch.randn(T, s.hidden_size, device="cuda", dtype=torch.bfloat16)
+        self.r = torch.randn(T, s.hidden_size, device="cuda", dtype=torch.bfloat16)
 
     def step(self, w: Weights) -> torch.Tensor:
-        F, s, T = torch.nn.functional, self.s, self.T
-        q_size, kv_size = s.heads * s.dim, s.kv_heads * s.dim
-
-        def gemm(x, weight, gated=False):
-            if takes(x, weight):
-                return dense_matmul(x, weight, gated=gated)
-            return silu_and_mul(F.linear(x, weight)) if gated else F.linear(x, weight)
-
+        """The decoder layers over this batch, each linear layer multiplied as Unquantized does
+        (the decode GEMM or cuBLAS, whichever the engine would pick for these rows)."""
+        s, T, lin = self.s, self.T, Unquantized()
+        heads, kv_heads, dim, eps = s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
         x, r = self.x, self.r
-        for i in range(s.layers):
-            h, r = rms_norm(x, w.g, 1e-6, r)
-            q, k, v = gemm(h, w.qkv[i]).split([q_size, kv_size, kv_size], -1)
-            q, k, v = q.view(T, s.heads, s.dim), k.view(T, s.kv_heads, s.dim), v.view(T, s.kv_heads, s.dim)
+        for i in range(s.num_layers):
+            h, r = rms_norm(x, w.g, eps, r)
+            q, k, v = lin.apply(w.qkv[i], h).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+            q, k, v = q.view(T, heads, dim), k.view(T, kv_heads, dim), v.view(T, kv_heads, dim)
             rotary_and_write_kv(q, k, v, self.positions, w.cos, w.sin, self.k, self.v, self.slots,
-                                q_weight=w.qk_g, k_weight=w.qk_g, eps=1e-6)
-            a = paged_attention(q, self.k, self.v, self.tables, self.qsl, self.lens, s.dim ** -0.5,
+                                q_weight=w.qk_g, k_weight=w.qk_g, eps=eps)
+            a = paged_attention(q, self.k, self.v, self.tables, self.qsl, self.lens, dim ** -0.5,
                                 self.max_query_len, seq_order=self.order)
-            h, r = rms_norm(gemm(a.view(T, q_size), w.o[i]), w.g, 1e-6, r)
-            x = gemm(gemm(h, w.gate_up[i], gated=True), w.down[i])
+            h, r = rms_norm(lin.apply(w.o[i], a.view(T, heads * dim)), w.g, eps, r)
+            x = lin.apply(w.down[i], lin.apply_gated(w.gate_up[i], h, silu_and_mul))
         return x + r
 
 
@@ -120,7 +106,7 @@ def two_streams(a: Batch, b: Batch, w: Weights, streams) -> None:
         main.wait_stream(s)
 
 
-def compare(rows: list, row: dict, s: Shape, w: Weights, cached: list[int], new: list[int]) -> None:
+def compare(rows: list, row: dict, s: ModelSpec, w: Weights, cached: list[int], new: list[int]) -> None:
     """Full batch against its halves (alternate sequences) on one and on two streams."""
     full = Batch(s, cached, new)
     a, b = Batch(s, cached[0::2], new[0::2]), Batch(s, cached[1::2], new[1::2])
@@ -140,16 +126,18 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     if args.w_large:
-        w = Weights(W_LARGE)
+        spec = ModelSpec.from_dict(LLAMA31_8B)
+        w = Weights(spec)
         decodes = [1024 + i % 128 for i in range(248)]
         prompts = [1024] * 7 + [776]  # 7,944 tokens of fresh prompt chunks
-        compare(rows, {"batch": "w-large mixed step", "tokens": 8192}, W_LARGE, w,
+        compare(rows, {"batch": "w-large mixed step", "tokens": 8192}, spec, w,
                 [0] * len(prompts) + decodes, prompts + [1] * len(decodes))
     else:
-        w = Weights(W_SMALL)
+        spec = ModelSpec.from_dict(QWEN3_0_6B)
+        w = Weights(spec)
         for step in map(int, args.steps.split(",")):
             ctx = sorted(w_small_contexts(step), reverse=True)
-            compare(rows, {"w_small_step": step, "running": len(ctx)}, W_SMALL, w, ctx, [1] * len(ctx))
+            compare(rows, {"w_small_step": step, "running": len(ctx)}, spec, w, ctx, [1] * len(ctx))
             torch.cuda.empty_cache()
     report(rows, args.json, echo=False)
 
