@@ -18,9 +18,12 @@ of BLOCK_M = BLOCK_Q * GROUP_P rows is
 (GROUP_P is the group size rounded up to a power of two; padded rows and tokens past the
 sequence's query length are masked). The program walks the sequence's keys BLOCK_N at a time,
 gathering each key's row through the block table (so BLOCK_N is independent of block_size), and
-keeps an online softmax (running max m, running sum l, float32 accumulator). It stops at the last
-key its last query may see: causal masking against the already-cached context is just
-key_pos <= ctx_len + query_index. Programs whose tile lies past their sequence's queries exit at once.
+keeps an online softmax in base 2 (running max m of the scores times scale * log2(e), running sum
+l, float32 accumulator). It stops at the last key its last query may see: causal masking against
+the already-cached context is just key_pos <= ctx_len + query_index. The key tiles that every row
+of the tile sees in full (all but the last one or two of a prompt's query tile) run without any
+mask: a score costs one fused multiply-add and one exp2 besides the two dots; only the tiles the
+diagonal crosses compare positions. Programs whose tile lies past their sequence's queries exit at once.
 
 FP8 cache: K and V tiles load as e4m3 (half the bytes) and convert exactly to DOT_TY: float16
 for half-precision queries (one hardware conversion per pair of values; e4m3 fits fp16 exactly,
@@ -33,7 +36,7 @@ num_kv_heads). Program (seq, s, h) walks only the s-th of NUM_SPLITS equal, BLOC
 of the sequence's keys and writes its unnormalised accumulator with its running max m and sum l;
 a second kernel, one program per (token, head), merges the slices with their log-sum-exp weights:
 
-    M = max_s m_s,   out = sum_s exp(m_s - M) * acc_s / sum_s exp(m_s - M) * l_s
+    M = max_s m_s,   out = sum_s exp2(m_s - M) * acc_s / sum_s exp2(m_s - M) * l_s
 
 The number of splits depends only on the batch size, so a CUDA graph captures it.
 
@@ -103,38 +106,24 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_P], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P, HEAD_P], dtype=tl.float32)
+    qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x * scale) = exp2(x * qk_scale)
     kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
-    kv_lo = 0
-    if NUM_SPLITS > 1:
-        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        kv_lo = split * chunk
-        kv_end = tl.minimum(kv_lo + chunk, kv_end)
-    for start in range(kv_lo, kv_end, BLOCK_N):
-        k_pos = start + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < kv_end
-        blk = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        kv_off = blk[:, None] * stride_cb + (k_pos % BLOCK_SIZE)[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s_off = blk * stride_sb + (k_pos % BLOCK_SIZE) * stride_st + kv_head  # FP8 scales of these keys
-        if FP8:
-            k = k.to(DOT_TY)
-            k_sc = tl.load(k_scale_ptr + s_off, mask=k_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (k_sc * scale)[None, :]
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if FP8:
-            v_sc = tl.load(v_scale_ptr + s_off, mask=k_ok, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot((p * v_sc[None, :]).to(DOT_TY), v.to(DOT_TY), input_precision=PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    kv = (k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, k_scale_ptr, v_scale_ptr, kv_head,
+          stride_cb, stride_ct, stride_ch, stride_sb, stride_st)
+    if DECODE:  # every key is visible to the one query: only the last tile needs a mask
+        kv_lo = 0
+        if NUM_SPLITS > 1:
+            chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            kv_lo = split * chunk
+            kv_end = tl.minimum(kv_lo + chunk, kv_end)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv_lo, kv_end, kv_end, qk_scale, d, d_ok, *kv,
+                                BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=True, CAUSAL=False)
+    else:  # tiles every query row sees in full, then the tiles the causal diagonal crosses
+        full_end = tl.minimum((ctx_len + q_tile * BLOCK_Q + 1) // BLOCK_N * BLOCK_N, kv_end)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, 0, full_end, kv_end, qk_scale, d, d_ok, *kv,
+                                BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=False, CAUSAL=False)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, full_end, kv_end, kv_end, qk_scale, d, d_ok, *kv,
+                                BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=True, CAUSAL=True)
     if NUM_SPLITS > 1:  # partials [T, Hq, S, D] and (m, l) [2, T, Hq, S], float32
         slot = ((q_start + tok) * num_heads + head) * NUM_SPLITS + split
         tl.store(part_ptr + slot[:, None] * HEAD_D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
@@ -144,6 +133,54 @@ def _paged_attention_kernel(
         acc = acc / l_i[:, None]
         tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, q_pos, lo, hi, kv_end, qk_scale, d, d_ok,
+            k_cache_ptr, v_cache_ptr, table_ptr, k_scale_ptr, v_scale_ptr, kv_head,
+            stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
+            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+            DOT_TY: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """The online softmax over keys [lo, hi), BLOCK_N at a time, each key's row gathered through the
+    sequence's block table (table_ptr). Unmasked (MASKED false), every key of every tile must exist
+    and be visible to every row: no compare or select per score. MASKED loads no key at or past
+    kv_end and gives those keys no weight; CAUSAL weighs only keys at or before each row's position
+    q_pos (a prompt's diagonal tiles: one or two, so a two-stage pipeline, which keeps the prefill
+    kernel at 150 registers and three programs an SM on an H100 with Triton 3.6; scripts/sass_stats.py)."""
+    for start in tl.range(lo, hi, BLOCK_N, num_stages=2 if CAUSAL else None):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        if MASKED:
+            k_ok = k_pos < kv_end
+            blk = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+        else:
+            k_ok = None
+            blk = tl.load(table_ptr + k_pos // BLOCK_SIZE).to(tl.int64)
+            kv_mask = d_ok[None, :]
+        kv_off = blk[:, None] * stride_cb + (k_pos % BLOCK_SIZE)[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s_off = blk * stride_sb + (k_pos % BLOCK_SIZE) * stride_st + kv_head  # FP8 scales of these keys
+        if FP8:
+            k_sc = tl.load(k_scale_ptr + s_off, mask=k_ok, other=0.0 if MASKED else None)
+            s = tl.dot(q, tl.trans(k.to(DOT_TY)), input_precision=PRECISION) * k_sc[None, :]
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if CAUSAL:  # keys past kv_end lie past every stored row's position too
+            s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        elif MASKED:
+            s = tl.where(k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])  # one fused multiply-add a score
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if FP8:
+            v_sc = tl.load(v_scale_ptr + s_off, mask=k_ok, other=0.0 if MASKED else None)
+            acc = acc * alpha[:, None] + tl.dot((p * v_sc[None, :]).to(DOT_TY), v.to(DOT_TY), input_precision=PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -171,7 +208,7 @@ def _merge_splits_kernel(out_ptr, part_ptr, ml_ptr, num_heads, ml_half, stride_o
     l = tl.load(ml_ptr + ml_half + slot)
     d = tl.arange(0, HEAD_P)
     acc = tl.load(part_ptr + slot[:, None] * HEAD_D + d[None, :], mask=d[None, :] < HEAD_D, other=0.0)
-    w = tl.exp(m - tl.max(m, 0))  # slices without keys have m = -inf: weight 0
+    w = tl.math.exp2(m - tl.max(m, 0))  # base-2 maxima; slices without keys have m = -inf: weight 0
     out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_D)
 

@@ -9,7 +9,7 @@ also without split-KV (one pass per sequence). --splits instead times W-small's 
 middle of the run to its tail (ragged contexts, longest first) with 1 to 16 key slices per sequence
 and several decode tiles, against the default choice.
 --prefill times prefill steps (8 prompts of 1,024 tokens; W-small's and W-large's heads) for every
-(BLOCK_M, BLOCK_N, warps, stages), in TFLOP/s of causal attention. --mixed times a W-large mixed step
+(BLOCK_M, BLOCK_N, warps, stages) (--quick: 8 of them), in TFLOP/s of causal attention. --mixed times a W-large mixed step
 (8 prompts of 1,024 tokens plus 248 decoding requests with ~1,100 cached tokens) in one launch
 against its prefill and decode rows launched apart. --layout times decode (every tile) and prefill
 with the cache laid out as the engine allocates it, [blocks, block_size, kv_heads, dim], against
@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time every (BLOCK_N, warps, stages)")
     ap.add_argument("--splits", action="store_true", help="mid-size batches at 1, 2, 4, 8 key slices")
     ap.add_argument("--prefill", action="store_true", help="prefill tile sweep")
+    ap.add_argument("--quick", action="store_true", help="--prefill: 8 tile choices and the default, not 36")
     ap.add_argument("--mixed", action="store_true", help="a mixed step in one launch vs prefill and decode apart")
     ap.add_argument("--layout", action="store_true", help="token-major vs head-major cache blocks")
     ap.add_argument("--ceiling", action="store_true", help="read bandwidth ceiling and the decode tile sweep")
@@ -55,7 +56,7 @@ def main() -> None:
     if args.splits:
         return split_sweep(args.json)
     if args.prefill:
-        return prefill_sweep(args.json)
+        return prefill_sweep(args.json, args.quick)
     if args.mixed:
         return mixed_step(args.json)
     rows = []
@@ -142,7 +143,7 @@ def split_sweep(json_path: str | None) -> None:
     report(rows, json_path, echo=False)
 
 
-def prefill_sweep(json_path: str | None) -> None:
+def prefill_sweep(json_path: str | None, quick: bool = False) -> None:
     from llmserve.kernels.paged_attention import PREFILL_TILES
     rows = []
     seqs, length, dim, bs = 8, 1024, 128, 16
@@ -156,7 +157,9 @@ def prefill_sweep(json_path: str | None) -> None:
         lens = torch.full((seqs,), length, device="cuda", dtype=torch.int32)
         flops = 4 * seqs * (length * (length + 1) / 2) * dim * heads
         row = {"shape": name, "default": list(PREFILL_TILES)}
-        for block_m, tiles in itertools.product((64, 128), itertools.product((32, 64, 128), (4, 8), (2, 3, 4))):
+        choices = itertools.product((64, 128), itertools.product((32, 64), (4, 8), (3,)) if quick else
+                                    itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
+        for block_m, tiles in [(64, tuple(PREFILL_TILES)), *choices]:
             try:
                 ms = triton.testing.do_bench(lambda: paged_attention(q, k, v, tables, qsl, lens, 0.088, length,
                                                                      tiles=tiles, block_m=block_m))
@@ -168,6 +171,7 @@ def prefill_sweep(json_path: str | None) -> None:
         row["default_tflop_s"] = row.get(f"m64 {tuple(PREFILL_TILES)}")
         rows.append(row)
         print(json.dumps({key: row[key] for key in ("shape", "best", "best_tflop_s", "default_tflop_s")}), flush=True)
+        print(json.dumps({key: round(val) for key, val in row.items() if key.startswith("m")}), flush=True)
     report(rows, json_path, echo=False)
 
 

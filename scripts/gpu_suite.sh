@@ -13,7 +13,9 @@
 #          quant-2: decode attention bf16 vs FP8 cache, W-small with a bf16 vs FP8 KV cache,
 #          W-large bf16 vs fp8;
 #          ab WORKLOAD: the working tree's llmserve and BASE's alternately, AB_RUNS (4) runs in all,
-#          the same box and call: compare commits only this way, boxes of one kind differ by ~4%);
+#          the same box and call: compare commits only this way, boxes of one kind differ by ~4%;
+#          ab-script SCRIPT ARGS...: scripts/SCRIPT (the working tree's) against each side's
+#          llmserve in turn, e.g. `ab-script attention_bench.py --prefill`: kernels of two commits);
 #          logs and JSON results under $OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -84,6 +86,16 @@ run)
                 --json "$OUT/$w-$side-$i.json" > "$OUT/$w-$side-$i.log" 2>&1
             echo "$side:"; "$PY" scripts/bench_summary.py "$OUT/$w-$side-$i.json"
         done
+    elif [ "$bench" = ab-script ]; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-base .whl/base/*.whl
+        script=$3; shift 3
+        for side in new base; do
+            if [ $side = new ]; then site=/tmp/site; else site=/tmp/site-base:/tmp/site; fi
+            echo "$side ($script $*):"
+            (cd scripts && PYTHONPATH=$site:. timeout 280 "$PY" "$script" "$@" --json "$OUT/${script%.py}-$side.json") \
+                > "$OUT/${script%.py}-$side.log" 2>&1
+            tail -8 "$OUT/${script%.py}-$side.log"
+        done
     elif [ "$bench" = quant-1 ]; then
         timeout 120 "$PY" scripts/int8_sweep.py --json "$OUT/int8-sweep.json" > "$OUT/int8-sweep.log" 2>&1
         tail -12 "$OUT/int8-sweep.log"
@@ -113,7 +125,7 @@ run)
     fi
     ;;
 *)
-    echo "usage: $0 prepare | run [w-small|w-large|w-serve|quant-1|quant-2|none | ab WORKLOAD]" >&2
+    echo "usage: $0 prepare | run [w-small|w-large|w-serve|quant-1|quant-2|none | ab WORKLOAD | ab-script SCRIPT ARGS...]" >&2
     exit 2
     ;;
 esac

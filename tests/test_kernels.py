@@ -54,6 +54,29 @@ def test_paged_attention_matches_reference(case, block_size, group, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_prefill_tiles_below_the_diagonal_skip_the_mask(group, fp8):
+    """Query tiles that start past whole key tiles read those unmasked, then the tiles the causal
+    diagonal crosses masked: chunks after contexts that do and do not end on a key tile, a query
+    tile starting inside a key tile, decode rows and a chunk shorter than one query tile."""
+    query_lens, context_lens = [21, 9, 1, 3, 16], [0, 13, 30, 2, 24]
+    q, kc, vc, tables, qsl, seq_lens = make_batch(query_lens, context_lens, block_size=4, num_kv_heads=2, group=group,
+                                                  head_dim=16, dtype=torch.float32, seed=11)
+    scales = {}
+    if fp8:
+        kc, vc, ks, vs, kc_ref, vc_ref = fp8_cache(kc, vc)
+        scales = {"k_scale": ks, "v_scale": vs}
+    else:
+        kc_ref, vc_ref = kc, vc
+    ref = paged_attention_reference(q, kc_ref, vc_ref, tables, qsl, seq_lens, 0.3)
+    for tiles, block_m in (((8, 4, 1), 4 * group), ((8, 4, 2), 8 * group), ((16, 4, 1), 4 * group)):
+        out = torch.full_like(q, float("nan"))
+        paged_attention(q, kc, vc, tables, qsl, seq_lens, 0.3, max(query_lens), out=out, tiles=tiles,
+                        block_m=block_m, **scales)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_paged_attention_head_dim_not_power_of_two():
     q, kc, vc, tables, qsl, seq_lens = make_batch([3, 1], [2, 9], block_size=8, num_kv_heads=1, group=2,
                                                   head_dim=24, dtype=torch.float32)
