@@ -348,3 +348,31 @@ def test_engine_hides_its_start_up_heap_from_the_collector_until_released(checkp
     assert gc.get_freeze_count() > 0  # modules, weights' wrappers, libraries: out of full collections
     engine.release()
     assert gc.get_freeze_count() == 0
+
+
+async def test_a_large_batch_reaches_the_scheduler_two_steps_at_a_time():
+    """The request actor hands a big submission on in slices of two steps' prompt tokens, the
+    first before the rest is admitted (so its first step can launch meanwhile), all in order."""
+    from math import inf
+
+    from llmserve.actors.request_actor import OutputSlot, RequestActor, Submit
+    from llmserve.messages import NewRequests
+
+    inbox_in, inbox = anyio.create_memory_object_stream(inf)
+    to_scheduler, from_actor = anyio.create_memory_object_stream(inf)
+    actor = RequestActor(None, vocab_size=100, max_model_len=64, seed=0, inbox=inbox, to_scheduler=to_scheduler,
+                         step_tokens=16)
+    subs = [Submit(str(i), [i + 1] * 5, SamplingParams(max_tokens=2), OutputSlot()) for i in range(20)]
+    messages, admitted_at_first = [], None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(actor.run)
+        await inbox_in.send(subs)
+        while sum(len(m.requests) for m in messages) < len(subs):
+            messages.append(await from_actor.receive())
+            if admitted_at_first is None:
+                admitted_at_first = len(actor.requests)
+        inbox_in.close()
+    assert all(isinstance(m, NewRequests) for m in messages)
+    assert [len(m.requests) for m in messages] == [7, 7, 6]  # 35 >= 2 x 16 prompt tokens, then the rest
+    assert [r.req_id for m in messages for r in m.requests] == [s.req_id for s in subs]
+    assert admitted_at_first < len(subs)

@@ -152,7 +152,8 @@ class Frontend(abc.ABC):
 
     def _request_actor(self, inbox: ObjectReceiveStream, to_scheduler: ObjectSendStream) -> RequestActor:
         return RequestActor(self.tokenizer, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
-                            seed=self.config.model.seed, inbox=inbox, to_scheduler=to_scheduler)
+                            seed=self.config.model.seed, inbox=inbox, to_scheduler=to_scheduler,
+                            step_tokens=self.config.scheduler.max_num_batched_tokens)
 
     @abc.abstractmethod
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:

@@ -36,8 +36,9 @@ class NewRequest:
 
 @dataclass(slots=True)
 class NewRequests:
-    """Requests submitted together (an offline batch, the n samples of one request): the scheduler
-    takes them all before it plans, so a batch's first step is as full as its budget allows."""
+    """Requests admitted together (a slice of an offline batch holding two steps' prompt tokens,
+    the n samples of one request): the scheduler takes them all before it plans, so a batch's
+    first steps are as full as their budget allows."""
     requests: list[NewRequest]
 
 
