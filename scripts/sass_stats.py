@@ -4,7 +4,8 @@ memory, and the machine instructions of each loop's iteration, per warp, by kind
     python scripts/sass_stats.py [--base REV] [--json out.json] [VARIANT ...]
 
 Each VARIANT is a paged-attention launch as `prefill|decode[,key=value...]` with keys group,
-block_m, block_n, warps, stages, splits, fp8 (0/1) and maxnreg, e.g. `prefill,block_m=128,warps=8`;
+block_m, block_n, warps, stages, splits, fp8 (0/1), fp32 (0/1: float32 queries and cache, as the
+GPU equivalence tests run) and maxnreg, e.g. `prefill,block_m=128,warps=8`;
 none: the engine's default tiles for W-small's and W-large's heads. The kernel is compiled for
 sm_90 by the installed Triton (ptxas and nvdisasm ship with it) with the argument alignment the
 JIT would specialize on, then disassembled; `--base REV` compiles that revision's kernels/ too,
@@ -57,7 +58,7 @@ def variant(spec: str) -> dict:
     kind, *pairs = spec.split(",")
     assert kind in ("prefill", "decode"), spec
     v = {"decode": kind == "decode", "group": 2, "block_m": None, "block_n": None, "warps": None, "stages": None,
-         "splits": 1, "fp8": 0, "maxnreg": None}
+         "splits": 1, "fp8": 0, "fp32": 0, "maxnreg": None}
     for pair in pairs:
         key, value = pair.split("=")
         assert key in v, f"unknown key {key!r} in {spec!r}"
@@ -68,12 +69,14 @@ def variant(spec: str) -> dict:
 def compile_paged_attention(module: types.ModuleType, v: dict):
     """The kernel compiled for sm_90 with the host wrapper's constants for variant v; (kernel, sass)."""
     fn = module._paged_attention_kernel
-    fp8 = bool(v["fp8"])
+    fp8, fp32 = bool(v["fp8"]), bool(v["fp32"])
+    act = "*fp32" if fp32 else "*bf16"
     tiles = module.decode_tiles(fp8) if v["decode"] else module.PREFILL_TILES
     block_n, warps, stages = (v["block_n"] or tiles[0]), (v["warps"] or tiles[1]), (v["stages"] or tiles[2])
     block_m = max(v["block_m"] or (16 if v["decode"] else 64), v["group"])
     consts = dict(BLOCK_SIZE=16, GROUP=v["group"], GROUP_P=v["group"], HEAD_D=128, HEAD_P=128,
-                  BLOCK_Q=block_m // v["group"], BLOCK_N=block_n, PRECISION="tf32", FP8=fp8, DOT_TY=tl.float16,
+                  BLOCK_Q=block_m // v["group"], BLOCK_N=block_n, PRECISION="ieee" if fp32 else "tf32", FP8=fp8,
+                  DOT_TY=tl.float32 if fp32 else tl.float16,
                   NUM_SPLITS=v["splits"], DECODE=v["decode"], ORDERED=v["decode"],
                   SEQS_P=0 if v["decode"] else 256, PDL=True)
     names = list(fn.arg_names)
@@ -84,9 +87,9 @@ def compile_paged_attention(module: types.ModuleType, v: dict):
         if n in consts:
             signature[n] = "constexpr"
         elif n in ("k_cache_ptr", "v_cache_ptr"):
-            signature[n] = "*fp8e4nv" if fp8 else "*bf16"
+            signature[n] = "*fp8e4nv" if fp8 else act
         elif n.endswith("_ptr"):
-            signature[n] = "*i32" if n in INT_POINTERS else "*fp32" if n in F32_POINTERS else "*bf16"
+            signature[n] = "*i32" if n in INT_POINTERS else "*fp32" if n in F32_POINTERS else act
         else:
             signature[n] = "fp32" if n == "scale" else "i32"
     # What the JIT assumes of a real launch: 16-byte aligned pointers, strides divisible by 16.
