@@ -217,6 +217,7 @@ def _merge_splits_kernel(out_ptr, part_ptr, ml_ptr, num_heads, ml_half, stride_o
 # steps stream the cache: wider key tiles keep more bytes in flight, most of all when few sequences
 # leave SMs idle. Prefill keeps 32-key tiles against its 64-row query tiles (swept on an H200).
 PREFILL_TILES = (32, 4, 3)
+PREFILL_BLOCK_M, DECODE_BLOCK_M = 64, 16  # rows (query tokens x group heads) of a program
 
 
 MAX_SPLITS = 16
@@ -260,7 +261,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and query.stride(2) == 1
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
-    block_m = max(block_m or (64 if max_query_len > 1 else 16), group_p)
+    block_m = max(block_m or (PREFILL_BLOCK_M if max_query_len > 1 else DECODE_BLOCK_M), group_p)
     block_q = block_m // group_p
     if out is None:
         out = torch.empty_like(query)

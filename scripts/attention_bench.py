@@ -144,7 +144,7 @@ def split_sweep(json_path: str | None) -> None:
 
 
 def prefill_sweep(json_path: str | None, quick: bool = False) -> None:
-    from llmserve.kernels.paged_attention import PREFILL_TILES
+    from llmserve.kernels.paged_attention import PREFILL_BLOCK_M, PREFILL_TILES
     rows = []
     seqs, length, dim, bs = 8, 1024, 128, 16
     for name, heads, kv_heads in (("w-small", 16, 8), ("w-large", 32, 8)):
@@ -159,7 +159,7 @@ def prefill_sweep(json_path: str | None, quick: bool = False) -> None:
         row = {"shape": name, "default": list(PREFILL_TILES)}
         choices = itertools.product((64, 128), itertools.product((32, 64), (4, 8), (3,)) if quick else
                                     itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
-        for block_m, tiles in [(64, tuple(PREFILL_TILES)), *choices]:
+        for block_m, tiles in dict.fromkeys([(PREFILL_BLOCK_M, tuple(PREFILL_TILES)), *choices]):  # the default once
             try:
                 ms = triton.testing.do_bench(lambda: paged_attention(q, k, v, tables, qsl, lens, 0.088, length,
                                                                      tiles=tiles, block_m=block_m))
@@ -168,7 +168,7 @@ def prefill_sweep(json_path: str | None, quick: bool = False) -> None:
             row[f"m{block_m} {tiles}"] = flops / ms / 1e9
         best = max((key for key in row if key.startswith("m")), key=row.get)
         row["best"], row["best_tflop_s"] = best, row[best]
-        row["default_tflop_s"] = row.get(f"m64 {tuple(PREFILL_TILES)}")
+        row["default_tflop_s"] = row.get(f"m{PREFILL_BLOCK_M} {tuple(PREFILL_TILES)}")
         rows.append(row)
         print(json.dumps({key: row[key] for key in ("shape", "best", "best_tflop_s", "default_tflop_s")}), flush=True)
         print(json.dumps({key: round(val) for key, val in row.items() if key.startswith("m")}), flush=True)

@@ -73,7 +73,8 @@ def compile_paged_attention(module: types.ModuleType, v: dict):
     act = "*fp32" if fp32 else "*bf16"
     tiles = module.decode_tiles(fp8) if v["decode"] else module.PREFILL_TILES
     block_n, warps, stages = (v["block_n"] or tiles[0]), (v["warps"] or tiles[1]), (v["stages"] or tiles[2])
-    block_m = max(v["block_m"] or (16 if v["decode"] else 64), v["group"])
+    default_m = ("DECODE_BLOCK_M", 16) if v["decode"] else ("PREFILL_BLOCK_M", 64)  # (revisions before the names)
+    block_m = max(v["block_m"] or getattr(module, *default_m), v["group"])
     consts = dict(BLOCK_SIZE=16, GROUP=v["group"], GROUP_P=v["group"], HEAD_D=128, HEAD_P=128,
                   BLOCK_Q=block_m // v["group"], BLOCK_N=block_n, PRECISION="ieee" if fp32 else "tf32", FP8=fp8,
                   DOT_TY=tl.float32 if fp32 else tl.float16,

@@ -102,7 +102,7 @@ class _Request:
 
 class RequestActor:
     def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, seed: int,
-                 inbox: ObjectReceiveStream, to_scheduler: ObjectSendStream, step_tokens: int = 8192) -> None:
+                 inbox: ObjectReceiveStream, to_scheduler: ObjectSendStream, step_tokens: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
