@@ -213,10 +213,6 @@ def _merge_splits_kernel(out_ptr, part_ptr, ml_ptr, num_heads, ml_half, stride_o
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_D)
 
 
-# (BLOCK_N, num_warps, num_stages), chosen with scripts/attention_bench.py (BENCHMARKS.md). Decode
-# steps stream the cache: wider key tiles keep more bytes in flight, most of all when few sequences
-# leave SMs idle. Prefill keeps 32-key tiles against its 64-row query tiles (swept on an H200).
-PREFILL_TILES = (32, 4, 3)
 PREFILL_BLOCK_M, DECODE_BLOCK_M = 64, 16  # rows (query tokens x group heads) of a program
 
 
@@ -236,6 +232,16 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int
     while programs * split * 2 < 3 * sms and split < MAX_SPLITS:
         split *= 2
     return split
+
+
+# (BLOCK_N, num_warps, num_stages), chosen with scripts/attention_bench.py (BENCHMARKS.md). Decode
+# steps stream the cache: wider key tiles keep more bytes in flight, most of all when few sequences
+# leave SMs idle.
+def prefill_tiles(fp32: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of a step with prompts: 64-key tiles against 64-row query
+    tiles, 2 programs an SM (`attention_bench.py --prefill` on an H100: 20% over 32-key tiles on
+    W-small's and W-large's heads); float32 (tests) keeps 32 keys, 64 would spill."""
+    return (32, 4, 3) if fp32 else (64, 4, 3)
 
 
 def decode_tiles(fp8: bool) -> tuple[int, int, int]:
@@ -272,7 +278,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     assert not fp8 or (k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1)
     scales = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)  # unused pointers without FP8
     decode = max_query_len == 1
-    block_n, warps, stages = tiles or (decode_tiles(fp8) if decode else PREFILL_TILES)
+    fp32 = query.dtype == torch.float32
+    block_n, warps, stages = tiles or (decode_tiles(fp8) if decode else prefill_tiles(fp32))
     splits = 1 if not decode else (num_splits or decode_splits(num_seqs, num_kv_heads, query.device))
     if splits > 1:
         part = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
@@ -293,8 +300,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_P=group_p, HEAD_D=head_dim,
         HEAD_P=max(triton.next_power_of_2(head_dim), 16), BLOCK_Q=block_q, BLOCK_N=block_n,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", FP8=fp8,
-        DOT_TY=tl.float32 if query.dtype == torch.float32 else tl.float16, NUM_SPLITS=splits,
+        PRECISION="ieee" if fp32 else "tf32", FP8=fp8,
+        DOT_TY=tl.float32 if fp32 else tl.float16, NUM_SPLITS=splits,
         DECODE=decode, ORDERED=seq_order is not None, SEQS_P=0 if decode else max(16, triton.next_power_of_2(num_seqs)),
         PDL=on, num_warps=warps, num_stages=stages, launch_pdl=on,
     )

@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--splits", action="store_true", help="mid-size batches at 1, 2, 4, 8 key slices")
     ap.add_argument("--prefill", action="store_true", help="prefill tile sweep")
     ap.add_argument("--quick", action="store_true", help="--prefill: 8 tile choices and the default, not 36")
+    ap.add_argument("--fp8", action="store_true", help="--prefill: an FP8 cache")
     ap.add_argument("--mixed", action="store_true", help="a mixed step in one launch vs prefill and decode apart")
     ap.add_argument("--layout", action="store_true", help="token-major vs head-major cache blocks")
     ap.add_argument("--ceiling", action="store_true", help="read bandwidth ceiling and the decode tile sweep")
@@ -56,7 +57,7 @@ def main() -> None:
     if args.splits:
         return split_sweep(args.json)
     if args.prefill:
-        return prefill_sweep(args.json, args.quick)
+        return prefill_sweep(args.json, args.quick, args.fp8)
     if args.mixed:
         return mixed_step(args.json)
     rows = []
@@ -143,8 +144,11 @@ def split_sweep(json_path: str | None) -> None:
     report(rows, json_path, echo=False)
 
 
-def prefill_sweep(json_path: str | None, quick: bool = False) -> None:
-    from llmserve.kernels.paged_attention import PREFILL_BLOCK_M, PREFILL_TILES
+def prefill_sweep(json_path: str | None, quick: bool = False, fp8: bool = False) -> None:
+    from llmserve.kernels import paged_attention as pa
+    # revisions before prefill_tiles and PREFILL_BLOCK_M had a constant and 64 rows
+    default = pa.prefill_tiles(False) if hasattr(pa, "prefill_tiles") else pa.PREFILL_TILES
+    default_m = getattr(pa, "PREFILL_BLOCK_M", 64)
     rows = []
     seqs, length, dim, bs = 8, 1024, 128, 16
     for name, heads, kv_heads in (("w-small", 16, 8), ("w-large", 32, 8)):
@@ -152,23 +156,26 @@ def prefill_sweep(json_path: str | None, quick: bool = False) -> None:
         tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(seqs, -1)
         k = torch.randn(blocks, bs, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
+        scales = {}
+        if fp8:
+            (k, scales["k_scale"]), (v, scales["v_scale"]) = quantize_kv_reference(k), quantize_kv_reference(v)
         q = torch.randn(seqs * length, heads, dim, device="cuda", dtype=torch.bfloat16)
         qsl = torch.arange(0, seqs * length + 1, length, device="cuda", dtype=torch.int32)
         lens = torch.full((seqs,), length, device="cuda", dtype=torch.int32)
         flops = 4 * seqs * (length * (length + 1) / 2) * dim * heads
-        row = {"shape": name, "default": list(PREFILL_TILES)}
+        row = {"shape": name, "fp8": fp8, "default": [default_m, *default]}
         choices = itertools.product((64, 128), itertools.product((32, 64), (4, 8), (3,)) if quick else
                                     itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
-        for block_m, tiles in dict.fromkeys([(PREFILL_BLOCK_M, tuple(PREFILL_TILES)), *choices]):  # the default once
+        for block_m, tiles in dict.fromkeys([(default_m, tuple(default)), *choices]):  # the default once
             try:
                 ms = triton.testing.do_bench(lambda: paged_attention(q, k, v, tables, qsl, lens, 0.088, length,
-                                                                     tiles=tiles, block_m=block_m))
+                                                                     tiles=tiles, block_m=block_m, **scales))
             except Exception:  # out of resources
                 continue
             row[f"m{block_m} {tiles}"] = flops / ms / 1e9
         best = max((key for key in row if key.startswith("m")), key=row.get)
         row["best"], row["best_tflop_s"] = best, row[best]
-        row["default_tflop_s"] = row.get(f"m{PREFILL_BLOCK_M} {tuple(PREFILL_TILES)}")
+        row["default_tflop_s"] = row.get(f"m{default_m} {tuple(default)}")
         rows.append(row)
         print(json.dumps({key: row[key] for key in ("shape", "best", "best_tflop_s", "default_tflop_s")}), flush=True)
         print(json.dumps({key: round(val) for key, val in row.items() if key.startswith("m")}), flush=True)

@@ -48,7 +48,7 @@ run)
     { nvidia-smi; "$PY" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'; } \
         > "$OUT/env.txt" 2>&1
     set +e
-    [ -n "${SKIP_TESTS:-}" ] || timeout 300 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 tests/test_gpu.py tests/test_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    [ -n "${SKIP_TESTS:-}" ] || timeout 480 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 tests/test_gpu.py tests/test_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     bench=${2:-w-small}
     if [ "$bench" = w-serve ]; then
         # W-serve: the server on W-small's model shape (dummy weights), driven over HTTP streaming

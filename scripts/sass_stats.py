@@ -71,7 +71,10 @@ def compile_paged_attention(module: types.ModuleType, v: dict):
     fn = module._paged_attention_kernel
     fp8, fp32 = bool(v["fp8"]), bool(v["fp32"])
     act = "*fp32" if fp32 else "*bf16"
-    tiles = module.decode_tiles(fp8) if v["decode"] else module.PREFILL_TILES
+    if v["decode"]:
+        tiles = module.decode_tiles(fp8)
+    else:  # (revisions before prefill_tiles had one constant)
+        tiles = module.prefill_tiles(fp32) if hasattr(module, "prefill_tiles") else module.PREFILL_TILES
     block_n, warps, stages = (v["block_n"] or tiles[0]), (v["warps"] or tiles[1]), (v["stages"] or tiles[2])
     default_m = ("DECODE_BLOCK_M", 16) if v["decode"] else ("PREFILL_BLOCK_M", 64)  # (revisions before the names)
     block_m = max(v["block_m"] or getattr(module, *default_m), v["group"])

@@ -60,7 +60,7 @@ def test_prefill_tiles_below_the_diagonal_skip_the_mask(group, fp8):
     """Query tiles that start past whole key tiles read those unmasked, then the tiles the causal
     diagonal crosses masked: chunks after contexts that do and do not end on a key tile, a query
     tile starting inside a key tile, decode rows and a chunk shorter than one query tile."""
-    query_lens, context_lens = [21, 9, 1, 3, 16], [0, 13, 30, 2, 24]
+    query_lens, context_lens = [37, 9, 1, 3, 16], [0, 29, 62, 2, 40]
     q, kc, vc, tables, qsl, seq_lens = make_batch(query_lens, context_lens, block_size=4, num_kv_heads=2, group=group,
                                                   head_dim=16, dtype=torch.float32, seed=11)
     scales = {}
@@ -70,7 +70,7 @@ def test_prefill_tiles_below_the_diagonal_skip_the_mask(group, fp8):
     else:
         kc_ref, vc_ref = kc, vc
     ref = paged_attention_reference(q, kc_ref, vc_ref, tables, qsl, seq_lens, 0.3)
-    for tiles, block_m in (((8, 4, 1), 4 * group), ((8, 4, 2), 8 * group), ((16, 4, 1), 4 * group)):
+    for tiles, block_m in (((16, 4, 1), 4 * group), ((16, 4, 2), 8 * group), ((32, 4, 1), 4 * group)):
         out = torch.full_like(q, float("nan"))
         paged_attention(q, kc, vc, tables, qsl, seq_lens, 0.3, max(query_lens), out=out, tiles=tiles,
                         block_m=block_m, **scales)
