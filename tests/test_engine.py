@@ -341,6 +341,25 @@ def test_penalties_and_min_tokens_see_every_token_with_steps_in_flight(checkpoin
     assert outs[1][0].count(100) == 1 and len(outs[1][1]) == 7 and outs[1][1][-1] == 100
 
 
+async def test_a_running_prompt_is_held_in_no_list_but_the_callers(engine):
+    """The engine's copies of a prompt (scheduler, KV manager, executor) are int64 arrays, which the
+    garbage collector does not walk item by item: a full collection with 1,000 prompts of 1,024
+    tokens in lists paused the loop for 45-85 ms (W-large). Mid-request, no list other than the
+    caller's starts with the prompt's tokens."""
+    import gc
+    prompt = [(7 * i) % 300 + 50 for i in range(100)]
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        async for out in engine.generate(prompt, SamplingParams(max_tokens=20, ignore_eos=True)):
+            if len(out.outputs[0].token_ids) >= 2:
+                break
+        copies = [o for o in gc.get_objects() if type(o) is list and o is not prompt
+                  and len(o) >= len(prompt) and o[0] == prompt[0] and o[:len(prompt)] == prompt]
+        assert copies == []
+        await wait_until(lambda: pool_is_full(engine))
+        engine.stop()
+
+
 def test_engine_hides_its_start_up_heap_from_the_collector_until_released(checkpoint):
     import gc
     engine = Engine(EngineConfig.from_kwargs(model=checkpoint("llama"), dtype="float32", device="cpu",

@@ -113,5 +113,5 @@ def test_placeholder_is_resolved_before_its_block_is_hashed():
     assert len(req.block_hashes) == 1 and kv.pool.blocks[req.block_ids[1]].block_hash is None
     # The step after: the real token replaces the placeholder, the block is hashed, a new one rides.
     plan, fb = kv.process(StepProposal(2, [ScheduledRequest("a", 1, [70, -1], (0, 0.0, 0))]))
-    assert req.token_ids[-2:] == [70, -1] and plan.context_lens.tolist() == [8]
+    assert req.token_ids[-2:].tolist() == [70, -1] and plan.context_lens.tolist() == [8]
     assert len(req.block_hashes) == 2 and kv.pool.lookup(req.block_hashes[1]) == req.block_ids[1]

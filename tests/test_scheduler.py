@@ -34,7 +34,7 @@ def test_budget_mixes_decodes_and_prefill_chunks():
     assert out.updates[0].new_token_ids == [7]
     p = s.schedule()
     # a decodes one token; b continues its prefill with the rest of the budget.
-    assert [(e.req_id, e.num_tokens, e.new_token_ids) for e in p.entries] == [("a", 1, [7]), ("b", 9, [])]
+    assert [(e.req_id, e.num_tokens, list(e.new_token_ids)) for e in p.entries] == [("a", 1, [7]), ("b", 9, [])]
 
 
 def test_max_num_seqs_limits_admission():
@@ -86,7 +86,7 @@ def test_preempted_request_requeues_and_resends_all_tokens():
     assert s.requests["a"].status == RequestStatus.PREEMPTED and s.num_preemptions == 1
     p = s.schedule()
     [e] = p.entries
-    assert e.admitted is not None and e.new_token_ids == [1, 2, 3, 42] and e.num_tokens == 4
+    assert e.admitted is not None and list(e.new_token_ids) == [1, 2, 3, 42] and e.num_tokens == 4
 
 
 def test_abort_removes_request_and_frees_next_step():
@@ -106,12 +106,12 @@ def test_async_scheduling_plans_on_placeholders_and_stops_at_max_tokens():
     p0 = s.schedule()
     accept_all(s, p0)  # step 0 in flight: its token is pending
     p1 = s.schedule()
-    assert [(e.req_id, e.num_tokens, e.new_token_ids) for e in p1.entries] == [("a", 1, [-1])]
+    assert [(e.req_id, e.num_tokens, list(e.new_token_ids)) for e in p1.entries] == [("a", 1, [-1])]
     accept_all(s, p1)
     assert s.requests["a"].pending == 2
     s.on_result(StepResult(p0.step_id, ["a"], [10]))  # token 1 of 3 arrives
     p2 = s.schedule()
-    assert [(e.req_id, e.new_token_ids) for e in p2.entries] == [("a", [10, -1])]
+    assert [(e.req_id, list(e.new_token_ids)) for e in p2.entries] == [("a", [10, -1])]
     accept_all(s, p2)
     s.on_result(StepResult(p1.step_id, ["a"], [11]))
     assert s.schedule().entries == []  # the token in flight is the third and last: nothing to plan

@@ -17,8 +17,8 @@ class Detokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool,
                  stop: list[str], include_stop: bool) -> None:
         self.tokenizer = tokenizer
-        self.ids = list(prompt_ids)
-        self.prefix_offset = max(len(self.ids) - _WINDOW, 0)
+        self.ids = list(prompt_ids[-_WINDOW:])  # the left context of the first output token
+        self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.skip_special = skip_special_tokens
         self.stop = stop

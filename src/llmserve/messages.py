@@ -9,6 +9,7 @@ No message carries another actor's internal objects: ids, token lists, arrays an
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,7 +26,8 @@ PLACEHOLDER = -1
 @dataclass(slots=True)
 class NewRequest:
     req_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: array
+    """int64, the engine's copy of the prompt (the scheduler copies it again per request)."""
     params: SamplingParams
     """Per-sample parameters (n == 1); `seed` is always set."""
     priority: int = 0
@@ -56,8 +58,8 @@ class ScheduledRequest:
     req_id: str
     num_tokens: int
     """Tokens the scheduler wants computed this step; a prefix-cache hit may shrink it."""
-    new_token_ids: list[int]
-    """Tokens the KV manager has not seen yet: the whole sequence when admitted, else the sampled
+    new_token_ids: array
+    """(int64) Tokens the KV manager has not seen yet: the whole sequence when admitted, else the sampled
     ones since; replaces a trailing PLACEHOLDER the KV manager holds, and may end in a new one."""
     priority_key: tuple[int, float, int]
     admitted: "Admission | None" = None
@@ -88,8 +90,9 @@ class StepProposal:
 class NewSequence:
     """What the executor needs to sample for a request it has not seen (or that resumed)."""
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    prompt_token_ids: array
+    output_token_ids: array
+    """int64, slices of the KV manager's copy."""
 
 
 @dataclass(slots=True)

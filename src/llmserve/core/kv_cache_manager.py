@@ -15,6 +15,7 @@ Plain synchronous code: no event loop, no device.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -26,14 +27,15 @@ from llmserve.messages import PLACEHOLDER, NewSequence, StepFeedback, StepPlan, 
 _ROOT_HASH = 0x5EED_C0DE
 
 
-def chain_hash(parent: int, tokens: list[int]) -> int:
-    return hash((parent, tuple(tokens)))
+def chain_hash(parent: int, tokens: array) -> int:
+    return hash((parent, tokens.tobytes()))
 
 
 @dataclass(slots=True, eq=False)
 class KVRequest:
     req_id: str
-    token_ids: list[int]
+    token_ids: array
+    """int64, as the scheduler sends them; a PLACEHOLDER last while that token is being sampled."""
     priority_key: tuple
     use_prefix_cache: bool
     root_hash: int = _ROOT_HASH
@@ -115,7 +117,7 @@ class KVCacheManager:
         if not req.use_prefix_cache:
             return
         B = self.block_size
-        known = len(req.token_ids) - (req.token_ids[-1:] == [PLACEHOLDER])
+        known = len(req.token_ids) - (len(req.token_ids) > 0 and req.token_ids[-1] == PLACEHOLDER)
         parent = req.block_hashes[-1] if req.block_hashes else req.root_hash
         for i in range(len(req.block_hashes), min(req.num_computed, known) // B):
             parent = chain_hash(parent, req.token_ids[i * B:(i + 1) * B])
@@ -163,7 +165,7 @@ class KVCacheManager:
         for e in proposal.entries:
             if e.admitted is not None:
                 salt = e.admitted.cache_salt
-                self.requests[e.req_id] = KVRequest(e.req_id, list(e.new_token_ids), e.priority_key,
+                self.requests[e.req_id] = KVRequest(e.req_id, array("q", e.new_token_ids), e.priority_key,
                                                     e.admitted.use_prefix_cache,
                                                     _ROOT_HASH if salt is None else hash((_ROOT_HASH, salt)))
             else:

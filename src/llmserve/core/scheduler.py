@@ -9,6 +9,7 @@ import bisect
 import heapq
 import itertools
 import time
+from array import array
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -30,7 +31,8 @@ class RequestStatus(IntEnum):
 @dataclass(slots=True, eq=False)
 class Request:
     req_id: str
-    token_ids: list[int]
+    token_ids: array
+    """Prompt and sampled tokens (int64: one buffer the garbage collector does not scan)."""
     prompt_len: int
     params: SamplingParams
     key: tuple[int, float, int]
@@ -76,7 +78,7 @@ class Scheduler:
 
     def add(self, new: NewRequest) -> None:
         priority = new.priority if self.policy == "priority" else 0
-        req = Request(new.req_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.params,
+        req = Request(new.req_id, array("q", new.prompt_token_ids), len(new.prompt_token_ids), new.params,
                       (priority, new.arrival, next(self._seq)), group=new.group)
         self.requests[req.req_id] = req
         bisect.insort(self.waiting, req, key=lambda r: r.key)
@@ -133,7 +135,7 @@ class Scheduler:
                 use_cache = shared and req.params.prompt_logprobs is None
                 salt = None if self.enable_prefix_caching else req.group
                 admission = Admission(req.prompt_len, req.params, use_cache, salt)
-            new_tokens = req.token_ids[req.num_sent:] + [PLACEHOLDER] * req.pending
+            new_tokens = req.token_ids[req.num_sent:] + array("q", [PLACEHOLDER] * req.pending)
             entries.append(ScheduledRequest(req.req_id, n, new_tokens, req.key, admission))
             req.num_sent = len(req.token_ids)
             budget -= n

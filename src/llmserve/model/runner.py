@@ -11,6 +11,7 @@ Step inputs are derived from the plan with numpy vector ops (no Python loop over
 from __future__ import annotations
 
 import gc
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,7 +42,7 @@ def _penalized(p: SamplingParams) -> bool:
 @dataclass(slots=True)
 class SeqState:
     params: SamplingParams
-    prompt_ids: list[int]
+    prompt_ids: array  # int64
     output_ids: list[int]
     in_flight: int = 0  # tokens sampled by a launched step, not yet appended to output_ids
 
