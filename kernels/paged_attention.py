@@ -234,9 +234,7 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int
     return split
 
 
-# (BLOCK_N, num_warps, num_stages), chosen with scripts/attention_bench.py (BENCHMARKS.md). Decode
-# steps stream the cache: wider key tiles keep more bytes in flight, most of all when few sequences
-# leave SMs idle.
+# (BLOCK_N, num_warps, num_stages) below: chosen with scripts/attention_bench.py (BENCHMARKS.md).
 def prefill_tiles(fp32: bool) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of a step with prompts: 64-key tiles against 64-row query
     tiles, 2 programs an SM (`attention_bench.py --prefill` on an H100: 20% over 32-key tiles on
@@ -245,8 +243,9 @@ def prefill_tiles(fp32: bool) -> tuple[int, int, int]:
 
 
 def decode_tiles(fp8: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of a decode step: 128-key tiles (with the slices above,
-    the best or within 1% at every W-small batch size on an H100; BENCHMARKS.md)."""
+    """(BLOCK_N, num_warps, num_stages) of a decode step, which streams the cache: wide key tiles
+    keep more bytes in flight, most of all when few sequences leave SMs idle. 128 keys (with the
+    slices above, the best or within 1% at every W-small batch size on an H100; BENCHMARKS.md)."""
     return (128, 4, 4) if fp8 else (128, 4, 3)
 
 

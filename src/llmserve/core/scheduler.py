@@ -18,6 +18,9 @@ from llmserve.messages import (PLACEHOLDER, Admission, EngineOutputs, NewRequest
 from llmserve.sampling_params import SamplingParams
 
 
+_PLACEHOLDER = array("q", [PLACEHOLDER])  # times the tokens in flight
+
+
 class RequestStatus(IntEnum):
     """Ordered: every status from FINISHED_STOPPED on is final."""
     WAITING = 0
@@ -135,7 +138,7 @@ class Scheduler:
                 use_cache = shared and req.params.prompt_logprobs is None
                 salt = None if self.enable_prefix_caching else req.group
                 admission = Admission(req.prompt_len, req.params, use_cache, salt)
-            new_tokens = req.token_ids[req.num_sent:] + array("q", [PLACEHOLDER] * req.pending)
+            new_tokens = req.token_ids[req.num_sent:] + _PLACEHOLDER * req.pending
             entries.append(ScheduledRequest(req.req_id, n, new_tokens, req.key, admission))
             req.num_sent = len(req.token_ids)
             budget -= n
