@@ -10,11 +10,17 @@ its own weights) on a real batch, captured in one CUDA graph three ways:
 - halves, two streams: the halves forked onto two streams and joined, so that one half's GEMMs
   may run while the other half's attention streams the KV cache.
 
+and, for W-large's mixed step (--w-large --carveouts 0,16,32), the decode rows' attention on its own
+stream while the prompt rows' qkv GEMM and attention run on the main one ("split"; with "+o", the
+o GEMM split too): the decode rows' qkv rows first (a small GEMM), the rest of each layer over all
+rows in one GEMM, cuBLASLt told to leave N SMs to the other stream (torch's SM carveout switch);
+"split, one stream" is the same work unforked (what the split itself costs).
+
 Batches: W-small's decode step t (every running request's context, longest first; --steps), and
 W-large's steady mixed step (--w-large: 8,192 tokens, 248 decoding requests with 1,024-1,151
 cached tokens and 7,944 tokens of fresh prompt chunks, the shape the scheduler packs).
 
-    python scripts/overlap_bench.py [--steps 50,250,450,650] [--w-large] [--json out.json]
+    python scripts/overlap_bench.py [--steps 50,250,450,650] [--w-large [--carveouts 0,16,32]] [--json out.json]
 """
 
 import argparse
@@ -95,6 +101,79 @@ class Batch:
         return x + r
 
 
+def split_step(full: Batch, p: Batch, d: Batch, w: Weights, side, sms: int | None, split_o: bool) -> torch.Tensor:
+    """`full`'s layers with its first p.T rows (the prompts, batch p's metadata) and the last d.T
+    (the decodes, batch d's) attended apart: d's on the `side` stream (None: in line) while the
+    main stream's GEMM on p's rows leaves `sms` SMs free."""
+    s, T, tp, lin = full.s, full.T, p.T, Unquantized()
+    heads, kv_heads, dim, eps = s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
+    sizes = [heads * dim, kv_heads * dim, kv_heads * dim]
+    main = torch.cuda.current_stream()
+    x, r = full.x, full.r
+    for i in range(s.num_layers):
+        h, r = rms_norm(x, w.g, eps, r)
+        qkv = torch.empty(T, sum(sizes), device="cuda", dtype=torch.bfloat16)
+        a = torch.empty(T, heads, dim, device="cuda", dtype=torch.bfloat16)
+        o = torch.empty(T, s.hidden_size, device="cuda", dtype=torch.bfloat16)
+        torch.mm(h[tp:], w.qkv[i].weight.t(), out=qkv[tp:])
+
+        def attend(b: Batch, rows: slice) -> None:
+            q, k, v = qkv[rows].split(sizes, -1)
+            n = q.shape[0]
+            q, k, v = q.view(n, heads, dim), k.view(n, kv_heads, dim), v.view(n, kv_heads, dim)
+            rotary_and_write_kv(q, k, v, b.positions, w.cos, w.sin, b.k, b.v, b.slots,
+                                q_weight=w.qk_g, k_weight=w.qk_g, eps=eps)
+            paged_attention(q, b.k, b.v, b.tables, b.qsl, b.lens, dim ** -0.5, b.max_query_len,
+                            out=a[rows], seq_order=b.order)
+            if split_o:
+                torch.mm(a[rows].view(n, heads * dim), w.o[i].weight.t(), out=o[rows])
+
+        if side is not None:
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                attend(d, slice(tp, T))
+        else:
+            attend(d, slice(tp, T))
+        if sms:
+            carveout(sms)
+        torch.mm(h[:tp], w.qkv[i].weight.t(), out=qkv[:tp])
+        attend(p, slice(0, tp))
+        if sms:
+            carveout(None)
+        if side is not None:
+            main.wait_stream(side)
+        if not split_o:
+            o = lin.apply(w.o[i], a.view(T, heads * dim))
+        h, r = rms_norm(o, w.g, eps, r)
+        x = lin.apply(w.down[i], lin.apply_gated(w.gate_up[i], h, silu_and_mul))
+    return x + r
+
+
+def carveout(sms: int | None) -> None:
+    torch._C._set_sm_carveout_experimental(sms)
+
+
+def compare_split(rows: list, s: ModelSpec, w: Weights, prompts: list[int], decodes: list[int],
+                  carveouts: list[int]) -> None:
+    """W-large's mixed step whole against the decode rows' attention split off (module docstring)."""
+    cached, new = [0] * len(prompts) + decodes, prompts + [1] * len(decodes)
+    full = Batch(s, cached, new)
+    p, d = Batch(s, [0] * len(prompts), prompts), Batch(s, decodes, [1] * len(decodes))
+    side = torch.cuda.Stream()
+    torch.backends.cuda.preferred_blas_library("cublaslt")  # the carveout is cuBLASLt's
+    try:
+        row = {"batch": "w-large mixed step", "tokens": full.T, "full_cublaslt_ms": graph_us(lambda i: full.step(w), reps=10) / 1e3}
+        row["split_one_stream_ms"] = graph_us(lambda i: split_step(full, p, d, w, None, None, False), reps=10) / 1e3
+        for split_o in (False, True):
+            for sms in carveouts:
+                key = f"split{'+o' if split_o else ''}_carveout{sms}_ms"
+                row[key] = graph_us(lambda i: split_step(full, p, d, w, side, sms, split_o), reps=10) / 1e3
+    finally:
+        torch.backends.cuda.preferred_blas_library("cublas")
+    row["full_cublas_ms"] = graph_us(lambda i: full.step(w), reps=10) / 1e3
+    emit(rows, row)
+
+
 def two_streams(a: Batch, b: Batch, w: Weights, streams) -> None:
     main = torch.cuda.current_stream()
     for s in streams:
@@ -122,6 +201,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", default="50,250,450,650")
     ap.add_argument("--w-large", action="store_true")
+    ap.add_argument("--carveouts", help="--w-large: time the split step (module docstring) with these carveouts")
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = []
@@ -130,6 +210,10 @@ def main() -> None:
         w = Weights(spec)
         decodes = [1024 + i % 128 for i in range(248)]
         prompts = [1024] * 7 + [776]  # 7,944 tokens of fresh prompt chunks
+        if args.carveouts:
+            compare_split(rows, spec, w, prompts, decodes, [int(c) for c in args.carveouts.split(",")])
+            report(rows, args.json, echo=False)
+            return
         compare(rows, {"batch": "w-large mixed step", "tokens": 8192}, spec, w,
                 [0] * len(prompts) + decodes, prompts + [1] * len(decodes))
     else:

@@ -355,6 +355,45 @@ def test_dense_matmul_matches_reference(gated, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gated_matmul_matches_reference(dtype):
+    """The TMA gate_up kernel: ragged M and N edges (the last gate tile reaches into the up rows,
+    the last up tile past the weight: neither may show), several K steps, a persistent grid with
+    fewer programs than tiles (the interpreter's one "SM") and one program per tile."""
+    from llmserve.kernels.matmul import dense_matmul_reference, gated_matmul
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(2 * 40, 96, generator=g) / 8).to(dtype).to(DEVICE)
+    for M, config, persistent in [(1, (16, 16, 32, 4, 2, 2), True), (37, (16, 32, 32, 4, 2, 2), True),
+                                  (37, (32, 16, 16, 4, 3, 1), False)]:
+        x = torch.randn(M, 96, generator=g).to(dtype).to(DEVICE)
+        out = gated_matmul(x, w, config, persistent)
+        ref = dense_matmul_reference(x.float(), w.float(), gated=True)
+        assert out.dtype == dtype and out.shape == (M, 40)
+        assert torch.allclose(out.float(), ref, rtol=1e-2 if dtype == torch.float16 else 1e-5, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gated_matmul_takes_prefill_batches_and_matches_cublas():
+    """bf16 at the rows the engine hands it, W-small's and a wider layer: within bf16 rounding of
+    cuBLAS + SiLU·mul (the same roundings, only the sums' order differs)."""
+    from llmserve.kernels.fused import silu_and_mul
+    from llmserve.kernels.matmul import gated_matmul, gated_takes
+    g = torch.Generator(device="cuda").manual_seed(12)
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    for N, K in ((3072, 1024), (5000, 2048)):
+        w = torch.randn(2 * N, K, device="cuda", generator=g).bfloat16() * 0.02
+        for M in (2048, 3001):
+            x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+            assert gated_takes(x, w) == hopper
+            torch.testing.assert_close(gated_matmul(x, w), silu_and_mul(torch.nn.functional.linear(x, w)),
+                                       rtol=1.6e-2, atol=1e-2)
+    assert not gated_takes(x[:128], w)  # the decode kernel's rows
+    assert gated_takes(x[:1024], w) == hopper  # 8 x 40 tiles: two waves of an H100's 132 SMs
+    assert not gated_takes(x[:1024], w[:2 * 3072])  # 8 x 24 tiles: fewer
+    assert not gated_takes(x.float(), w.float())
+    assert not gated_takes(x[:, :K - 8], w[:, :K - 8])  # rows not contiguous: a TMA descriptor needs them so
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("M", [1, 5, 70])
 def test_int8_matmul_matches_reference(M, dtype):
     from llmserve.kernels.int8_matmul import int8_matmul, int8_matmul_reference, quantize_int8_rows

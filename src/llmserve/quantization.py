@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.kernels.matmul import dense_matmul
+from llmserve.kernels.matmul import dense_matmul, gated_matmul, gated_takes
 from llmserve.kernels.matmul import takes as decode_matmul_takes
 
 if TYPE_CHECKING:
@@ -95,7 +95,8 @@ class QuantizationMethod:
 
 class Unquantized(QuantizationMethod):
     """The default: weights stay in the model dtype. Decode batches on Hopper multiply with
-    kernels/matmul.py (PDL-launched, SiLU·mul fused into gate_up), the rest with cuBLAS."""
+    kernels/matmul.py (PDL-launched, SiLU·mul fused into gate_up), as do prefill-sized batches'
+    gate_up projections (a TMA kernel with SiLU·mul in its epilogue); the rest with cuBLAS."""
 
     def __init__(self, checkpoint_config: dict[str, Any] | None = None) -> None:
         pass
@@ -108,6 +109,8 @@ class Unquantized(QuantizationMethod):
     def apply_gated(self, layer: "Linear", x: torch.Tensor, silu_and_mul) -> torch.Tensor:
         if layer.bias is None and decode_matmul_takes(x, layer.weight):
             return dense_matmul(x, layer.weight, gated=True)
+        if layer.bias is None and gated_takes(x, layer.weight):
+            return gated_matmul(x, layer.weight)
         return silu_and_mul(F.linear(x, layer.weight, layer.bias))
 
 
