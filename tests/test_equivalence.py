@@ -34,6 +34,21 @@ def generate(llm, prompts, n=1):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
+def test_gate_up_through_the_fused_prefill_kernel_matches_transformers(checkpoint, monkeypatch):
+    """kernels/matmul.py's gated_matmul (TMA loads, SiLU·mul in the epilogue: a Hopper GPU's gate_up
+    for prefill-sized batches) taken at every step, here through the interpreter: the same tokens."""
+    import llmserve.quantization as quantization
+    real, rows = quantization.gated_matmul, []
+    monkeypatch.setattr(quantization, "gated_takes", lambda x, w: True)
+    monkeypatch.setattr(quantization, "gated_matmul", lambda x, w: rows.append(x.shape[0]) or real(x, w))
+    prompts, expected = reference(checkpoint, "llama")
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0) as llm:
+        rows.clear()  # start-up's profiling step
+        outs = generate(llm, prompts)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert max(rows) == sum(map(len, prompts))  # the prompts' step, then the decode steps
+
+
 def assert_pool_back_to_total(llm):
     assert llm.engine.kv.num_free_blocks() == llm.engine.kv.pool.num_blocks
 

@@ -58,6 +58,33 @@ def test_cuda_bfloat16_greedy_agrees_on_short_outputs(checkpoint, arch):
             assert (top - chosen <= margin).all(), (p, g, (top - chosen).tolist())
 
 
+def test_cuda_bfloat16_long_prompts_take_the_fused_gate_up_and_agree(checkpoint, monkeypatch):
+    """A bf16 model with an MLP wide enough (intermediate 4,096: 32 tile columns) that a step of two
+    1,100-token prompts takes the fused gate_up kernel on Hopper: it runs on the prompts, and every
+    token chosen is transformers' argmax given our prefix, within 2% of the logit range."""
+    from transformers import AutoModelForCausalLM
+
+    import llmserve.quantization as quantization
+    real, rows = quantization.gated_matmul, []
+    monkeypatch.setattr(quantization, "gated_matmul", lambda x, w: rows.append(x.shape[0]) or real(x, w))
+    path = checkpoint("llama", dtype=torch.bfloat16, intermediate_size=4096, max_position_embeddings=2048)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 200, (1100,), generator=g).tolist() for _ in range(2)]
+    with LLM(path, dtype="bfloat16", device="cuda", num_blocks=512, enforce_eager=True, log_interval_s=0) as llm:
+        rows.clear()  # start-up's profiling step
+        got = run(llm, prompts, 4)
+    # in both layers every prompt token went through it (one step of 2,200 rows, or a step per
+    # prompt), no decode row did
+    assert sum(rows) == (2 * 2200 if torch.cuda.get_device_capability() >= (9, 0) else 0)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    with torch.no_grad():
+        for p, out in zip(prompts, got):
+            logits = hf(torch.tensor([p + out], device="cuda")).logits[0, len(p) - 1:len(p) - 1 + len(out)].float()
+            chosen = logits.gather(1, torch.tensor(out, device="cuda")[:, None])[:, 0]
+            top = logits.max(-1).values
+            assert (top - chosen <= 0.02 * (top - logits.min(-1).values)).all(), (top - chosen).tolist()
+
+
 def test_kv_cache_sized_from_gpu_memory(checkpoint):
     path = checkpoint("llama")
     with LLM(path, device="cuda", gpu_memory_utilization=0.5, log_interval_s=0) as llm:
