@@ -245,14 +245,16 @@ GATED_TMA_CONFIG = (128, 128, 64, 8, 3, 16)  # BLOCK_M, BLOCK_N, BLOCK_K, num_wa
 def gated_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether gated_matmul is the faster gate_up (+ SiLU·mul) for x [M, K] and w [2N, K]: a
     half-precision batch above the decode kernel's rows whose output tiles fill the SMs at least
-    twice, on Hopper, operands laid out as TMA takes them (contiguous rows, a multiple of 16 bytes).
+    twice, on Hopper, operands laid out as TMA takes them (contiguous rows of a multiple of 16 bytes
+    from 16-byte aligned addresses).
     `scripts/gated_gemm_bench.py` on an H100, µs against cuBLAS + SiLU·mul: W-large's layer at
     1,024 / 2,048 / 8,192 rows 342 / 700 / 2,796 against 373 / 747 / 2,950; W-small's at 2,048 /
     8,192 43 / 164 against 49 / 206; behind or level below two waves of tiles (W-small's at 1,024:
     1.5 waves, 27.4 against 25.1; W-large's at 256: 1.7 waves, level)."""
     if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype and x.dim() == 2
             and x.shape[0] > DECODE_MAX_M and x.is_contiguous() and w.is_contiguous()
-            and x.shape[1] * x.element_size() % 16 == 0 and hopper(x.device)):
+            and x.shape[1] * x.element_size() % 16 == 0 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+            and hopper(x.device)):
         return False
     bm, bn = GATED_TMA_CONFIG[:2]
     return triton.cdiv(x.shape[0], bm) * triton.cdiv(w.shape[0] // 2, bn) >= 2 * sm_count(x.device)

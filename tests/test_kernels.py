@@ -391,6 +391,7 @@ def test_gated_matmul_takes_prefill_batches_and_matches_cublas():
     assert not gated_takes(x[:1024], w[:2 * 3072])  # 8 x 24 tiles: fewer
     assert not gated_takes(x.float(), w.float())
     assert not gated_takes(x[:, :K - 8], w[:, :K - 8])  # rows not contiguous: a TMA descriptor needs them so
+    assert not gated_takes(x.view(-1)[4:4 + 2048 * (K - 8)].view(2048, K - 8), w[:, :K - 8].contiguous())  # 8-byte aligned
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
