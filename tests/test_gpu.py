@@ -73,9 +73,10 @@ def test_cuda_bfloat16_long_prompts_take_the_fused_gate_up_and_agree(checkpoint,
     with LLM(path, dtype="bfloat16", device="cuda", num_blocks=512, enforce_eager=True, log_interval_s=0) as llm:
         rows.clear()  # start-up's profiling step
         got = run(llm, prompts, 4)
-    # in both layers every prompt token went through it (one step of 2,200 rows, or a step per
-    # prompt), no decode row did
-    assert sum(rows) == (2 * 2200 if torch.cuda.get_device_capability() >= (9, 0) else 0)
+    if torch.cuda.get_device_capability() >= (9, 0):  # both layers, every prompt token, no decode-only step
+        assert min(rows) >= 1100 and sum(rows) >= 2 * 2200, rows
+    else:
+        assert rows == []
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     with torch.no_grad():
         for p, out in zip(prompts, got):
