@@ -5,14 +5,16 @@ with w = [w_gate; w_up] (the merged gate_up weight, [2N, K]).
 cuBLAS is the GEMM for prefill, but for the gate_up projection: there gated_matmul (end of this
 file) multiplies through TMA descriptors in a persistent grid and applies SiLU·mul to the finished
 tiles, within 2-3% of cuBLAS's GEMM alone at W-large's 8,192 rows, so that the SiLU·mul kernel's
-pass over the [M, 2N] product is saved (`gated_takes`). At decode batches a GEMM is a short stream of its weight matrix,
-and what costs is the time around the stream: this kernel launches with PDL like the engine's
-other kernels, so its programs are placed while the kernel before it (RMSNorm, attention) drains
-instead of after, and the kernel after it is placed while it drains; the gated form also saves
-the SiLU·mul kernel and the round trip of the [M, 2N] gate_up output through memory. `takes(x, w)`
-says when it is the faster choice: up to DECODE_MAX_M rows and weights of up to 16 MB, on Hopper
-(W-small's layers on an H100, graphed after an RMSNorm: 1.0-1.6 µs faster than cuBLAS per GEMM
-and 2.7-3.1 µs gated up to 64 rows, 1 µs a layer at 128, behind from 160; BENCHMARKS.md).
+pass over the [M, 2N] product is saved (`gated_takes`).
+
+At decode batches a GEMM is a short stream of its weight matrix, and what costs is the time around
+the stream: this kernel launches with PDL like the engine's other kernels, so its programs are
+placed while the kernel before it (RMSNorm, attention) drains instead of after, and the kernel
+after it is placed while it drains; the gated form also saves the SiLU·mul kernel and the round
+trip of the [M, 2N] gate_up output through memory. `takes(x, w)` says when it is the faster choice:
+up to DECODE_MAX_M rows and weights of up to 16 MB, on Hopper (W-small's layers on an H100, graphed
+after an RMSNorm: 1.0-1.6 µs faster than cuBLAS per GEMM and 2.7-3.1 µs gated up to 64 rows, 1 µs a
+layer at 128, behind from 160; BENCHMARKS.md).
 
 Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K): program (n, m, k) owns a BLOCK_M x BLOCK_N
 output tile and the k-th slice of K. Gated, it multiplies the tile's gate rows and up rows (N
