@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from llmserve.kernels.fused import silu_and_mul_reference
 from llmserve.kernels.hardware import hopper, pdl, pdl_start, sm_count
@@ -266,7 +267,6 @@ def gated_matmul(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, 
                  persistent: bool = True) -> torch.Tensor:
     """silu(x @ w[:N]^T) * (x @ w[N:]^T) -> [M, N] for x [M, K] and the merged gate_up weight w [2N, K]
     (both contiguous, half precision), with the roundings of dense_matmul's gated form."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
     M, K = x.shape
     N = w.shape[0] // 2
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
