@@ -5,7 +5,8 @@ import json
 
 from test_server import running_server
 
-from llmserve.bench.throughput import roofline_seconds
+from llmserve import LLM
+from llmserve.bench.throughput import roofline_seconds, startup_summary
 from llmserve.bench.workloads import w_large, w_small
 from llmserve.cli import main
 from llmserve.model.spec import ModelSpec
@@ -23,6 +24,25 @@ def test_w_small_roofline_on_an_h100_is_about_5_2_seconds():
     w = w_small()
     roof = roofline_seconds(w, ModelSpec.from_dict(w.model_config), bandwidth=3.0e12, flops=785e12)
     assert 5.1 < roof["roofline_s"] < 5.4 and 0.2 < roof["prefill_s"] < 0.26  # WORKLOADS.md: 5.23 s, 0.23 s
+
+
+def test_startup_reports_its_phases_and_the_slowest_kernel_variants(checkpoint):
+    """Where a start-up went: the engine's phases in order (no graph capture on the CPU), and the
+    benchmark's summary of the Triton variants first used meanwhile (one without a time counts)."""
+    import time
+    start = time.perf_counter()
+    with LLM(checkpoint("llama"), device="cpu", log_interval_s=0) as llm:
+        elapsed = time.perf_counter() - start
+        phases = llm.engine.startup_phases
+    assert list(phases) == ["config_and_tokenizer", "weights", "profile_step", "kv_cache", "actors"]
+    assert all(s >= 0 for s in phases.values()) and sum(phases.values()) <= elapsed
+    kernels = [{"kernel": "a", "variant": "a[1]", "ms": 5.0}, {"kernel": "b", "variant": "b[1]", "ms": None},
+               {"kernel": "a", "variant": "a[2]", "ms": 7.5}]
+    summary = startup_summary(phases, kernels)
+    assert summary["phases_s"] == phases
+    assert (summary["kernels"]["count"], summary["kernels"]["ms"]) == (3, 12.5)
+    assert [k["variant"] for k in summary["kernels"]["slowest"]] == ["a[2]", "a[1]"]
+    assert startup_summary(phases, None) == {"phases_s": phases}  # a Triton without JIT hooks
 
 
 def test_bench_serve_against_a_running_server(tmp_path, capsys):

@@ -227,10 +227,24 @@ class Frontend(abc.ABC):
             await self._requests_in.send(Abort(request_id))
 
 
+class _Laps:
+    """lap(name) -> the seconds since the previous lap (or creation), also kept in .seconds[name]."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def __call__(self, name: str) -> float:
+        now = time.perf_counter()
+        self.seconds[name], self._last = now - self._last, now
+        return self.seconds[name]
+
+
 class Engine(Frontend):
     """Everything in this process: the request actor and the device side on one event loop."""
 
     def __init__(self, config: EngineConfig, plugins: Plugins | None = None) -> None:
+        lap = _Laps()
         super().__init__(config)
         self.plugins = plugins or Plugins.from_config(config.plugins)
         m = config.model
@@ -238,9 +252,12 @@ class Engine(Frontend):
         self.device = resolve_device(m.device)
         self.dtype = resolve_dtype(m.dtype, self.spec, self.device)
         self.backend = self.plugins.select_backend(self.device, config)
+        lap("config_and_tokenizer")
         self.runner = ModelRunner(config, self.spec, self.backend, self.device, self.dtype, self.max_model_len,
                                   self.quant)
+        lap("weights")
         num_blocks = self.runner.determine_num_blocks()
+        lap("profile_step")
         bs = config.cache.block_size
         if num_blocks * bs < self.max_model_len:
             raise ValueError(
@@ -249,14 +266,14 @@ class Engine(Frontend):
                 f"model.max_model_len or give the cache more memory (cache.gpu_memory_utilization / cache.cpu_kv_cache_gib)")
         self.runner.allocate_kv_cache(num_blocks)
         self.kv_tokens = num_blocks * bs
+        lap("kv_cache")
         if self.device.type == "cuda" and not m.enforce_eager:
-            start = time.perf_counter()
             s = config.scheduler
             self.runner.capture_graphs(s.max_num_seqs, s.max_num_batched_tokens)
             graphs = self.runner.graphs
             log.info("captured CUDA graphs", decode_sizes=len(graphs.sizes), max_batch=s.max_num_seqs,
                      mixed_sizes=len(graphs.token_sizes), max_tokens=s.max_num_batched_tokens,
-                     seconds=round(time.perf_counter() - start, 2))
+                     seconds=round(lap("cuda_graphs"), 2))
         self.kv = KVCacheManager(num_blocks, bs)
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -267,10 +284,15 @@ class Engine(Frontend):
                                    enable_prefix_caching=config.cache.enable_prefix_caching)
         self.stats = EngineStats(s.log_interval_s)
         freeze_heap()
+        lap("actors")
+        # seconds of each start-up phase, in order (a cold start's Triton compiles fall in the
+        # profiling step and the graph capture)
+        self.startup_phases = lap.seconds
         log.info("engine ready", model=m.model, architecture=self.spec.architecture, device=str(self.device),
                  dtype=str(self.dtype).removeprefix("torch."), backend=self.backend.name, max_model_len=self.max_model_len,
                  kv_blocks=num_blocks, kv_tokens=self.kv_tokens,
-                 kv_gib=round(num_blocks * self.runner.block_bytes() / 2**30, 3))
+                 kv_gib=round(num_blocks * self.runner.block_bytes() / 2**30, 3),
+                 startup_s={k: round(v, 2) for k, v in self.startup_phases.items()})
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Run the actors until `stop()`; reports started once they accept requests."""

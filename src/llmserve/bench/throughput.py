@@ -133,8 +133,10 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
     peer_result = None
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        llm = LLM(w.write_model_dir(tmp), load_format="dummy", **engine_kwargs)
+        with watch_stalls() as startup_stalls:  # the Triton kernels compiled (or read from disk) at start-up
+            llm = LLM(w.write_model_dir(tmp), load_format="dummy", **engine_kwargs)
         startup = time.perf_counter() - start  # weights, profiling step, KV cache, graph capture
+        startup_info = startup_summary(llm.engine.startup_phases, startup_stalls["kernels"])
         llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         timing = llm.engine.runner.timing
         timing.clear()
@@ -172,7 +174,9 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
         peer_result = {"peer": "hf-transformers-generate", **hf, "llmserve_wall_s": sub_wall,
                        "llmserve_output_tok_s": ours, "speedup": ours / hf["output_tok_s"]}
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    result = {"workload": workload, **device, "startup_s": startup, "wall_s": wall, "prompt_tokens": w.prompt_tokens,
+    result = {"workload": workload, **device, "startup_s": startup,
+              "startup": startup_info,
+              "wall_s": wall, "prompt_tokens": w.prompt_tokens,
               "output_tokens": generated, "expected_output_tokens": w.output_tokens,
               "output_tok_s": generated / wall, "preemptions": preemptions, "leaked_blocks": leaked,
               "decode_steps": step_summary, "stalls": stalls,
@@ -188,6 +192,17 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
     if peer_result is not None:
         result["peer"] = peer_result
     return result
+
+
+def startup_summary(phases: dict[str, float], kernels: list[dict] | None) -> dict:
+    """The engine's start-up phases (s) and the Triton kernel variants it first used meanwhile: how
+    many, their ms in all (compiles on a cold cache, disk reads on a warm one) and the slowest eight."""
+    summary: dict = {"phases_s": phases}
+    if kernels is not None:
+        timed = [k for k in kernels if k["ms"] is not None]
+        summary["kernels"] = {"count": len(kernels), "ms": sum(k["ms"] for k in timed),
+                              "slowest": sorted(timed, key=lambda k: -k["ms"])[:8]}
+    return summary
 
 
 def _allocator_counts() -> dict:
