@@ -169,6 +169,8 @@ def test_seed_reproducibility(server):
     (dict(max_tokens=100000), openai.BadRequestError, "max_tokens"),
     (dict(prompt="word " * 600), openai.BadRequestError, "prompt"),
     (dict(prompt=""), openai.BadRequestError, "prompt"),
+    (dict(prompt=[1, True, 3]), openai.BadRequestError, "prompt"),  # a token id; LLM.generate refuses it too
+    (dict(prompt=[[1, 2], [3.0]]), openai.BadRequestError, "prompt"),
     (dict(extra_body={"stop": [3]}), openai.BadRequestError, "stop"),
     (dict(logprobs=50), openai.BadRequestError, "logprobs"),
 ])
@@ -220,6 +222,8 @@ def test_malformed_requests_get_openai_errors(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
     r = post(json.dumps({"max_tokens": 3}).encode())
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = post(b'{"prompt": [5, true], "max_tokens": 2}')
+    assert r.status_code == 400 and "list of token ids (integers)" in r.json()["error"]["message"]
     r = post(b"[1, 2]")
     assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
     r = post(json.dumps({"prompt": "x" * 70000}).encode())

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+_UNION_FORMS = {"prompt": "a string, a list of strings, a list of token ids (integers) or a list of such lists",
+                "stop": "a string or a list of strings"}
 
 
 class APIError(Exception):
@@ -40,7 +42,9 @@ class APIError(Exception):
         parts = []
         for part in err["loc"]:
             if isinstance(part, str) and (part in _TYPE_TAGS or "[" in part):
-                return cls(f"{'.'.join(parts)}: {err['input']!r} is not a valid value", param=".".join(parts))
+                field = ".".join(parts)
+                forms = f"; it takes {_UNION_FORMS[field]}" if field in _UNION_FORMS else ""
+                return cls(f"{field}: {err['input']!r} is not a valid value{forms}", param=field)
             parts.append(str(part))
         param = ".".join(parts) or None
         return cls(f"{param}: {err['msg']}" if param else err["msg"], param=param)
@@ -94,7 +98,7 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # token ids: no true, 2.0 or "2"
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
