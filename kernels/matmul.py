@@ -260,7 +260,8 @@ def gated_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
             and hopper(x.device)):
         return False
     bm, bn = GATED_TMA_CONFIG[:2]
-    return triton.cdiv(x.shape[0], bm) * triton.cdiv(w.shape[0] // 2, bn) >= 2 * sm_count(x.device)
+    n = w.shape[0] // 2  # the output's rows, a multiple of 16 bytes too
+    return n * x.element_size() % 16 == 0 and triton.cdiv(x.shape[0], bm) * triton.cdiv(n, bn) >= 2 * sm_count(x.device)
 
 
 def gated_matmul(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int, int, int] | None = None,

@@ -390,6 +390,8 @@ def test_gated_matmul_takes_prefill_batches_and_matches_cublas():
     assert gated_takes(x[:1024], w) == hopper  # 8 x 40 tiles: two waves of an H100's 132 SMs
     assert not gated_takes(x[:1024], w[:2 * 3072])  # 8 x 24 tiles: fewer
     assert not gated_takes(x.float(), w.float())
+    odd = torch.zeros(2 * 5004, K, device="cuda", dtype=torch.bfloat16)
+    assert not gated_takes(x, odd)  # output rows of 5,004 bf16: not a multiple of 16 bytes
     assert not gated_takes(x[:, :K - 8], w[:, :K - 8])  # rows not contiguous: a TMA descriptor needs them so
     assert not gated_takes(x.view(-1)[4:4 + 2048 * (K - 8)].view(2048, K - 8), w[:, :K - 8].contiguous())  # 8-byte aligned
 
