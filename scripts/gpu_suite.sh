@@ -5,15 +5,18 @@
 #       -> .whl/: llmserve itself plus the packages the GPU box lacks (structlog, trio and its needs);
 #          with BASE, also .whl/base/: llmserve at that revision, for `run ab`
 #   on the GPU box (device tool, carry [".whl"]):
-#       bash scripts/gpu_suite.sh run [w-small|w-large|w-serve|quant-1|quant-2|none]
+#       bash scripts/gpu_suite.sh run [w-small|w-large|w-serve|quant-1|quant-2|none|script ...|ab ...|ab-script ...]
 #       -> installs .whl into /tmp/site, runs the GPU and kernel tests (SKIP_TESTS=1: not), then the
-#          benchmark (BENCH_ARGS replaces "--peer hf"; PROFILE=1 adds profiler windows)
+#          benchmark (BENCH_ARGS replaces "--peer hf"; PROFILE=1 adds profiler windows; COLD=1: an
+#          empty Triton cache, as on a fresh machine)
 #          (w-serve: the server plus `llmserve bench serve` at rate inf and at half the max;
 #          quant-1: int8 kernel sweep, batch-1 decode bf16 vs int8, quantization quality;
 #          quant-2: decode attention bf16 vs FP8 cache, W-small with a bf16 vs FP8 KV cache,
 #          W-large bf16 vs fp8;
 #          ab WORKLOAD: the working tree's llmserve and BASE's alternately, AB_RUNS (4) runs in all,
 #          the same box and call: compare commits only this way, boxes of one kind differ by ~4%;
+#          script SCRIPT ARGS...: scripts/SCRIPT with the working tree's llmserve (--json into $OUT),
+#          e.g. `script gated_gemm_bench.py --ms 8192`;
 #          ab-script SCRIPT ARGS...: scripts/SCRIPT (the working tree's) against each side's
 #          llmserve in turn, e.g. `ab-script attention_bench.py --prefill`: kernels of two commits);
 #          logs and JSON results under $OUT
@@ -45,6 +48,8 @@ run)
     mkdir -p "$OUT"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    # COLD=1: the benchmark starts on an empty Triton cache (a fresh machine's start-up: every kernel compiled)
+    [ -z "${COLD:-}" ] || export TRITON_CACHE_DIR="$(mktemp -d)"
     { nvidia-smi; "$PY" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'; } \
         > "$OUT/env.txt" 2>&1
     set +e
@@ -86,6 +91,11 @@ run)
                 --json "$OUT/$w-$side-$i.json" > "$OUT/$w-$side-$i.log" 2>&1
             echo "$side:"; "$PY" scripts/bench_summary.py "$OUT/$w-$side-$i.json"
         done
+    elif [ "$bench" = script ]; then
+        script=$3; shift 3
+        (cd scripts && PYTHONPATH=/tmp/site:. timeout 500 "$PY" "$script" "$@" --json "$OUT/${script%.py}.json") \
+            > "$OUT/${script%.py}.log" 2>&1
+        tail -20 "$OUT/${script%.py}.log"
     elif [ "$bench" = ab-script ]; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-base .whl/base/*.whl
         script=$3; shift 3
@@ -125,7 +135,7 @@ run)
     fi
     ;;
 *)
-    echo "usage: $0 prepare | run [w-small|w-large|w-serve|quant-1|quant-2|none | ab WORKLOAD | ab-script SCRIPT ARGS...]" >&2
+    echo "usage: $0 prepare | run [w-small|w-large|w-serve|quant-1|quant-2|none | ab WORKLOAD | script SCRIPT ARGS... | ab-script SCRIPT ARGS...]" >&2
     exit 2
     ;;
 esac
