@@ -122,7 +122,7 @@ def _prompt(p: PromptInput) -> str | list[int]:
     if isinstance(p, str):
         return p
     if isinstance(p, dict) and "prompt_token_ids" in p:
-        return p["prompt_token_ids"]  # the scheduler copies it into an array: no copy here
+        return p["prompt_token_ids"]  # the request actor makes the engine's int64 copy: none here
     if isinstance(p, dict) and "prompt" in p:
         return p["prompt"]
     raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(p).__name__}")
