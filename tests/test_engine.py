@@ -261,6 +261,45 @@ def test_dummy_weights_from_config_alone(tmp_path, checkpoint):
             llm.generate("text", use_tqdm=False)
 
 
+def test_the_tokenizer_loads_beside_the_device_start_up(checkpoint, monkeypatch):
+    """The tokenizer's loading (importing transformers takes seconds) overlaps building the model;
+    the engine still has it, or its error, when construction returns."""
+    import threading
+
+    import llmserve.engine as engine_module
+    building = threading.Event()
+    real_runner, real_load = engine_module.ModelRunner, engine_module.load_tokenizer
+
+    def runner(*args, **kwargs):
+        building.set()
+        return real_runner(*args, **kwargs)
+
+    def load(path):  # finishes only once the model is being built: after it, were it loaded first
+        assert building.wait(timeout=30), "the model was not built while the tokenizer loaded"
+        return real_load(path)
+
+    monkeypatch.setattr(engine_module, "ModelRunner", runner)
+    monkeypatch.setattr(engine_module, "load_tokenizer", load)
+    with LLM(checkpoint("llama"), device="cpu", log_interval_s=0) as llm:
+        assert llm.get_tokenizer().decode(llm.get_tokenizer().encode("hello world")).strip() == "hello world"
+        assert llm.generate("hello", SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].text
+
+    def broken(path):
+        raise OSError(f"cannot read {path}/tokenizer.json")
+
+    monkeypatch.setattr(engine_module, "load_tokenizer", broken)
+    with pytest.raises(OSError, match="tokenizer.json"):
+        LLM(checkpoint("llama"), device="cpu", log_interval_s=0)
+
+
+def test_a_checkpoint_without_a_tokenizer_does_not_import_transformers(tmp_path):
+    import subprocess
+    import sys
+    code = ("import sys; from llmserve.engine import load_tokenizer; "
+            f"assert load_tokenizer({str(tmp_path)!r}) is None; assert 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_max_model_len_that_cannot_fit_is_a_startup_error(checkpoint):
     with pytest.raises(ValueError, match=r"max_model_len 128 needs 32 KV blocks of 4 tokens, but only 10 fit"):
         LLM(checkpoint("llama"), device="cpu", block_size=4, num_blocks=10, max_model_len=128)

@@ -16,6 +16,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,10 +96,20 @@ def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    """The checkpoint's tokenizer, or None where the directory has none (transformers not imported)."""
     if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
+    from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
+
+
+def load_in_background(fn, *args) -> Future:
+    """fn(*args) on a thread of its own, started now; the Future's result() waits for it."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=getattr(fn, "__name__", "background"))
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with its one task
 
 
 BUILTIN_MODEL_DIR = Path(__file__).parent / "builtin_model"
@@ -134,21 +145,27 @@ class Frontend(abc.ABC):
 
     config: EngineConfig
     spec: ModelSpec
-    tokenizer: Any
     max_model_len: int
     device: torch.device | str
     kv_tokens: int
     """Tokens the KV cache holds."""
 
     def __init__(self, config: EngineConfig) -> None:
-        """What both sides need: the checkpoint's shape, the context limit, the tokenizer."""
+        """What both sides need: the checkpoint's shape, the context limit, the tokenizer. The
+        tokenizer loads on a thread meanwhile (importing transformers alone takes seconds): it
+        overlaps the device side's start-up, which waits for the GPU and Triton's compiler."""
         config.model.model = resolve_model_dir(config.model.model)
         self.config = config
         self.spec = ModelSpec.from_dir(config.model.model)
         self.max_model_len = resolve_max_model_len(config, self.spec)
-        self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
+        self._tokenizer = load_in_background(load_tokenizer, config.model.tokenizer or config.model.model)
         self._requests_in: ObjectSendStream | None = None
         self._stop: anyio.Event | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (None if it has none), once loaded; its loading error, if any."""
+        return self._tokenizer.result()
 
     def _request_actor(self, inbox: ObjectReceiveStream, to_scheduler: ObjectSendStream) -> RequestActor:
         return RequestActor(self.tokenizer, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
@@ -252,7 +269,7 @@ class Engine(Frontend):
         self.device = resolve_device(m.device)
         self.dtype = resolve_dtype(m.dtype, self.spec, self.device)
         self.backend = self.plugins.select_backend(self.device, config)
-        lap("config_and_tokenizer")
+        lap("config")
         self.runner = ModelRunner(config, self.spec, self.backend, self.device, self.dtype, self.max_model_len,
                                   self.quant)
         lap("weights")
@@ -274,10 +291,11 @@ class Engine(Frontend):
             log.info("captured CUDA graphs", decode_sizes=len(graphs.sizes), max_batch=s.max_num_seqs,
                      mixed_sizes=len(graphs.token_sizes), max_tokens=s.max_num_batched_tokens,
                      seconds=round(lap("cuda_graphs"), 2))
-        self.kv = KVCacheManager(num_blocks, bs)
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
+        lap("tokenizer")  # what was left of its loading: the wait for its thread
+        self.kv = KVCacheManager(num_blocks, bs)
         s = config.scheduler
         self.scheduler = Scheduler(max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
                                    max_model_len=self.max_model_len, policy=s.policy, eos_token_ids=frozenset(eos),
@@ -286,7 +304,7 @@ class Engine(Frontend):
         freeze_heap()
         lap("actors")
         # seconds of each start-up phase, in order (a cold start's Triton compiles fall in the
-        # profiling step and the graph capture)
+        # profiling step and the graph capture; the tokenizer loads on a thread from the start)
         self.startup_phases = lap.seconds
         log.info("engine ready", model=m.model, architecture=self.spec.architecture, device=str(self.device),
                  dtype=str(self.dtype).removeprefix("torch."), backend=self.backend.name, max_model_len=self.max_model_len,

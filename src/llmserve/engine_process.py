@@ -111,7 +111,6 @@ class ProcessEngine(Frontend):
         self.kv_tokens = 0
         self.pid: int | None = None
         self._snapshot = EngineSnapshot(0, 0, 0.0, 0, 0, 0, 0, 0)
-        freeze_heap()
 
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot
@@ -126,6 +125,9 @@ class ProcessEngine(Frontend):
                 try:
                     wire = await self._start(listener, process)
                     async with wire.stream:
+                        # the tokenizer loaded meanwhile (or raises its error now)
+                        await anyio.to_thread.run_sync(lambda: self.tokenizer)
+                        freeze_heap()
                         await self._run(wire, process, task_status)
                 finally:
                     with anyio.CancelScope(shield=True):

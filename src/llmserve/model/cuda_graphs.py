@@ -123,7 +123,9 @@ class StepGraphs:
         pool = torch.cuda.graph_pool_handle()
         for kind, b in shapes:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: another thread's CUDA calls meanwhile (the tokenizer loading) are not
+            # this capture's business
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.outputs[kind, b] = self._forward(kind, b)
             self.graphs[kind, b] = graph
         for b in self.sizes:  # cuBLAS picks (and lazily loads) a kernel per shape on first use

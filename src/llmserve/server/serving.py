@@ -50,7 +50,10 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
-        self.tokenizer = engine.tokenizer
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer  # read late: it may still be loading while the app is built
 
     # ---- preparing a request -------------------------------------------------------------------
 
