@@ -50,6 +50,21 @@ async def run_both(cfg, prompts, params):
     return results
 
 
+async def test_the_tokenizers_end_of_sequence_ends_requests_in_either_engine(checkpoint, tmp_path):
+    """A checkpoint whose config.json names no end-of-sequence id: the tokenizer's still ends a
+    request, after min_tokens held it back, in the engine process too (which loads no tokenizer:
+    the server sends it the id)."""
+    import json
+    import shutil
+    model = shutil.copytree(checkpoint("llama"), tmp_path / "model")
+    cfg_json = json.loads((model / "config.json").read_text())
+    eos = cfg_json.pop("eos_token_id")
+    (model / "config.json").write_text(json.dumps(cfg_json))
+    params = SamplingParams(max_tokens=10, min_tokens=3, logit_bias={eos: 100.0})
+    for tokens in await run_both(config(str(model)), [[5, 6, 7]], params):
+        assert len(tokens[0]) == 4 and tokens[0][-1] == eos and eos not in tokens[0][:3]
+
+
 async def test_same_tokens_as_in_process_and_counters_arrive(checkpoint):
     cfg = config(checkpoint("llama"))
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 50))]

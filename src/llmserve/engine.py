@@ -150,7 +150,7 @@ class Frontend(abc.ABC):
     kv_tokens: int
     """Tokens the KV cache holds."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, with_tokenizer: bool = True) -> None:
         """What both sides need: the checkpoint's shape, the context limit, the tokenizer. The
         tokenizer loads on a thread meanwhile (importing transformers alone takes seconds): it
         overlaps the device side's start-up, which waits for the GPU and Triton's compiler."""
@@ -158,7 +158,11 @@ class Frontend(abc.ABC):
         self.config = config
         self.spec = ModelSpec.from_dir(config.model.model)
         self.max_model_len = resolve_max_model_len(config, self.spec)
-        self._tokenizer = load_in_background(load_tokenizer, config.model.tokenizer or config.model.model)
+        if with_tokenizer:
+            self._tokenizer = load_in_background(load_tokenizer, config.model.tokenizer or config.model.model)
+        else:
+            self._tokenizer = Future()
+            self._tokenizer.set_result(None)
         self._requests_in: ObjectSendStream | None = None
         self._stop: anyio.Event | None = None
 
@@ -260,9 +264,11 @@ class _Laps:
 class Engine(Frontend):
     """Everything in this process: the request actor and the device side on one event loop."""
 
-    def __init__(self, config: EngineConfig, plugins: Plugins | None = None) -> None:
+    def __init__(self, config: EngineConfig, plugins: Plugins | None = None, *, with_tokenizer: bool = True) -> None:
+        """with_tokenizer=False: a device side only (the engine process), told the tokenizer's
+        end-of-sequence id later through `add_eos_token_id`."""
         lap = _Laps()
-        super().__init__(config)
+        super().__init__(config, with_tokenizer=with_tokenizer)
         self.plugins = plugins or Plugins.from_config(config.plugins)
         m = config.model
         self.quant = resolve_quantization(m.quantization, self.spec, self.plugins)
@@ -291,15 +297,14 @@ class Engine(Frontend):
             log.info("captured CUDA graphs", decode_sizes=len(graphs.sizes), max_batch=s.max_num_seqs,
                      mixed_sizes=len(graphs.token_sizes), max_tokens=s.max_num_batched_tokens,
                      seconds=round(lap("cuda_graphs"), 2))
-        eos = set(self.spec.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        lap("tokenizer")  # what was left of its loading: the wait for its thread
         self.kv = KVCacheManager(num_blocks, bs)
         s = config.scheduler
         self.scheduler = Scheduler(max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
-                                   max_model_len=self.max_model_len, policy=s.policy, eos_token_ids=frozenset(eos),
+                                   max_model_len=self.max_model_len, policy=s.policy,
+                                   eos_token_ids=frozenset(self.spec.eos_token_ids),
                                    enable_prefix_caching=config.cache.enable_prefix_caching)
+        self.add_eos_token_id(None if self.tokenizer is None else self.tokenizer.eos_token_id)
+        lap("tokenizer")  # what was left of its loading: the wait for its thread
         self.stats = EngineStats(s.log_interval_s)
         freeze_heap()
         lap("actors")
@@ -311,6 +316,13 @@ class Engine(Frontend):
                  kv_blocks=num_blocks, kv_tokens=self.kv_tokens,
                  kv_gib=round(num_blocks * self.runner.block_bytes() / 2**30, 3),
                  startup_s={k: round(v, 2) for k, v in self.startup_phases.items()})
+
+    def add_eos_token_id(self, token_id: int | None) -> None:
+        """The tokenizer's end-of-sequence id ends requests (unless ignore_eos) besides the
+        checkpoint's own, and min_tokens holds it back like them."""
+        if token_id is not None:
+            self.scheduler.eos_token_ids |= {token_id}
+            self.runner.eos_token_ids = sorted(self.scheduler.eos_token_ids)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Run the actors until `stop()`; reports started once they accept requests."""

@@ -125,8 +125,10 @@ class ProcessEngine(Frontend):
                 try:
                     wire = await self._start(listener, process)
                     async with wire.stream:
-                        # the tokenizer loaded meanwhile (or raises its error now)
-                        await anyio.to_thread.run_sync(lambda: self.tokenizer)
+                        # the tokenizer loaded meanwhile (or raises its error now); the engine
+                        # process, which has none, stops requests at its end-of-sequence id too
+                        tokenizer = await anyio.to_thread.run_sync(lambda: self.tokenizer)
+                        await wire.send(("eos", None if tokenizer is None else tokenizer.eos_token_id))
                         freeze_heap()
                         await self._run(wire, process, task_status)
                 finally:
@@ -233,12 +235,19 @@ async def serve_core(path: str) -> None:
         except EOFError:
             return
         try:
-            engine = Engine(config)
+            # no tokenizer here: the server's process loads it meanwhile (transformers' import
+            # alone takes seconds) and sends its end-of-sequence id once this engine is ready
+            engine = Engine(config, with_tokenizer=False)
         except Exception as exc:  # reported to the server, which raises it
             log.error("engine start-up failed", error=str(exc))
             await wire.send(("error", isinstance(exc, ValueError), str(exc)))
             return
         await wire.send(("ready", CoreInfo(str(engine.device), engine.kv_tokens)))
+        try:
+            _, eos = await wire.receive()
+        except EOFError:
+            return
+        engine.add_eos_token_id(eos)
         out_send, out_recv = anyio.create_memory_object_stream(64)
         async with anyio.create_task_group() as tg:
             to_scheduler = await tg.start(engine.run_core, out_send)
