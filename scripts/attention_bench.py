@@ -19,6 +19,10 @@ copy, a plain streaming read, the decode kernel's gather without its arithmetic)
 tiles on uniform batches and on W-small's real decode batches in request order and longest first.
 --heads times that gather with 1, 2 or 4 adjacent KV heads a program (longer contiguous rows,
 fewer programs) on a uniform batch and W-small's ragged ones, against the decode kernel.
+--references times --prefill's shapes with the engine's kernel (its default tiles) against
+torch's scaled_dot_product_attention on contiguous [8, heads, 1,024, 128] tensors with each of
+its fused backends (FlashAttention-2, cuDNN, memory-efficient): what a prefill kernel reaches on
+this device, in TFLOP/s of causal attention.
 """
 
 import argparse
@@ -44,6 +48,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="--prefill: 8 tile choices and the default, not 36")
     ap.add_argument("--fp8", action="store_true", help="--prefill: an FP8 cache")
     ap.add_argument("--mixed", action="store_true", help="a mixed step in one launch vs prefill and decode apart")
+    ap.add_argument("--references", action="store_true", help="prefill: the engine's kernel vs torch's SDPA backends")
     ap.add_argument("--layout", action="store_true", help="token-major vs head-major cache blocks")
     ap.add_argument("--ceiling", action="store_true", help="read bandwidth ceiling and the decode tile sweep")
     ap.add_argument("--heads", action="store_true", help="the gather with 1, 2, 4 KV heads a program")
@@ -58,6 +63,8 @@ def main() -> None:
         return split_sweep(args.json)
     if args.prefill:
         return prefill_sweep(args.json, args.quick, args.fp8)
+    if args.references:
+        return prefill_references(args.json)
     if args.mixed:
         return mixed_step(args.json)
     rows = []
@@ -179,6 +186,41 @@ def prefill_sweep(json_path: str | None, quick: bool = False, fp8: bool = False)
         rows.append(row)
         print(json.dumps({key: row[key] for key in ("shape", "best", "best_tflop_s", "default_tflop_s")}), flush=True)
         print(json.dumps({key: round(val) for key, val in row.items() if key.startswith("m")}), flush=True)
+    report(rows, json_path, echo=False)
+
+
+def prefill_references(json_path: str | None) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    rows = []
+    seqs, length, dim, bs = 8, 1024, 128, 16
+    for name, heads, kv_heads in (("w-small", 16, 8), ("w-large", 32, 8)):
+        flops = 4 * seqs * (length * (length + 1) / 2) * dim * heads
+        blocks = seqs * length // bs
+        tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(seqs, -1)
+        k = torch.randn(blocks, bs, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(seqs * length, heads, dim, device="cuda", dtype=torch.bfloat16)
+        qsl = torch.arange(0, seqs * length + 1, length, device="cuda", dtype=torch.int32)
+        lens = torch.full((seqs,), length, device="cuda", dtype=torch.int32)
+        row = {"shape": name, "engine": flops / triton.testing.do_bench(
+            lambda: paged_attention(q, k, v, tables, qsl, lens, 0.088, length)) / 1e9}
+        qc = torch.randn(seqs, heads, length, dim, device="cuda", dtype=torch.bfloat16)
+        kc, vc = (torch.randn(seqs, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        kx, vx = (t.repeat_interleave(heads // kv_heads, 1) for t in (kc, vc))  # for backends without GQA
+        for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+            for gqa in (True, False):
+                def run():
+                    with sdpa_kernel(getattr(SDPBackend, backend)):
+                        if gqa:
+                            return torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=True,
+                                                                                    enable_gqa=True)
+                        return torch.nn.functional.scaled_dot_product_attention(qc, kx, vx, is_causal=True)
+                try:
+                    row[f"{backend.lower()}{'_gqa' if gqa else ''}"] = flops / triton.testing.do_bench(run) / 1e9
+                except Exception as e:  # a backend that does not take this shape or GQA
+                    row[f"{backend.lower()}{'_gqa' if gqa else ''}"] = f"{type(e).__name__}: {str(e)[:80]}"
+        rows.append(row)
+        print(json.dumps({key: round(val) if isinstance(val, float) else val for key, val in row.items()}), flush=True)
     report(rows, json_path, echo=False)
 
 
