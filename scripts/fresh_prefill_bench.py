@@ -38,33 +38,35 @@ def _fresh_prefill_kernel(q_desc, k_desc, v_desc, out_ptr, qsl_ptr, num_seqs, st
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
     for start in tl.range(0, m0, BLOCK_N):  # keys every row sees
-        k = k_desc.load([q_start + start, kv_col])
-        s = tl.dot(q, k.T)
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = v_desc.load([q_start + start, kv_col])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        acc, m_i, l_i = _keys(acc, m_i, l_i, q, k_desc, v_desc, q_start, kv_col, start, rows, qk_scale,
+                              BLOCK_N, CAUSAL=False)
     for start in tl.range(m0, tl.minimum(m0 + BLOCK_M, q_len), BLOCK_N):  # the diagonal
-        k = k_desc.load([q_start + start, kv_col])
-        s = tl.dot(q, k.T)
-        s = tl.where(start + tl.arange(0, BLOCK_N)[None, :] <= rows[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = v_desc.load([q_start + start, kv_col])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        acc, m_i, l_i = _keys(acc, m_i, l_i, q, k_desc, v_desc, q_start, kv_col, start, rows, qk_scale,
+                              BLOCK_N, CAUSAL=True)
     acc = acc / l_i[:, None]
     d = tl.arange(0, HEAD_D)
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
 
 
-def fresh_prefill(q, k, v, qsl, scale, config=(128, 64, 8, 3)):
+@triton.jit
+def _keys(acc, m_i, l_i, q, k_desc, v_desc, q_start, kv_col, start, rows, qk_scale, BLOCK_N: tl.constexpr,
+          CAUSAL: tl.constexpr):
+    """The online softmax (base 2) over the BLOCK_N keys from `start`; CAUSAL: each row sees only
+    the keys at or before its own position."""
+    k = k_desc.load([q_start + start, kv_col])
+    s = tl.dot(q, k.T)
+    if CAUSAL:
+        s = tl.where(start + tl.arange(0, BLOCK_N)[None, :] <= rows[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = v_desc.load([q_start + start, kv_col])
+    return tl.dot(p.to(v.dtype), v, acc * alpha[:, None]), m_new, l_i
+
+
+def fresh_prefill(q, k, v, qsl, scale, config=(64, 64, 4, 3)):
     """q [T, H, D], k and v [T, KVH, D] (unit stride on D, rows 16-byte aligned), qsl int32 [S+1];
     every sequence's keys are its own queries' (nothing cached before)."""
     bm, bn, warps, stages = config
