@@ -324,12 +324,12 @@ FRESH_CONFIG = (64, 64, 4, 3)  # BLOCK_M, BLOCK_N, num_warps, num_stages
 def fresh_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether a step's prompts with nothing cached go to _fresh_prefill_kernel: half precision on
     Hopper, q/k/v rows as TMA reads them (heads contiguous within a row, rows of a multiple of 16
-    bytes from 16-byte aligned addresses), a power-of-two head size. `scripts/fresh_prefill_bench.py`
-    on an H100, 8 prompts of 1,024 tokens, TFLOP/s of causal attention: 346-350 against the paged
+    bytes from 16-byte aligned addresses), a power-of-two head size from 16 to 256.
+    `scripts/fresh_prefill_bench.py` on an H100, 8 prompts of 1,024 tokens, TFLOP/s of causal attention: 346-350 against the paged
     kernel's 237-240 (W-large's heads), 315-318 against 214 (W-small's)."""
     dim = query.shape[2]
     return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and hopper(query.device)
-            and dim in (64, 128, 256) and all(
+            and 16 <= dim <= 256 and dim & (dim - 1) == 0 and all(
                 t.dtype == query.dtype and t.stride(2) == 1 and t.stride(1) == dim and t.data_ptr() % 16 == 0
                 and t.stride(0) * t.element_size() % 16 == 0 for t in (query, key, value)))
 
