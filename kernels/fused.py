@@ -149,8 +149,9 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
             v1 = tl.load(pv, mask=m, other=0.0)
             v2 = tl.load(pv + HALF, mask=m, other=0.0)
             _store_halves(v_cache_ptr, v_scale_ptr, dst, scale_dst, v1, v2, ok, heads_ok, HALF, FP8)
-        tl.store(p1, y1, mask=m)  # in place too: attention reads uncached prompts' keys from k
-        tl.store(p1 + HALF, y2, mask=m)
+        else:
+            tl.store(p1, y1, mask=m)
+            tl.store(p1 + HALF, y2, mask=m)
 
 
 def _launch_rotary(q, k, v, positions, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping,
@@ -190,9 +191,9 @@ def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
                         slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                         v_scale: torch.Tensor | None = None, q_weight: torch.Tensor | None = None,
                         k_weight: torch.Tensor | None = None, eps: float = 0.0) -> None:
-    """rotary() of q and k in place, and the rotated keys with the values v [T, Hkv, D] stored at
-    slot_mapping [T] as cache_write.write_kv stores them (negative slot: nothing). One kernel per
-    layer instead of two."""
+    """rotary() of q in place, and of k into the cache: the rotated keys and the values v [T, Hkv, D]
+    are stored at slot_mapping [T] as cache_write.write_kv stores them (negative slot: nothing),
+    and k itself is left as it was. One kernel per layer instead of two, k not written back."""
     _launch_rotary(q, k, v, positions, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping,
                    k_scale, v_scale)
 

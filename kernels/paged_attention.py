@@ -40,12 +40,6 @@ a second kernel, one program per (token, head), merges the slices with their log
 
 The number of splits depends only on the batch size, so a CUDA graph captures it.
 
-Prompts with nothing cached (a step's sequences whose length is their query length): when the
-caller passes the step's own keys and values and fresh_takes agrees (Hopper, half precision),
-_fresh_prefill_kernel reads them from k and v through TMA descriptors instead of gathering them
-from the cache, one query head a program, and the paged kernel's programs skip those sequences
-(SKIP_FRESH). Both grids depend only on the batch's shape, so a graphed mixed step takes them too.
-
 Decode steps (every query length 1) keep a program per sequence: grid (num_seqs, NUM_SPLITS,
 num_kv_heads), program (i, s, h) on sequence seq_order[i] when an order is given. Contexts differ
 by up to 10x in a batch, so the GPU's block scheduler, which starts programs in index order, ends
@@ -59,9 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.tools.tensor_descriptor import TensorDescriptor
-
-from llmserve.kernels.hardware import hopper, pdl, pdl_start, sm_count
+from llmserve.kernels.hardware import pdl, pdl_start, sm_count
 
 
 # Arguments that change with the batch are not specialized on (Triton would compile a variant
@@ -77,8 +69,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, FP8: tl.constexpr, DOT_TY: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DECODE: tl.constexpr, ORDERED: tl.constexpr, SEQS_P: tl.constexpr, SKIP_FRESH: tl.constexpr,
-    PDL: tl.constexpr,
+    DECODE: tl.constexpr, ORDERED: tl.constexpr, SEQS_P: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_start(PDL)
     if DECODE:  # a program per sequence; axis 1 numbers the key slices
@@ -99,8 +90,6 @@ def _paged_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len
-    if SKIP_FRESH and ctx_len == 0:  # _fresh_prefill_kernel's
-        return
 
     rows = tl.arange(0, BLOCK_Q * GROUP_P)
     tok = q_tile * BLOCK_Q + rows // GROUP_P
@@ -195,64 +184,6 @@ def _attend(acc, m_i, l_i, q, q_pos, lo, hi, kv_end, qk_scale, d, d_ok,
 
 
 @triton.jit
-def _fresh_prefill_kernel(q_desc, k_desc, v_desc, out_ptr, query_start_loc_ptr, seq_lens_ptr, num_seqs,
-                          stride_ot, stride_oh, qk_scale, GROUP: tl.constexpr, HEAD_D: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                          SEQS_P: tl.constexpr, PDL: tl.constexpr):
-    """Sequences with nothing cached before this step: their keys and values are the step's own k
-    and v rows, read through TMA descriptors (no block table). Grid (query tiles, query heads):
-    program (p, h) takes BLOCK_M queries of one such sequence (found as the paged kernel finds its
-    tiles) and head h; keys before the tile's first row unmasked, the tile's own causally."""
-    pdl_start(PDL)
-    seq, q_tile = _find_query_tile(query_start_loc_ptr, num_seqs, tl.program_id(0), BLOCK_M, SEQS_P)
-    if seq >= num_seqs:
-        return
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if tl.load(seq_lens_ptr + seq) != q_len:  # a cached context: the paged kernel's
-        return
-    head = tl.program_id(1)
-    kv_col = (head // GROUP) * HEAD_D
-    m0 = q_tile * BLOCK_M
-    q = q_desc.load([q_start + m0, head * HEAD_D])
-    rows = m0 + tl.arange(0, BLOCK_M)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
-    for start in tl.range(0, m0, BLOCK_N):  # keys every row sees (BLOCK_M is a multiple of BLOCK_N)
-        acc, m_i, l_i = _attend_rows(acc, m_i, l_i, q, k_desc, v_desc, q_start + start, kv_col, start, rows,
-                                     q_len, qk_scale, BLOCK_N, PRECISION, CAUSAL=False)
-    for start in tl.range(m0, tl.minimum(m0 + BLOCK_M, q_len), BLOCK_N):  # the diagonal
-        acc, m_i, l_i = _attend_rows(acc, m_i, l_i, q, k_desc, v_desc, q_start + start, kv_col, start, rows,
-                                     q_len, qk_scale, BLOCK_N, PRECISION, CAUSAL=True)
-    acc = acc / l_i[:, None]
-    d = tl.arange(0, HEAD_D)
-    tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
-
-
-@triton.jit
-def _attend_rows(acc, m_i, l_i, q, k_desc, v_desc, row, kv_col, start, rows, q_len, qk_scale,
-                 BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
-    """The online softmax (base 2) over the BLOCK_N keys at k/v row `row` (the sequence's key
-    `start`); CAUSAL: each query row sees only the keys at or before its own position, and the
-    values past the sequence (the next one's, a graph's padding: anything) count as zeros."""
-    k = k_desc.load([row, kv_col])
-    s = tl.dot(q, k.T, input_precision=PRECISION)
-    keys = start + tl.arange(0, BLOCK_N)
-    if CAUSAL:
-        s = tl.where(keys[None, :] <= rows[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    p = tl.math.exp2(s * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = v_desc.load([row, kv_col])
-    if CAUSAL:  # a zero weight times a NaN would still be NaN
-        v = tl.where((keys < q_len)[:, None], v, 0.0)
-    return tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION), m_new, l_i
-
-
-@triton.jit
 def _find_query_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr, SEQS_P: tl.constexpr):
     """(sequence, its query tile) of the batch's tile number `tile`; sequence num_seqs past the last."""
     s = tl.arange(0, SEQS_P)
@@ -318,50 +249,18 @@ def decode_tiles(fp8: bool) -> tuple[int, int, int]:
     return (128, 4, 4) if fp8 else (128, 4, 3)
 
 
-FRESH_CONFIG = (64, 64, 4, 3)  # BLOCK_M, BLOCK_N, num_warps, num_stages
-
-
-def fresh_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether a step's prompts with nothing cached go to _fresh_prefill_kernel: half precision on
-    Hopper, q/k/v rows as TMA reads them (heads contiguous within a row, rows of a multiple of 16
-    bytes from 16-byte aligned addresses), a power-of-two head size from 16 to 256.
-    `scripts/fresh_prefill_bench.py` on an H100, 8 prompts of 1,024 tokens, TFLOP/s of causal attention: 346-350 against the paged
-    kernel's 237-240 (W-large's heads), 315-318 against 214 (W-small's)."""
-    dim = query.shape[2]
-    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and hopper(query.device)
-            and 16 <= dim <= 256 and dim & (dim - 1) == 0 and all(
-                t.dtype == query.dtype and t.stride(2) == 1 and t.stride(1) == dim and t.data_ptr() % 16 == 0
-                and t.stride(0) * t.element_size() % 16 == 0 for t in (query, key, value)))
-
-
-def _fresh_prefill(query, key, value, out, query_start_loc, seq_lens, scale, fp32, pdl_on) -> None:
-    bm, bn, warps, stages = FRESH_CONFIG
-    T, H, D = query.shape
-    descs = [TensorDescriptor(t, [T, t.shape[1] * D], [t.stride(0), 1], [rows, D])
-             for t, rows in ((query, bm), (key, bn), (value, bn))]
-    num_seqs = seq_lens.shape[0]
-    _fresh_prefill_kernel[(triton.cdiv(T, bm) + num_seqs, H)](
-        *descs, out, query_start_loc, seq_lens, num_seqs, out.stride(0), out.stride(1),
-        scale * 1.4426950408889634, GROUP=H // key.shape[1], HEAD_D=D, BLOCK_M=bm, BLOCK_N=bn,
-        PRECISION="ieee" if fp32 else "tf32", SEQS_P=max(16, triton.next_power_of_2(num_seqs)), PDL=pdl_on,
-        num_warps=warps, num_stages=stages, launch_pdl=pdl_on)
-
-
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
                     out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None,
                     num_splits: int | None = None, block_m: int | None = None,
-                    seq_order: torch.Tensor | None = None, key: torch.Tensor | None = None,
-                    value: torch.Tensor | None = None) -> torch.Tensor:
+                    seq_order: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as reference.paged_attention_reference. `max_query_len` 1 says every query
     length is 1 (a decode step, a program per sequence); any other value, that some may be longer
     (its exact value does not matter). `tiles` overrides (BLOCK_N, num_warps, num_stages);
     `num_splits` the decode key slices (a power of two; decode steps only); `block_m` the rows
     (query tokens x group heads) of a program; `seq_order` int32 [num_seqs], a permutation: the
-    order in which decode programs take the sequences; `key`, `value` [num_tokens, num_kv_heads,
-    head_dim]: the step's own keys (rotated) and values, from which a step with prompts reads the
-    sequences that had nothing cached, where fresh_takes says so (not with an FP8 cache)."""
+    order in which decode programs take the sequences."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and query.stride(2) == 1
@@ -392,9 +291,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         grid = (triton.cdiv(num_tokens, block_q) + num_seqs, 1, num_kv_heads)
     ml_half = num_tokens * num_heads * splits
     on = pdl(query.device)
-    fresh = not decode and not fp8 and key is not None and fresh_takes(query, key, value)
-    if fresh:
-        _fresh_prefill(query, key, value, out, query_start_loc, seq_lens, scale, fp32, on)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         seq_order if seq_order is not None else seq_lens, *scales, part, ml, scale, num_heads, num_seqs, ml_half,
@@ -406,7 +302,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         PRECISION="ieee" if fp32 else "tf32", FP8=fp8,
         DOT_TY=tl.float32 if fp32 else tl.float16, NUM_SPLITS=splits,
         DECODE=decode, ORDERED=seq_order is not None, SEQS_P=0 if decode else max(16, triton.next_power_of_2(num_seqs)),
-        SKIP_FRESH=fresh, PDL=on, num_warps=warps, num_stages=stages, launch_pdl=on,
+        PDL=on, num_warps=warps, num_stages=stages, launch_pdl=on,
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

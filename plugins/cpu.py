@@ -19,8 +19,7 @@ class CPUBackend(AttentionBackend):
     def write_kv(self, key, value, cache: KVCache, slot_mapping) -> None:
         write_kv_reference(key, value, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale)
 
-    def attention(self, query, cache: KVCache, meta: AttentionMetadata, scale: float, key=None,
-                  value=None) -> torch.Tensor:
+    def attention(self, query, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_reference(query, cache.k, cache.v, meta.block_tables, meta.query_start_loc,
                                          meta.seq_lens, scale, cache.k_scale, cache.v_scale)
 

@@ -25,11 +25,10 @@ class CUDABackend(AttentionBackend):
     def write_kv(self, key, value, cache: KVCache, slot_mapping) -> None:
         self._write_kv(key, value, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale)
 
-    def attention(self, query, cache: KVCache, meta: AttentionMetadata, scale: float, key=None,
-                  value=None) -> torch.Tensor:
+    def attention(self, query, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return self._paged_attention(query, cache.k, cache.v, meta.block_tables, meta.query_start_loc,
                                      meta.seq_lens, scale, meta.max_query_len, k_scale=cache.k_scale,
-                                     v_scale=cache.v_scale, seq_order=meta.seq_order, key=key, value=value)
+                                     v_scale=cache.v_scale, seq_order=meta.seq_order)
 
     def rms_norm(self, x, weight, eps, residual=None):
         return self._fused.rms_norm(x, weight, eps, residual)

@@ -111,50 +111,13 @@ def check() -> None:
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
-def mixed(json_path) -> None:
-    """8 uncached prompts of 1,024 tokens and 248 decoding sequences (~1,100 cached tokens) in one
-    call, as W-large's mixed steps have them: paged_attention as the engine calls it with the
-    step's keys (fresh_takes decides) and without them (the paged kernel for all)."""
-    import itertools
-
-    import llmserve.kernels.paged_attention as pa
-    rows, dim, bs = [], 128, 16
-    for name, heads, kv_heads in (("w-small", 16, 8), ("w-large", 32, 8)):
-        q_lens = [1024] * 8 + [1] * 248
-        ctx = [0] * 8 + [1024 + (i * 7) % 128 for i in range(248)]
-        seq_lens = [c + n for c, n in zip(ctx, q_lens)]
-        width = max(-(-n // bs) for n in seq_lens)
-        blocks = len(seq_lens) * width
-        tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(len(seq_lens), width)
-        kc = torch.randn(blocks, bs, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        T = sum(q_lens)
-        qkv = torch.randn(T, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16)
-        q, k, v = qkv.view(T, -1, dim).split([heads, kv_heads, kv_heads], dim=1)
-        qsl = torch.tensor([0, *itertools.accumulate(q_lens)], device="cuda", dtype=torch.int32)
-        lens = torch.tensor(seq_lens, device="cuda", dtype=torch.int32)
-        args = (q, kc, vc, tables, qsl, lens, 0.088, 1024)
-        row = {"shape": name, "takes": pa.fresh_takes(q, k, v),
-               "paged_ms": triton.testing.do_bench(lambda: paged_attention(*args)),
-               "with_keys_ms": triton.testing.do_bench(lambda: paged_attention(*args, key=k, value=v)),
-               "fresh_alone_ms": triton.testing.do_bench(lambda: fresh_prefill(q[:8192], k[:8192], v[:8192],
-                                                                               qsl[:9], 0.088, (64, 64, 4, 3)))}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    report(rows, json_path, echo=False)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--check", action="store_true")
-    ap.add_argument("--mixed", action="store_true", help="the engine's paged_attention on a W-large mixed step, "
-                                                           "with and without the step's keys (ms)")
     args = ap.parse_args()
     if args.check:
         return check()
-    if args.mixed:
-        return mixed(args.json)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     rows = []
     seqs, length, dim = 8, 1024, 128

@@ -82,7 +82,7 @@ def compile_paged_attention(module: types.ModuleType, v: dict):
                   BLOCK_Q=block_m // v["group"], BLOCK_N=block_n, PRECISION="ieee" if fp32 else "tf32", FP8=fp8,
                   DOT_TY=tl.float32 if fp32 else tl.float16,
                   NUM_SPLITS=v["splits"], DECODE=v["decode"], ORDERED=v["decode"],
-                  SEQS_P=0 if v["decode"] else 256, SKIP_FRESH=False, PDL=True)
+                  SEQS_P=0 if v["decode"] else 256, PDL=True)
     names = list(fn.arg_names)
     consts = {k: c for k, c in consts.items() if k in names}
     unspecialized = {names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}

@@ -44,11 +44,8 @@ class AttentionBackend:
         """Store key/value [T, Hkv, D] into the paged cache at slot_mapping [T] (quantizing for FP8)."""
         raise NotImplementedError
 
-    def attention(self, query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
-                  key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal paged attention of query [T, Hq, D]; returns [T, Hq, D]. key and value [T, Hkv, D]
-        are the step's own, rotated and already in the cache: a backend may read them instead of the
-        cache for sequences that had nothing cached before the step."""
+    def attention(self, query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal paged attention of query [T, Hq, D]; returns [T, Hq, D]."""
         raise NotImplementedError
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -66,8 +63,8 @@ class AttentionBackend:
                             cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor,
                             q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
                             eps: float = 0.0) -> None:
-        """rotary() of q and k in place, then the rotated k with v stored into the cache as write_kv
-        stores them. Backends with a fused kernel override this composition."""
+        """rotary() of q in place, then the rotated k with v stored into the cache as write_kv stores
+        them; k itself may be left unrotated. Backends with a fused kernel override this composition."""
         self.rotary(q, k, positions, cos, sin, q_weight, k_weight, eps)
         self.write_kv(k, v, cache, slot_mapping)
 

@@ -115,8 +115,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 slot_mapping: torch.Tensor, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> None:
-        """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by their positions [T], after normalising
+        """Rotate q [T, Hq, D] in place and k [T, Hkv, D] by their positions [T], after normalising
         each head with q_norm / k_norm where the model has them, and store the rotated keys with
-        v into the cache at slot_mapping (one fused pass on the GPU)."""
+        v into the cache at slot_mapping (one fused pass on the GPU; k may be left unrotated)."""
         norm = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
         self.backend.rotary_and_write_kv(q, k, v, positions, self.cos, self.sin, cache, slot_mapping, *norm)

@@ -40,7 +40,7 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         self.rotary(positions, q, k, v, self.kv_cache, meta.slot_mapping, self.q_norm, self.k_norm)
-        out = self.backend.attention(q, self.kv_cache, meta, self.scale, k, v)
+        out = self.backend.attention(q, self.kv_cache, meta, self.scale)
         return self.o_proj(out.view(T, -1))
 
 
