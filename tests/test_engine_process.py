@@ -50,19 +50,38 @@ async def run_both(cfg, prompts, params):
     return results
 
 
+def edit_json(path, **fields):
+    import json
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
 async def test_the_tokenizers_end_of_sequence_ends_requests_in_either_engine(checkpoint, tmp_path):
-    """A checkpoint whose config.json names no end-of-sequence id: the tokenizer's still ends a
+    """A checkpoint whose config files name no end-of-sequence id: the tokenizer's still ends a
     request, after min_tokens held it back, in the engine process too (which loads no tokenizer:
     the server sends it the id)."""
     import json
     import shutil
     model = shutil.copytree(checkpoint("llama"), tmp_path / "model")
-    cfg_json = json.loads((model / "config.json").read_text())
-    eos = cfg_json.pop("eos_token_id")
-    (model / "config.json").write_text(json.dumps(cfg_json))
+    eos = json.loads((model / "config.json").read_text())["eos_token_id"]
+    edit_json(model / "config.json", eos_token_id=None)
+    edit_json(model / "generation_config.json", eos_token_id=None)
     params = SamplingParams(max_tokens=10, min_tokens=3, logit_bias={eos: 100.0})
     for tokens in await run_both(config(str(model)), [[5, 6, 7]], params):
         assert len(tokens[0]) == 4 and tokens[0][-1] == eos and eos not in tokens[0][:3]
+
+
+async def test_generation_configs_end_of_sequence_ids_end_requests(checkpoint, tmp_path):
+    """generation_config.json may list end-of-sequence ids that config.json and the tokenizer do
+    not (an instruct model's turn end): they end requests too, as transformers' generate stops."""
+    import shutil
+    model = shutil.copytree(checkpoint("llama"), tmp_path / "model")
+    turn_end = 7
+    edit_json(model / "generation_config.json", eos_token_id=[2, turn_end])
+    params = SamplingParams(max_tokens=10, logit_bias={turn_end: 100.0})
+    for tokens in await run_both(config(str(model)), [[5, 6, 7]], params):
+        assert tokens[0] == [turn_end]
+    ignoring = SamplingParams(max_tokens=5, logit_bias={turn_end: 100.0}, ignore_eos=True)
+    assert (await run_both(config(str(model)), [[5, 6, 7]], ignoring))[0][0] == [turn_end] * 5
 
 
 async def test_same_tokens_as_in_process_and_counters_arrive(checkpoint):

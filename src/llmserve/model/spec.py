@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +43,19 @@ class ModelSpec:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelSpec:
+        """config.json's shape; the end-of-sequence ids of config.json and of generation_config.json
+        (which transformers' generate stops on: instruct checkpoints often list their turn-end token
+        there alone)."""
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in model directory {str(path)!r}")
-        return cls.from_dict(json.loads(config_file.read_text()))
+        spec = cls.from_dict(json.loads(config_file.read_text()))
+        generation_file = Path(path) / "generation_config.json"
+        if generation_file.is_file():
+            eos = json.loads(generation_file.read_text()).get("eos_token_id")
+            more = [eos] if isinstance(eos, int) else list(eos or [])
+            spec = replace(spec, eos_token_ids=tuple(dict.fromkeys([*spec.eos_token_ids, *more])))
+        return spec
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelSpec:
