@@ -14,7 +14,8 @@
 #          quant-2: decode attention bf16 vs FP8 cache, W-small with a bf16 vs FP8 KV cache,
 #          W-large bf16 vs fp8;
 #          ab WORKLOAD: the working tree's llmserve and BASE's alternately, AB_RUNS (4) runs in all,
-#          the same box and call: compare commits only this way, boxes of one kind differ by ~4%;
+#          the new side first (AB_FIRST=base: the base side), the same box and call: compare
+#          commits only this way, boxes of one kind differ by ~4%;
 #          script SCRIPT ARGS...: scripts/SCRIPT with the working tree's llmserve (--json into $OUT),
 #          e.g. `script gated_gemm_bench.py --ms 8192`;
 #          ab-script SCRIPT ARGS...: scripts/SCRIPT (the working tree's) against each side's
@@ -85,11 +86,13 @@ run)
         # the new one on its PYTHONPATH, the other packages are shared.
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-base .whl/base/*.whl
         w=${3:-w-small}
+        first=$([ "${AB_FIRST:-new}" = base ] && echo 0 || echo 1)  # AB_FIRST=base: base runs first
         for i in $(seq 1 "${AB_RUNS:-4}"); do
-            if [ $((i % 2)) = 1 ]; then side=new site=/tmp/site; else side=base site=/tmp/site-base:/tmp/site; fi
+            if [ $((i % 2)) = "$first" ]; then side=new site=/tmp/site; else side=base site=/tmp/site-base:/tmp/site; fi
+            echo "$side run $i from $(date +%T)"
             PYTHONPATH=$site timeout 200 "$PY" -m llmserve.bench.throughput --workload "$w" ${BENCH_ARGS:-} \
                 --json "$OUT/$w-$side-$i.json" > "$OUT/$w-$side-$i.log" 2>&1
-            echo "$side:"; "$PY" scripts/bench_summary.py "$OUT/$w-$side-$i.json"
+            echo "$side to $(date +%T):"; "$PY" scripts/bench_summary.py "$OUT/$w-$side-$i.json"
         done
     elif [ "$bench" = script ]; then
         script=$3; shift 3
