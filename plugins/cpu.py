@@ -10,7 +10,7 @@ from llmserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from llmserve.hookspecs import hookimpl
 from llmserve.kernels.reference import paged_attention_reference, write_kv_reference
 from llmserve.kernels.fused import rms_norm_reference, rotary_reference, silu_and_mul_reference
-from llmserve.kernels.sampling import gumbel_argmax_reference
+from llmserve.kernels.sampling import sample_rows_reference
 
 
 class CPUBackend(AttentionBackend):
@@ -32,8 +32,8 @@ class CPUBackend(AttentionBackend):
     def silu_and_mul(self, x) -> torch.Tensor:
         return silu_and_mul_reference(x)
 
-    def gumbel_argmax(self, logits, temperature, key) -> torch.Tensor:
-        return gumbel_argmax_reference(logits, temperature, key)
+    def sample_rows(self, logits, temperature, key) -> torch.Tensor:
+        return sample_rows_reference(logits, temperature, key)
 
     def memory_available(self, device: torch.device) -> tuple[int, int]:
         page = os.sysconf("SC_PAGE_SIZE")

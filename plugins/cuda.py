@@ -16,10 +16,10 @@ class CUDABackend(AttentionBackend):
         from llmserve.kernels import fused
         from llmserve.kernels.cache_write import write_kv
         from llmserve.kernels.paged_attention import paged_attention
-        from llmserve.kernels.sampling import gumbel_argmax
+        from llmserve.kernels.sampling import sample_rows
         self._write_kv = write_kv
         self._paged_attention = paged_attention
-        self._gumbel_argmax = gumbel_argmax
+        self._sample_rows = sample_rows
         self._fused = fused
 
     def write_kv(self, key, value, cache: KVCache, slot_mapping) -> None:
@@ -44,8 +44,8 @@ class CUDABackend(AttentionBackend):
     def silu_and_mul(self, x) -> torch.Tensor:
         return self._fused.silu_and_mul(x)
 
-    def gumbel_argmax(self, logits, temperature, key) -> torch.Tensor:
-        return self._gumbel_argmax(logits, temperature, key)
+    def sample_rows(self, logits, temperature, key) -> torch.Tensor:
+        return self._sample_rows(logits, temperature, key)
 
     def memory_available(self, device: torch.device) -> tuple[int, int]:
         return torch.cuda.mem_get_info(device)

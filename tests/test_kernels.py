@@ -6,7 +6,7 @@ import torch
 from llmserve.kernels.cache_write import write_kv
 from llmserve.kernels.paged_attention import paged_attention
 from llmserve.kernels.reference import paged_attention_reference, write_kv_reference
-from llmserve.kernels.sampling import gumbel_argmax, gumbel_argmax_reference, row_keys
+from llmserve.kernels.sampling import SLICE, row_keys, sample_rows, sample_rows_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -144,20 +144,26 @@ def test_write_kv_matches_reference_and_skips_padding(dtype):
 
 # bfloat16 only on the GPU: the interpreter computes it wrongly.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
-@pytest.mark.parametrize("slices", [None, 1, 3, 32])
-def test_gumbel_argmax_matches_reference(dtype, slices):
+def test_sample_rows_matches_reference(dtype):
+    """Three slices of the vocabulary a row (SLICE entries each), greedy rows with ties across
+    slices, temperatures from 0.5 to 2, a row whose weight sits in one token of the last slice."""
     g = torch.Generator().manual_seed(3)
-    logits = (torch.randn(7, 3000, generator=g) * 3).to(dtype)
+    vocab = 2 * SLICE + 7000
+    logits = (torch.randn(8, vocab, generator=g) * 3).to(dtype)
     logits[6] = -5.0
-    logits[6, [2100, 40, 2999]] = 4.0  # a tie across slices: the smallest index wins, as in torch.argmax
+    logits[6, [2 * SLICE + 100, 40, SLICE + 9]] = 4.0  # a tie across slices: the smallest index wins, as in torch.argmax
+    logits[7] = float("-inf")
+    logits[7, vocab - 1] = 1.0  # the only token of nonzero weight
     logits = logits.to(DEVICE)
-    temperature = torch.tensor([0.0, 0.5, 1.0, 1.0, 2.0, 0.0, 0.0], device=DEVICE)
-    keys = row_keys(torch.tensor([1, 2, 3, 3, 2**62, 9, 4], device=DEVICE),
-                    torch.tensor([0, 0, 0, 1, 5, 0, 0], device=DEVICE))
-    out = gumbel_argmax(logits, temperature, keys, slices=slices)
-    assert out.tolist() == gumbel_argmax_reference(logits, temperature, keys).tolist()
-    assert out[0] == logits[0].float().argmax() and out[5] == logits[5].float().argmax() and out[6] == 40
-    assert out[2] != out[3] or out[1] != out[2]  # different keys, different draws
+    temperature = torch.tensor([0.0, 0.5, 1.0, 1.0, 2.0, 0.6, 0.0, 0.7], device=DEVICE)
+    keys = row_keys(torch.tensor([1, 2, 3, 3, 2**62, 9, 4, 5], device=DEVICE),
+                    torch.tensor([0, 0, 0, 1, 5, 0, 0, 2], device=DEVICE))
+    out = sample_rows(logits, temperature, keys)
+    assert out.tolist() == sample_rows_reference(logits, temperature, keys).tolist()
+    assert out[0] == logits[0].float().argmax() and out[6] == 40 and out[7] == vocab - 1
+    assert len(set(out[1:6].tolist())) >= 3  # different keys, different draws
+    alone = sample_rows(logits[2:4].clone(), temperature[2:4].clone(), keys[2:4].clone())
+    assert alone.tolist() == out[2:4].tolist()  # a row's draw is its own, whatever the batch
 
 
 def _unhash32(h: int) -> int:
@@ -171,28 +177,50 @@ def _unhash32(h: int) -> int:
     return h ^ (h >> 16)
 
 
-def test_gumbel_noise_is_finite_for_the_largest_hash():
-    """Token 0's hash is 0xFFFFFFFF in this row. u must stay below 1 there: an infinite draw would
-    pick token 0 whatever its logit (it did for ~1% of rows of a 152k vocabulary)."""
-    from llmserve.kernels.sampling import _hash32_torch, gumbel_noise_reference
-    key = _unhash32(0xFFFFFFFF)
-    assert _hash32_torch(torch.tensor([key]))[0] == 0xFFFFFFFF
-    keys = torch.tensor([key, key], device=DEVICE)
-    noise = gumbel_noise_reference(keys, 64)
-    assert torch.isfinite(noise).all() and noise[0, 0] > 16  # the largest draw there is, still finite
+def test_sample_rows_never_draws_a_token_of_zero_weight_at_either_end_of_u():
+    """u at its largest (the salted key hashes to 0xFFFFFFFF) lands on the last token of nonzero
+    weight, u at its smallest on the first, whatever the -inf logits around them."""
+    from llmserve.kernels.sampling import _U_SALT, _hash32_torch, uniform_reference
+    keys = torch.tensor([_unhash32(0xFFFFFFFF) ^ _U_SALT, _unhash32(0) ^ _U_SALT], device=DEVICE)
+    assert _hash32_torch(keys.cpu() ^ _U_SALT).tolist() == [0xFFFFFFFF, 0]
+    u = uniform_reference(keys)
+    assert 0 < u[1] < u[0] < 1
     logits = torch.zeros(2, 64, device=DEVICE)
-    logits[:, 0] = -1e4
-    for pick in (gumbel_argmax, gumbel_argmax_reference):
-        assert 0 not in pick(logits, torch.ones(2, device=DEVICE), keys).tolist()
+    logits[:, :3] = float("-inf")
+    logits[:, 50:] = float("-inf")
+    for pick in (sample_rows, sample_rows_reference):
+        assert pick(logits, torch.ones(2, device=DEVICE), keys).tolist() == [49, 3]
 
 
-def test_gumbel_argmax_samples_the_softmax():
-    n, v = 2000, 4
-    logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4])).repeat(n, 1).to(DEVICE)
-    keys = row_keys(torch.arange(n, device=DEVICE), torch.zeros(n, dtype=torch.int64, device=DEVICE))
-    out = gumbel_argmax(logits, torch.ones(n, device=DEVICE), keys)
-    freq = torch.bincount(out.cpu(), minlength=v).float() / n
-    assert torch.allclose(freq, torch.tensor([0.1, 0.2, 0.3, 0.4]), atol=0.035)
+def test_sample_rows_samples_the_softmax():
+    """The mass in four tokens at the edges of two slices, temperature 0.5: frequencies over
+    2,000 keys (the kernel on the GPU; the reference, which the CPU backend samples with, here:
+    the interpreter would take minutes, and the kernel's draws match the reference's in the test below)."""
+    n = 2000
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = torch.full((n, SLICE + 50), float("-inf"))
+    where = torch.tensor([5, SLICE - 1, SLICE, SLICE + 49])
+    logits[:, where] = torch.log(probs)
+    keys = row_keys(torch.arange(n), torch.zeros(n, dtype=torch.int64))
+    pick = sample_rows if DEVICE == "cuda" else sample_rows_reference
+    out = pick(logits.to(DEVICE), torch.full((n,), 0.5, device=DEVICE), keys.to(DEVICE)).cpu()
+    freq = torch.stack([(out == w).float().mean() for w in where])
+    want = probs ** 2 / (probs ** 2).sum()  # temperature 0.5 squares the probabilities
+    assert torch.allclose(freq, want, atol=0.035) and freq.sum() == 1
+
+
+def test_sample_rows_walks_to_the_token_inside_its_slice():
+    """Small tiles (slices of 256, blocks of 64) so that the interpreter runs many rows: the kernel's
+    token equals the reference's for every row, wherever u falls in the row's slices and blocks."""
+    g = torch.Generator().manual_seed(5)
+    n, vocab = 48, 1000
+    logits = (torch.randn(n, vocab, generator=g) * 2).to(DEVICE)
+    logits[::3, 300:700] = float("-inf")  # whole blocks and a whole slice of zero weight
+    temperature = torch.full((n,), 0.8, device=DEVICE)
+    keys = row_keys(torch.arange(n, device=DEVICE) * 7919, torch.zeros(n, dtype=torch.int64, device=DEVICE))
+    out = sample_rows(logits, temperature, keys, tiles=(256, 64))
+    assert out.tolist() == sample_rows_reference(logits, temperature, keys).tolist()
+    assert len({int(t) // 256 for t in out}) == 4 and not ((out[::3] >= 300) & (out[::3] < 700)).any()
 
 
 from llmserve.kernels.fused import (rms_norm, rms_norm_reference, rotary, rotary_reference,  # noqa: E402

@@ -72,9 +72,9 @@ class AttentionBackend:
         """[T, 2N] = [gate | up] -> silu(gate) * up, [T, N]."""
         raise NotImplementedError
 
-    def gumbel_argmax(self, logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-        """Fused sampling: argmax of logits / T + Gumbel(key) per row (T == 0: plain argmax); see
-        kernels/sampling.py for the exact function every backend must compute."""
+    def sample_rows(self, logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """Fused sampling: a draw from softmax(logits / T) per row at the row key's u (T == 0: plain
+        argmax); see kernels/sampling.py for the exact function every backend must compute."""
         raise NotImplementedError
 
     def memory_available(self, device: torch.device) -> tuple[int, int]:

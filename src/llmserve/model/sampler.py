@@ -6,13 +6,14 @@ for any of the steps below that change them, while the fused kernel upcasts as i
 
     logit_bias -> min_tokens (stop ids masked) -> repetition penalty (prompt + output tokens)
     -> presence / frequency penalties (output tokens) -> greedy rows: argmax
-    -> random rows: Gumbel-max over logits / temperature, after min_p, top_k and top_p where asked
+    -> random rows: a draw from softmax(logits / temperature), after min_p, top_k and top_p where asked
 
-Random draws are Gumbel noise from a counter hash of (request seed, output index, token id)
-(kernels/sampling.py): they depend only on the request's own seed and position, never on the batch
-around it, so a seeded request gives the same output whatever else runs, also after preemption.
-Rows without min_p/top_k/top_p take the fused one-pass kernel of the backend; rows with them go
-through the torch path (softmax, sort) — chosen per row, so batch composition never changes a draw.
+Random draws come from a counter hash of (request seed, output index) (kernels/sampling.py): they
+depend only on the request's own seed and position, never on the batch around it, so a seeded
+request gives the same output whatever else runs, also after preemption. Rows without
+min_p/top_k/top_p take the backend's fused sampler (inverse transform at the row's u); rows with
+them go through the torch path (softmax, sort, Gumbel-max with noise hashed per token id), chosen
+per row, so batch composition never changes a draw.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.kernels.sampling import gumbel_argmax_reference, gumbel_noise_reference
+from llmserve.kernels.sampling import gumbel_noise_reference, sample_rows_reference
 from llmserve.messages import TokenLogprobs
 
-ArgmaxFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+DrawFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -90,14 +91,14 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, argmax_fn: ArgmaxFn = gumbel_argmax_reference) -> torch.Tensor:
-    """logits [B, V] (model dtype or float32) -> int64 token ids [B]. `argmax_fn` is the backend's
-    fused Gumbel-max."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, draw_fn: DrawFn = sample_rows_reference) -> torch.Tensor:
+    """logits [B, V] (model dtype or float32) -> int64 token ids [B]. `draw_fn` is the backend's
+    fused sampler (sample_rows)."""
     logits = process_logits(logits, batch)
     if batch.all_greedy:
         return logits.argmax(dim=-1)
     keys = batch.keys
-    tokens = argmax_fn(logits, batch.temperature, keys)
+    tokens = draw_fn(logits, batch.temperature, keys)
     rows = batch.filtered_rows
     if rows is not None:
         b = lambda t: t[rows]  # noqa: E731
