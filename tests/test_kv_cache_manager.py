@@ -15,7 +15,7 @@ def decode(req_id, token, key):
 def test_prefill_allocates_blocks_and_builds_plan():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     plan, fb = kv.process(StepProposal(0, [admit("a", range(10), 10, (0, 0.0, 0))]))
-    assert kv.requests["a"].block_ids == [0, 1, 2]
+    assert kv.requests["a"].block_ids.tolist() == [0, 1, 2]
     assert plan.req_ids == ["a"] and plan.token_ids.tolist() == list(range(10))
     assert plan.context_lens.tolist() == [0] and plan.query_lens.tolist() == [10]
     assert plan.block_tables.tolist() == [[0, 1, 2]] and plan.sample.tolist() == [True]
@@ -39,7 +39,7 @@ def test_prefix_hit_shares_blocks_and_skips_compute():
     # Same step semantics: b arrives later and shares a's two full blocks.
     plan, fb = kv.process(StepProposal(1, [decode("a", 99, (0, 0.0, 0)),
                                            admit("b", [*range(8), 50, 51, 52], 11, (0, 1.0, 1))]))
-    assert kv.requests["b"].block_ids[:2] == [0, 1]
+    assert kv.requests["b"].block_ids.tolist()[:2] == [0, 1]
     assert [kv.pool.blocks[i].ref_cnt for i in (0, 1)] == [2, 2]
     assert fb.cached_tokens["b"] == 8 and fb.scheduled["b"] == (8, 3, True)
     assert plan.token_ids.tolist() == [99, 50, 51, 52]
@@ -70,7 +70,7 @@ def test_preempts_lowest_priority_when_pool_runs_dry():
     assert kv.num_free_blocks() == 0
     plan, fb = kv.process(StepProposal(1, [decode("a", 1, (0, 0.0, 0)), decode("b", 2, (0, 1.0, 1))]))
     assert fb.preempted == ["b"] and list(fb.scheduled) == ["a"]
-    assert kv.requests["a"].block_ids == [0, 1, 3]  # b's freed tail block went to a
+    assert kv.requests["a"].block_ids.tolist() == [0, 1, 3]  # b's freed tail block went to a
     assert "b" not in kv.requests and plan.req_ids == ["a"]
 
 

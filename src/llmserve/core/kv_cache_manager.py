@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
-from itertools import chain
 
 import numpy as np
 
@@ -39,7 +38,8 @@ class KVRequest:
     priority_key: tuple
     use_prefix_cache: bool
     root_hash: int = _ROOT_HASH
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: array = field(default_factory=lambda: array("i"))
+    """int32: the plan's block table is these buffers joined, with no pass over Python ints."""
     block_hashes: list[int] = field(default_factory=list)
     num_computed: int = 0
 
@@ -87,7 +87,7 @@ class KVCacheManager:
             req.block_hashes.clear()
             return None
         self.pool.touch(hits)
-        req.block_ids = hits + self.pool.allocate(need_new)
+        req.block_ids = array("i", hits + self.pool.allocate(need_new))
         req.num_computed = num_computed
         if req.use_prefix_cache and req.root_hash == _ROOT_HASH:
             self.prefix_queries += len(req.token_ids)
@@ -215,17 +215,20 @@ class KVCacheManager:
         return plan, feedback
 
     def _build_plan(self, proposal: StepProposal, scheduled: list[tuple[KVRequest, int, int]]) -> StepPlan:
+        """The step's arrays, built from the requests' int32/int64 buffers joined as bytes: a pass
+        over each request, none over its blocks or tokens (W-small's 256 running requests hold ~25k
+        blocks; iterating them as Python ints took ~0.6 ms of the event loop a step)."""
         reqs = [r for r, _, _ in scheduled]
-        query_lens = np.array([n for _, _, n in scheduled], dtype=np.int32)
-        context_lens = np.array([before for _, before, _ in scheduled], dtype=np.int32)
+        query_lens = np.fromiter((n for _, _, n in scheduled), dtype=np.int32, count=len(reqs))
+        context_lens = np.fromiter((before for _, before, _ in scheduled), dtype=np.int32, count=len(reqs))
         totals = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int32, count=len(reqs))
         num_blocks = np.fromiter((len(r.block_ids) for r in reqs), dtype=np.int64, count=len(reqs))
         # Ragged block lists -> a zero-padded [num_reqs, max_blocks] table in one scatter.
         block_tables = np.zeros((len(reqs), max(int(num_blocks.max(initial=0)), 1)), dtype=np.int32)
-        block_tables[np.arange(block_tables.shape[1]) < num_blocks[:, None]] = np.fromiter(
-            chain.from_iterable(r.block_ids for r in reqs), dtype=np.int32, count=int(num_blocks.sum()))
-        token_ids = np.fromiter(chain.from_iterable(r.token_ids[b:b + n] for r, b, n in scheduled), dtype=np.int64,
-                                count=int(query_lens.sum()))
+        block_tables[np.arange(block_tables.shape[1]) < num_blocks[:, None]] = np.frombuffer(
+            b"".join([r.block_ids for r in reqs]), dtype=np.int32)
+        # a bytearray: writable, the runner fills in placeholders
+        token_ids = np.frombuffer(bytearray().join([r.token_ids[b:b + n] for r, b, n in scheduled]), dtype=np.int64)
         new_sequences = {}
         for e in proposal.entries:
             adm = e.admitted
