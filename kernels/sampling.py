@@ -96,9 +96,10 @@ def _pick_token_kernel(logits_ptr, stride, temp_ptr, key_ptr, m_ptr, s_ptr, idx_
         s = tl.load(s_ptr + row * NUM_SLICES + j, mask=ok, other=0.0)
         w = s * tl.math.exp2(m - top)
         cum = tl.cumsum(w, 0)
+        total = tl.sum(w, 0)
         key = tl.load(key_ptr + row).to(tl.uint32)
         u = ((_hash32(key ^ 0x5BD1E995) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # uniform_reference
-        target = u * tl.sum(w, 0)
+        target = u * total
         last = tl.max(tl.where(w > 0, j, 0), 0)  # rounding may leave target at or past the last sum
         hit = tl.minimum(tl.sum((cum <= target).to(tl.int32), 0), last)
         rest = target - tl.sum(tl.where(j < hit, w, 0.0), 0)
@@ -121,12 +122,12 @@ def _pick_token_kernel(logits_ptr, stride, temp_ptr, key_ptr, m_ptr, s_ptr, idx_
                 start += BLOCK
         if token < 0:  # target at the very end of the slice: its last token of nonzero weight
             token = fallback
-        if tl.sum(w, 0) == 0:  # no token of nonzero weight at all
-            token = V
+        if total == 0:  # no token of nonzero weight at all: token 0, as torch.argmax gives
+            token = 0
     else:
         idx = tl.load(idx_ptr + row * NUM_SLICES + j, mask=ok, other=V)
         token = tl.min(tl.where(m == top, idx, V), 0)
-    token = tl.where(token < V, token, 0)  # a row of -inf logits: token 0, as torch.argmax gives
+    token = tl.where(token < V, token, 0)  # a greedy row of -inf logits: token 0 too
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
