@@ -155,3 +155,33 @@ def test_watch_stalls_names_first_used_kernels_and_gc_pauses():
     assert [k["kernel"] for k in seen["kernels"]] == ["_paged_attention_kernel"] and seen["kernels"][0]["ms"] >= 0
     assert seen["gc"]["collections"] >= 1 and seen["gc"]["max_ms"] <= seen["gc"]["ms"]
     assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before
+
+
+def test_synthetic_tokenizer_covers_the_vocabulary_and_the_engine_detokenizes_with_it(checkpoint, tmp_path):
+    """`bench throughput --detokenize`: a tokenizer of exactly the model's vocabulary (its last id the
+    end of sequence), past the 256 byte tokens every id a distinct printable piece; an engine loading it from the checkpoint's
+    directory streams text equal to decoding each output's ids at once."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from llmserve import SamplingParams
+    from llmserve.bench.workloads import Workload
+
+    src = checkpoint("llama")
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{src}/{name}", model_dir / name)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    Workload("tiny", {"vocab_size": vocab}, [], []).write_tokenizer(model_dir)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    assert len(tok) == vocab and tok.eos_token_id == vocab - 1
+    pieces = [tok.decode([i]) for i in range(256, vocab - 1)]
+    assert all(p.isprintable() for p in pieces) and len(set(pieces)) == len(pieces) > 0
+    with LLM(str(model_dir), device="cpu", log_interval_s=0) as llm:
+        outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9] * 20}],
+                            SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, seed=3), use_tqdm=False)
+    for o in outs:
+        assert len(o.outputs[0].token_ids) == 24
+        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids) != ""

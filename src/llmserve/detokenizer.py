@@ -4,6 +4,11 @@ Decoding token by token breaks multi-byte characters (a UTF-8 character split ov
 tokens) and loses the leading space that SentencePiece-style tokenizers attach to a word. So each
 new piece is the difference between decoding a short window ending at the new token and decoding
 the same window without it, and it is held back while it ends in U+FFFD (an incomplete character).
+
+A fast (Rust) tokenizer does that in `tokenizers.decoders.DecodeStream`, started on the prompt's
+last tokens: one call a token (~3 µs on the CI machine, against ~22 µs for the two
+`PreTrainedTokenizer.decode` calls of the window method, which other tokenizers still use). On a
+W-small-sized batch that is the difference between ~1 and ~6 ms of the event loop a step.
 """
 
 from __future__ import annotations
@@ -11,6 +16,15 @@ from __future__ import annotations
 from typing import Any
 
 _WINDOW = 5  # tokens of left context the window keeps
+
+
+def rust_tokenizer(tokenizer: Any) -> Any | None:
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer whose decode it reproduces
+    (no space clean-up pass on top), else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return backend
 
 
 class Detokenizer:
@@ -25,6 +39,18 @@ class Detokenizer:
         self.include_stop = include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
+        self._rust = rust_tokenizer(tokenizer) if tokenizer is not None else None
+        if self._rust is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            emitted = 0
+            for t in self.ids:  # the context: its text is not ours
+                emitted += len(self._stream.step(self._rust, t) or "")
+            # A context ending in a broken character leaves it held in the stream: its text (or what
+            # the next tokens make of it) leads the first piece and is cut off there, as decoding
+            # windows does.
+            self._skip = len(self._rust.decode(self.ids, skip_special_tokens)) - emitted
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -36,18 +62,47 @@ class Detokenizer:
         """
         if self.tokenizer is None:
             return None
+        old_len = len(self.text)
+        if self._rust is not None:
+            self._add_streamed(token_ids, final)
+        else:
+            self._add_windowed(token_ids, final)
+        return self._find_stop(old_len) if len(self.text) > old_len else None
+
+    def _add_streamed(self, token_ids: list[int], final: bool) -> None:
+        # self.ids[prefix_offset:read_offset] is the context of the tokens after read_offset,
+        # which the stream holds back (they end in an incomplete character).
+        for t in token_ids:
+            self.ids.append(t)
+            piece = self._stream.step(self._rust, t)
+            if piece is not None:
+                if self._skip:
+                    piece, self._skip = piece[self._skip:], max(0, self._skip - len(piece))
+                self.text += piece
+                self.read_offset = len(self.ids)
+                self.prefix_offset = max(0, self.read_offset - _WINDOW)
+        if final and self.read_offset < len(self.ids):
+            prefix = self._rust.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
+            self.text += self._rust.decode(self.ids[self.prefix_offset:], self.skip_special)[len(prefix):]
+            self._skip = 0
+        if len(self.ids) > 4 * _WINDOW:  # keep the list short: only the window is ever read
+            drop = self.prefix_offset
+            del self.ids[:drop]
+            self.prefix_offset, self.read_offset = 0, self.read_offset - drop
+
+    def _add_windowed(self, token_ids: list[int], final: bool) -> None:
         self.ids.extend(token_ids)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
-            return None
-        old_len = len(self.text)
+            return
         self.text += full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return self._find_stop(old_len)
 
     def _find_stop(self, old_len: int) -> str | None:
         # A stop string may start in text emitted earlier: look back far enough to catch it.
+        if not self.stop:
+            return None
         start = max(0, old_len - self.hold)
         best = None
         for s in self.stop:

@@ -118,7 +118,7 @@ def peer_hf(w: Workload, num_requests: int, batch_size: int) -> dict:
 
 
 def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, profile: str | None = None,
-        **engine_kwargs) -> dict:
+        detokenize: bool = False, **engine_kwargs) -> dict:
     from llmserve import LLM, SamplingParams
     w = WORKLOADS[workload]()
     device = measure_device() if torch.cuda.is_available() else {"device": "cpu"}
@@ -134,7 +134,10 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         with watch_stalls() as startup_stalls:  # the Triton kernels compiled (or read from disk) at start-up
-            llm = LLM(w.write_model_dir(tmp), load_format="dummy", **engine_kwargs)
+            model_dir = w.write_model_dir(tmp)
+            if detokenize:
+                w.write_tokenizer(model_dir)
+            llm = LLM(model_dir, load_format="dummy", **engine_kwargs)
         startup = time.perf_counter() - start  # weights, profiling step, KV cache, graph capture
         startup_info = startup_summary(llm.engine.startup_phases, startup_stalls["kernels"])
         llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -179,6 +182,7 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
               "wall_s": wall, "prompt_tokens": w.prompt_tokens,
               "output_tokens": generated, "expected_output_tokens": w.output_tokens,
               "output_tok_s": generated / wall, "preemptions": preemptions, "leaked_blocks": leaked,
+              "output_chars": sum(len(o.outputs[0].text) for o in outs), "detokenize": detokenize,
               "decode_steps": step_summary, "stalls": stalls,
               "date": time.strftime("%Y-%m-%d"), "engine_kwargs": engine_kwargs}
     if "copy_bytes_per_s" in device:
@@ -225,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this run (seconds)")
     ap.add_argument("--quantization", help="model.quantization (int8, fp8, ...)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="cache.kv_cache_dtype (auto, fp8)")
+    ap.add_argument("--detokenize", action="store_true",
+                    help="a tokenizer covering the model's vocabulary in its directory: outputs become text, "
+                         "as with a real checkpoint (WORKLOADS.md's runs have none)")
     args = ap.parse_args(argv)
     if args.switch_interval:
         import sys
@@ -232,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run(args.workload, peer=args.peer, peer_requests=args.peer_requests, profile=args.profile,
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  enforce_eager=args.enforce_eager, log_interval_s=10.0, quantization=args.quantization,
-                 kv_cache_dtype=args.kv_cache_dtype)
+                 kv_cache_dtype=args.kv_cache_dtype, detokenize=args.detokenize)
     report(result, args.json)
 
 

@@ -48,6 +48,43 @@ class Workload:
         (path / "config.json").write_text(json.dumps(self.model_config))
         return str(path)
 
+    def write_tokenizer(self, path: str | Path) -> None:
+        """Put a tokenizer covering the model's whole vocabulary into the checkpoint directory, so
+        that a run detokenizes its outputs as it would with the real checkpoint's tokenizer."""
+        from transformers import PreTrainedTokenizerFast
+
+        eos = "<|endoftext|>"
+        tok = synthetic_tokenizer(self.model_config["vocab_size"], eos)
+        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos).save_pretrained(str(path))
+
+
+def synthetic_tokenizer(vocab_size: int, eos: str, seed: int = 0):
+    """A byte-level BPE `tokenizers.Tokenizer` of exactly `vocab_size` tokens (the last one `eos`),
+    built without a corpus: each merge extends a token drawn at random by a letter, digit, space or
+    punctuation mark, up to 10 characters (a real vocabulary is mostly such pieces, and random
+    weights sample its ids uniformly); ~1 s for 151,936 tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    chars = [chr(c) for c in range(33, 127)] + ["\u0120"] * 12  # printable ASCII; U+0120 is the space
+    pool = list(chars)
+    rng = random.Random(seed)
+    merges = []
+    while len(vocab) < vocab_size - 1:
+        a, b = rng.choice(pool), rng.choice(chars)
+        if len(a) >= 10 or a + b in vocab:
+            continue
+        vocab[a + b] = len(vocab)
+        merges.append((a, b))
+        pool.append(a + b)
+    vocab[eos] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([eos])
+    return tok
+
 
 def w_small() -> Workload:
     random.seed(0)
