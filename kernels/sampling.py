@@ -1,4 +1,4 @@
-"""Fused sampling: two short kernels over a batch of logits rows, no [B, V] temporaries.
+"""Fused sampling: short kernels over a batch of logits rows, no [B, V] temporaries.
 
 For row b with temperature T > 0 the token is drawn by inverse transform from softmax(logits / T):
 with weights w_v = 2^(y_v - max y), y = logits * (log2(e) / T), it is the first v whose cumulative
@@ -17,12 +17,31 @@ a tile). It reads at most one slice a row again, from L2 as a rule.
 
 This replaced a one-pass Gumbel-max kernel (argmax of y + Gumbel noise, a hash and two logarithms
 a logit), which was bound by that arithmetic: at W-small's 218 rows on an H100, 63.6 µs against
-32.4 µs now (2.0 TB/s of logits; `scripts/sampler_bench.py`, BENCHMARKS.md). Rows with min_p,
-top_k or top_p still draw Gumbel-max in torch (model/sampler.py, gumbel_noise_reference). Logits
-may be in the model's dtype: they are upcast to float32 as they are read, so the draw is the same.
+32.4 µs now (2.0 TB/s of logits; `scripts/sampler_bench.py`, BENCHMARKS.md). Logits may be in
+the model's dtype: they are upcast to float32 as they are read, so the draw is the same.
 
-`sample_rows_reference` computes the same function in torch (int64 arithmetic masked to 32 bits,
-the cumulative sums in float64), for the CPU backend and as this kernel's test oracle.
+Rows with min_p, top_k or top_p (`sample_filtered_rows`, a program a row) are drawn by rejection,
+with no sort. What the filters keep is the tokens of weight w >= min_p * max w that have fewer than
+top_k tokens and less than top_p of the kept weight strictly above them (ties at the threshold all
+kept; torch's sort would keep some of them). Round r draws a candidate by inverse transform at
+u_r = hash(key + r * golden) from the tokens still in play (key >= lo, where tokens are ordered by
+int32 keys of their float32 logits), then counts the tokens and weight above it and above PIVOTS - 1
+keys spread from it to hi (the lowest key known to keep everything above it). If the candidate
+passes it is the draw: conditioned on landing among the kept tokens, a draw from a superset of
+them is a draw from them, so the rounds change no probability. Otherwise every token below the
+highest failing pivot fails too: lo rises to it, hi falls to the lowest passing one, and the next
+round draws above lo. Each failure shrinks [lo, hi) to a PIVOTS-th or less, so a row needs at most
+~17 rounds of int32 keys (MAX_ROUNDS = 64 is never reached) and usually one or two: a real model's
+mass sits in its top tokens. A round reads the row twice (the walk stops at the candidate); before
+them one pass finds the top logit and the row's weight online (min_p: one more, the kept weight).
+At 256 rows of W-small's vocabulary on the H100 (`sampler_bench.py --filtered`, bf16, T = 0.6)
+this takes 0.40 ms (min_p 0.05), 0.45-0.52 (top_p 0.9) and 0.45 / 0.82 ms (top_k 20 + top_p 0.95,
+peaked / flat logits) where sorting the rows in torch took 9.3-10.2 ms. A program a row keeps too
+few bytes in flight (~1 TB/s a pass): rows split over slices, as sample_rows does, would go further.
+
+`sample_rows_reference` and `sample_filtered_rows_reference` compute the same functions in torch
+(int64 arithmetic masked to 32 bits, sums in float64), for the CPU backend and as the kernels'
+test oracles.
 """
 
 from __future__ import annotations
@@ -36,7 +55,7 @@ from llmserve.kernels.hardware import pdl, pdl_start
 _GOLDEN = 0x9E3779B9
 _M1, _M2 = 0x7FEB352D, 0x846CA68B
 _MASK = 0xFFFFFFFF
-_U_SALT = 0x5BD1E995  # a row's u hashes its key with this, apart from the Gumbel streams of gumbel_noise_reference
+_U_SALT = 0x5BD1E995  # a row's u hashes its key with this (the filtered sampler's rounds with _FILTER_SALT)
 _LOG2E = 1.4426950408889634
 
 
@@ -158,19 +177,148 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tens
     return out
 
 
+@triton.jit
+def _order_key(x):
+    """int32 keys ordered as the float32 values x are (a sign-magnitude float's bits, the negative
+    ones' magnitude bits flipped)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _above(base, V, c, top, ythr, q, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+    """For each pivot key q[i]: how many of the row's tokens of weight kept by min_p have a key >= q[i],
+    and their weight, sum 2^(y - top). Per-lane sums, reduced once at the end."""
+    count = tl.zeros([BLOCK, PIVOTS], tl.int32)
+    mass = tl.zeros([BLOCK, PIVOTS], tl.float32)
+    for start in range(0, V, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        y = x * c
+        w = tl.where(y >= ythr, tl.math.exp2(y - top), 0.0)
+        ge = (_order_key(x)[:, None] >= q[None, :]) & (w[:, None] > 0)
+        count += ge.to(tl.int32)
+        mass += tl.where(ge, w[:, None], 0.0)
+    return tl.sum(count, 0), tl.sum(mass, 0)
+
+
+@triton.jit(do_not_specialize=["V"])
+def _filtered_kernel(logits_ptr, stride, rows_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, key_ptr, out_ptr, V,
+                     BLOCK: tl.constexpr, PIVOTS: tl.constexpr, MAX_ROUNDS: tl.constexpr, PDL: tl.constexpr):
+    """Program i: row rows[i], drawn from softmax(logits / T) restricted to the tokens that min_p,
+    top_k and top_p keep, by rejection (module docstring); the token goes to out[rows[i]]."""
+    pdl_start(PDL)
+    row = tl.load(rows_ptr + tl.program_id(0))
+    t = tl.load(temp_ptr + row)
+    c = 1.4426950408889634 / tl.where(t > 0, t, 1.0)
+    k = tl.load(topk_ptr + row).to(tl.int32)
+    p = tl.load(topp_ptr + row)
+    min_p = tl.load(minp_ptr + row)
+    seed = tl.load(key_ptr + row).to(tl.uint32)
+    base = logits_ptr + row.to(tl.int64) * stride
+    # The row's top y, the top key (+1: no token at or above it) and, online, the row's weight:
+    # per-lane maxima and sums, rescaled when a lane's maximum rises.
+    m_lane = tl.full([BLOCK], -3.0e38, tl.float32)
+    s_lane = tl.zeros([BLOCK], tl.float32)
+    key_lane = tl.full([BLOCK], -2147483647, tl.int32)
+    for start in range(0, V, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        y = x * c
+        m_new = tl.maximum(m_lane, y)
+        s_lane = s_lane * tl.math.exp2(m_lane - m_new) + tl.math.exp2(y - m_new)
+        m_lane = m_new
+        key_lane = tl.maximum(key_lane, tl.where(idx < V, _order_key(x), -2147483647))
+    top = tl.max(m_lane, 0)
+    hi = tl.max(key_lane, 0) + 1
+    kept_mass = tl.sum(s_lane * tl.math.exp2(m_lane - top), 0)  # what min_p keeps: top_p's 100%
+    ythr = tl.full([], -3.0e38, tl.float32)
+    if min_p > 0:  # min_p keeps less: weigh what it keeps
+        ythr = top + tl.math.log2(min_p)
+        first = tl.full([PIVOTS], -2147483647 - 1, tl.int32)
+        _, kept = _above(base, V, c, top, ythr, first, BLOCK, PIVOTS)
+        kept_mass = tl.max(kept, 0)
+    lo = tl.full([], -2147483647 - 1, tl.int32)  # the candidates: keys >= lo (and min_p's)
+    total = kept_mass
+    token = tl.full([], -1, tl.int32)
+    pick = tl.full([], -1, tl.int32)
+    stream = seed  # round r draws u from the hash of seed + r * golden (uint32, wrapping)
+    golden = tl.full([], 0x9E3779B9, tl.uint32)
+    r = 0
+    while (token < 0) & (r < MAX_ROUNDS):
+        # Draw a candidate at this round's u: walk the cumulative weight of keys >= lo.
+        u = ((_hash32(stream ^ 0x2545F491) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        target = u * total
+        acc = tl.full([], 0.0, tl.float32)
+        pick = tl.full([], -1, tl.int32)
+        last = tl.full([], 0, tl.int32)
+        pick_key = tl.full([], 0, tl.int32)
+        start = 0
+        while (pick < 0) & (start < V):
+            idx = start + tl.arange(0, BLOCK)
+            x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            y = x * c
+            key = _order_key(x)
+            w = tl.where((y >= ythr) & (key >= lo), tl.math.exp2(y - top), 0.0)
+            w = tl.where(idx < V, w, 0.0)
+            block_sum = tl.sum(w, 0)
+            last = tl.max(tl.where(w > 0, idx, last), 0)
+            if acc + block_sum > target:
+                below = tl.sum((acc + tl.cumsum(w, 0) <= target).to(tl.int32), 0)
+                pick = tl.where(below < BLOCK, start + below, last)
+                pick_key = tl.max(tl.where(idx == pick, key, -2147483647 - 1), 0)
+            acc += block_sum
+            start += BLOCK
+        if pick < 0:  # rounding left target at the very end: the last candidate
+            pick = last
+            pick_key = _order_key(tl.load(base + pick).to(tl.float32))
+        # Is it kept? Fewer than k tokens and less than p of the mass rank above it. The other
+        # pivots, spread up to hi, cut the candidates down for the next round if not.
+        q0 = pick_key.to(tl.int64) + 1
+        span = tl.maximum(hi.to(tl.int64) - q0, 0)
+        q = (q0 + span * tl.arange(0, PIVOTS) // PIVOTS).to(tl.int32)
+        count, mass = _above(base, V, c, top, ythr, q, BLOCK, PIVOTS)
+        out = (count >= k) | (mass >= p * kept_mass)  # the tokens below each pivot are all cut
+        if tl.sum(out.to(tl.int32), 0) == 0:
+            token = pick
+        else:
+            lo = tl.max(tl.where(out, q, -2147483647 - 1), 0)
+            total = tl.min(tl.where(out, mass, 3.0e38), 0)
+            hi = tl.min(tl.where(out, hi, q), 0)
+        stream += golden
+        r += 1
+    if token < 0:  # MAX_ROUNDS spent (the bound in the docstring says never): the last candidate
+        token = pick
+    if t > 0:  # greedy rows keep the argmax the caller already wrote
+        tl.store(out_ptr + row, token.to(tl.int64))
+
+
+_PIVOTS, _MAX_ROUNDS = 4, 64
+FILTER_TILES = (2048, 8)  # (block, warps)
+
+
+def sample_filtered_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                         min_p: torch.Tensor, key: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+                         tiles: tuple[int, int] | None = None, pivots: int = _PIVOTS) -> torch.Tensor:
+    """For each row index in `rows` (int64 [R]) with T > 0: a draw from softmax(logits / T) over
+    the tokens that min_p, top_k (int64) and top_p keep, written to out[row] (int64 [B]); other
+    rows of `out` untouched. Same per-row parameters as sample_rows, plus the filters. `tiles`
+    (block, warps) and `pivots` for benchmarks: the pivots change the rounds, so the draw."""
+    if rows.numel():
+        block, warps = tiles or FILTER_TILES
+        on = pdl(logits.device)
+        _filtered_kernel[(rows.numel(),)](logits, logits.stride(0), rows, temperature, top_k, top_p, min_p, key, out,
+                                          logits.shape[1], BLOCK=block, PIVOTS=pivots, MAX_ROUNDS=_MAX_ROUNDS,
+                                          PDL=on, num_warps=warps, launch_pdl=on)
+    return out
+
+
 def _hash32_torch(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 16)
     x = (x * _M1) & _MASK
     x = x ^ (x >> 15)
     x = (x * _M2) & _MASK
     return x ^ (x >> 16)
-
-
-def gumbel_noise_reference(key: torch.Tensor, vocab: int) -> torch.Tensor:
-    """float32 [B, V]: the kernel's Gumbel noise g(key, v)."""
-    idx = torch.arange(vocab, device=key.device, dtype=torch.int64)
-    h = _hash32_torch(((key & _MASK)[:, None] + idx[None, :] * _GOLDEN) & _MASK)
-    return -torch.log(-torch.log(_uniform(h)))
 
 
 def _uniform(h: torch.Tensor) -> torch.Tensor:
@@ -201,6 +349,59 @@ def sample_rows_reference(logits: torch.Tensor, temperature: torch.Tensor, key: 
     drawn = torch.minimum((cum <= target[:, None]).sum(-1), last)
     drawn = torch.where(cum[:, -1] > 0, drawn, 0)
     return torch.where(t > 0, drawn, x.argmax(-1))
+
+
+_FILTER_SALT = 0x2545F491
+
+
+def order_key_reference(x: torch.Tensor) -> torch.Tensor:
+    """int64 copies of the kernel's int32 order keys of float32 x."""
+    bits = x.float().view(torch.int32).long()
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def sample_filtered_rows_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                                   top_p: torch.Tensor, min_p: torch.Tensor, key: torch.Tensor, rows: torch.Tensor,
+                                   out: torch.Tensor) -> torch.Tensor:
+    """sample_filtered_rows in torch, a row at a time: the same rounds, pivots and u, the weights
+    in float32 and their sums in float64 (so a choice differs from the kernel's only within float32
+    rounding of a boundary)."""
+    for row in rows.tolist():
+        t = float(temperature[row])
+        if t <= 0:
+            continue
+        x = logits[row].float()
+        c = torch.tensor(_LOG2E, dtype=torch.float32) / torch.tensor(t, dtype=torch.float32)
+        y = x * c.to(x.device)
+        top = y.max()
+        mp = float(min_p[row])
+        ythr = top + torch.log2(torch.tensor(mp, device=x.device)) if mp > 0 else torch.tensor(-3.0e38, device=x.device)
+        w = torch.where(y >= ythr, torch.exp2(y - top), 0.0).double()
+        keys = order_key_reference(x)
+        kept_mass = w.sum()
+        k, p = int(top_k[row]), float(top_p[row])
+        lo, hi, total = -2**31, int(keys.max()) + 1, kept_mass
+        stream = int(key[row]) & _MASK
+        pick = 0
+        for _ in range(_MAX_ROUNDS):
+            u = float(_uniform(_hash32_torch(torch.tensor([stream ^ _FILTER_SALT])))[0])
+            cand = torch.where(keys >= lo, w, 0.0)
+            cum = cand.cumsum(0)
+            hits = (cum > u * total).nonzero()
+            pick = int(hits[0]) if hits.numel() else int((cand > 0).nonzero()[-1])
+            q0 = int(keys[pick]) + 1
+            q = torch.tensor([q0 + max(hi - q0, 0) * i // _PIVOTS for i in range(_PIVOTS)], device=x.device)
+            ge = (keys[None, :] >= q[:, None]) & (w[None, :] > 0)
+            count, mass = ge.sum(1), (ge * w[None, :]).sum(1)
+            cut = (count >= k) | (mass >= p * kept_mass)
+            if not cut.any():
+                break
+            lo, total = int(q[cut].max()), mass[cut].min()
+            if (~cut).any():
+                hi = int(q[~cut].min())
+            stream = (stream + _GOLDEN) & _MASK
+        out[row] = pick
+    return out
 
 
 def row_keys(seeds, out_index):

@@ -10,7 +10,7 @@ from llmserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from llmserve.hookspecs import hookimpl
 from llmserve.kernels.reference import paged_attention_reference, write_kv_reference
 from llmserve.kernels.fused import rms_norm_reference, rotary_reference, silu_and_mul_reference
-from llmserve.kernels.sampling import sample_rows_reference
+from llmserve.kernels.sampling import sample_filtered_rows_reference, sample_rows_reference
 
 
 class CPUBackend(AttentionBackend):
@@ -34,6 +34,9 @@ class CPUBackend(AttentionBackend):
 
     def sample_rows(self, logits, temperature, key) -> torch.Tensor:
         return sample_rows_reference(logits, temperature, key)
+
+    def sample_filtered_rows(self, logits, temperature, top_k, top_p, min_p, key, rows, out) -> torch.Tensor:
+        return sample_filtered_rows_reference(logits, temperature, top_k, top_p, min_p, key, rows, out)
 
     def memory_available(self, device: torch.device) -> tuple[int, int]:
         page = os.sysconf("SC_PAGE_SIZE")

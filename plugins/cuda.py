@@ -16,10 +16,11 @@ class CUDABackend(AttentionBackend):
         from llmserve.kernels import fused
         from llmserve.kernels.cache_write import write_kv
         from llmserve.kernels.paged_attention import paged_attention
-        from llmserve.kernels.sampling import sample_rows
+        from llmserve.kernels.sampling import sample_filtered_rows, sample_rows
         self._write_kv = write_kv
         self._paged_attention = paged_attention
         self._sample_rows = sample_rows
+        self._sample_filtered_rows = sample_filtered_rows
         self._fused = fused
 
     def write_kv(self, key, value, cache: KVCache, slot_mapping) -> None:
@@ -46,6 +47,9 @@ class CUDABackend(AttentionBackend):
 
     def sample_rows(self, logits, temperature, key) -> torch.Tensor:
         return self._sample_rows(logits, temperature, key)
+
+    def sample_filtered_rows(self, logits, temperature, top_k, top_p, min_p, key, rows, out) -> torch.Tensor:
+        return self._sample_filtered_rows(logits, temperature, top_k, top_p, min_p, key, rows, out)
 
     def memory_available(self, device: torch.device) -> tuple[int, int]:
         return torch.cuda.mem_get_info(device)

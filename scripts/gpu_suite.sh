@@ -9,7 +9,8 @@
 #       -> installs .whl into /tmp/site, runs the GPU and kernel tests (SKIP_TESTS=1: not), then the
 #          benchmark (BENCH_ARGS replaces "--peer hf"; PROFILE=1 adds profiler windows; COLD=1: an
 #          empty Triton cache, as on a fresh machine)
-#          (w-serve: the server plus `llmserve bench serve` at rate inf and at half the max;
+#          (w-serve: the server plus `llmserve bench serve` at rate inf and at half the max,
+#          DETOKENIZE=1: with a tokenizer in the model's directory;
 #          quant-1: int8 kernel sweep, batch-1 decode bf16 vs int8, quantization quality;
 #          quant-2: decode attention bf16 vs FP8 cache, W-small with a bf16 vs FP8 KV cache,
 #          W-large bf16 vs fp8;
@@ -63,7 +64,9 @@ run)
         # engine on the same event loop (server.engine_process = false) at rate inf for comparison.
         timeout 150 "$PY" -m llmserve.bench.throughput --workload w-small --json "$OUT/w-small.json" > "$OUT/w-small.log" 2>&1
         grep -E '"(wall_s|output_tok_s|roofline_fraction)"' "$OUT/w-small.json"
-        "$PY" -c 'from llmserve.bench.workloads import w_small; w_small().write_model_dir("/tmp/w-small-model")'
+        # DETOKENIZE=1: a tokenizer of the model's whole vocabulary in its directory, as a real
+        # checkpoint has: the server streams text (detokenized in its own process)
+        "$PY" -c 'import os; from llmserve.bench.workloads import w_small; w = w_small(); d = w.write_model_dir("/tmp/w-small-model"); os.environ.get("DETOKENIZE") and w.write_tokenizer(d)'
         serve_bench() {  # engine_process (true|false), then the rates to run, in order ("half": half of the first)
             local proc=$1; shift
             printf '[model]\nmodel = "/tmp/w-small-model"\nload_format = "dummy"\n[scheduler]\nlog_interval_s = 10.0\n[server]\nport = 8000\nmax_waiting_requests = 100000\nengine_process = %s\n' "$proc" > /tmp/w-serve.toml

@@ -2,11 +2,15 @@
 the bandwidth floor of reading the logits once (a row max). Timed inside a CUDA graph, logits in
 bf16 as the lm_head leaves them, temperature 0.6. GPU only.
 
-    python scripts/sampler_bench.py [--batches 15,48,128,218,256] [--sweep] [--json out.json]
+    python scripts/sampler_bench.py [--batches 15,48,128,218,256] [--sweep] [--filtered] [--json out.json]
 
 Per batch: the shipped sampler's µs and the row max's µs; --sweep also times sample_rows for
 every (slice, block, warps). Runs against an llmserve with either sampler (sample_rows, or the
 Gumbel-max gumbel_argmax before it), so `gpu_suite.sh run ab-script sampler_bench.py` compares them.
+--filtered instead times the whole `sample()` with every row filtered as model cards ask (top_k 20 +
+top_p 0.95: Qwen3; top_p 0.9: Llama 3.1; min_p 0.05) against no filter, on flat logits (random
+weights) and peaked ones (a real model's: most mass on a few tokens), and torch's topk and sort
+of the same rows; with --sweep also sample_filtered_rows alone for every (block, warps, pivots).
 """
 
 import argparse
@@ -22,12 +26,56 @@ from llmserve.kernels import sampling
 VOCAB = 151936
 
 
+def filtered(batches: list[int], sweep: bool) -> list[dict]:
+    from llmserve.model.sampler import SamplingBatch, sample
+
+    rows = []
+    for B, shape in itertools.product(batches, ("flat", "peaked")):
+        logits = torch.randn(B, VOCAB, device="cuda") * (1.0 if shape == "flat" else 4.0)
+        logits = logits.to(torch.bfloat16)
+        row = {"batch": B, "logits": shape}
+        for name, k, p, min_p in (("none", VOCAB, 1.0, 0.0), ("top_k20_top_p0.95", 20, 0.95, 0.0),
+                                  ("top_p0.9", VOCAB, 0.9, 0.0), ("min_p0.05", VOCAB, 1.0, 0.05)):
+            full = lambda v, dtype: torch.full((B,), v, dtype=dtype, device="cuda")  # noqa: E731
+            batch = SamplingBatch(full(0.6, torch.float32), full(k, torch.int64), full(p, torch.float32),
+                                  full(min_p, torch.float32), torch.randint(0, 2**62, (B,), device="cuda"), False,
+                                  None if name == "none" else torch.arange(B, device="cuda"))
+            fns = [sampling.sample_rows] + ([sampling.sample_filtered_rows] if hasattr(sampling, "sample_filtered_rows")
+                                            else [])
+            row[name + "_us"] = round(graph_us(lambda _: sample(logits, batch, *fns), reps=20), 1)
+        if sweep and hasattr(sampling, "sample_filtered_rows"):
+            rows_ = torch.arange(B, device="cuda")
+            out = torch.empty(B, dtype=torch.int64, device="cuda")
+            for name, k, p, min_p in (("top_k20_top_p0.95", 20, 0.95, 0.0), ("min_p0.05", VOCAB, 1.0, 0.05)):
+                full = lambda v, dtype: torch.full((B,), v, dtype=dtype, device="cuda")  # noqa: E731
+                args = (logits, full(0.6, torch.float32), full(k, torch.int64), full(p, torch.float32),
+                        full(min_p, torch.float32), torch.randint(0, 2**62, (B,), device="cuda"), rows_, out)
+                timed = []
+                for block, warps, pivots in itertools.product((2048, 4096, 8192), (4, 8), (4, 8)):
+                    try:
+                        us = graph_us(lambda _: sampling.sample_filtered_rows(*args, tiles=(block, warps), pivots=pivots),
+                                      reps=10)
+                    except Exception:  # too many registers and the like
+                        continue
+                    timed.append((round(us, 1), block, warps, pivots))
+                row[name + "_best"] = sorted(timed)[:4]
+        row["torch_topk20_us"] = round(graph_us(lambda _: logits.topk(20, dim=-1), reps=20), 1)
+        row["torch_sort_us"] = round(graph_us(lambda _: logits.float().sort(dim=-1, descending=True), reps=20), 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="15,48,128,218,256")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--filtered", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.filtered:
+        report(filtered(list(map(int, args.batches.split(","))), args.sweep), args.json, echo=False)
+        return
     shipped_fn = getattr(sampling, "sample_rows", None) or sampling.gumbel_argmax
     rows = []
     for B in map(int, args.batches.split(",")):

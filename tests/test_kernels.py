@@ -6,7 +6,8 @@ import torch
 from llmserve.kernels.cache_write import write_kv
 from llmserve.kernels.paged_attention import paged_attention
 from llmserve.kernels.reference import paged_attention_reference, write_kv_reference
-from llmserve.kernels.sampling import SLICE, row_keys, sample_rows, sample_rows_reference
+from llmserve.kernels.sampling import (SLICE, row_keys, sample_filtered_rows, sample_filtered_rows_reference,
+                                       sample_rows, sample_rows_reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -221,6 +222,67 @@ def test_sample_rows_walks_to_the_token_inside_its_slice():
     out = sample_rows(logits, temperature, keys, tiles=(256, 64))
     assert out.tolist() == sample_rows_reference(logits, temperature, keys).tolist()
     assert len({int(t) // 256 for t in out}) == 4 and not ((out[::3] >= 300) & (out[::3] < 700)).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_sample_filtered_rows_matches_reference(dtype):
+    """Flat rows (random weights: a small top_k takes several rounds), peaked rows (one round),
+    min_p, ties at the threshold, negative and -inf logits, rows not asked for left alone, over a
+    vocabulary of three blocks; the kernel's token is the reference's in every row, and each is
+    one the filters keep."""
+    g = torch.Generator().manual_seed(11)
+    n, vocab = 30, 2500
+    logits = torch.randn(n, vocab, generator=g)
+    logits[3:6] *= 6  # peaked
+    logits[6, :] = -3.0
+    logits[6, [7, 1200, 2400]] = 2.0  # three tied top tokens: top_k 2 keeps all three
+    logits[7, 1000:] = float("-inf")
+    logits[10:] = -9.0
+    logits[10:, [3, 1500, 2000]] = torch.tensor([2.5, 2.25, 2.0])  # top_k 2 / top_p 0.5 cut a third of the mass
+    logits = logits.to(dtype).to(DEVICE)
+    f = lambda *v: torch.tensor(v, device=DEVICE)  # noqa: E731
+    temperature = f(1.0, 0.6, 1.3, 1.0, 0.7, 1.0, 1.0, 0.9, 1.0, 0.0, *[1.0] * 20).float()
+    top_k = f(5, vocab, 40, 20, vocab, 3, 2, 30, vocab, 5, *[2] * 10, *[vocab] * 10)
+    top_p = f(1.0, 0.9, 0.95, 0.95, 0.5, 1.0, 1.0, 0.8, 1.0, 0.9, *[1.0] * 10, *[0.5] * 10).float()
+    min_p = f(0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.3, 0.0, *[0.0] * 20).float()
+    keys = row_keys(torch.arange(n, device=DEVICE) * 31 + 7, torch.zeros(n, dtype=torch.int64, device=DEVICE))
+    rows = f(0, 1, 2, 3, 4, 5, 6, 7, 9, *range(10, 30))  # not 8; 9 is greedy
+    out = sample_filtered_rows(logits, temperature, top_k, top_p, min_p, keys, rows, torch.full((n,), -1, device=DEVICE))
+    ref = sample_filtered_rows_reference(logits.cpu(), temperature.cpu(), top_k.cpu(), top_p.cpu(), min_p.cpu(),
+                                         keys.cpu(), rows.cpu(), torch.full((n,), -1))
+    assert out.tolist() == ref.tolist()
+    assert out[8] == -1 and out[9] == -1  # not asked for; greedy
+    from test_sampler import kept_by_sorting
+    x = logits.float().cpu()
+    keep = kept_by_sorting(x, temperature.cpu().clamp(min=0.1), top_k.cpu(), top_p.cpu(), min_p.cpu())
+    for r in [*range(8), *range(10, 30)]:
+        assert keep[r, out[r]], r
+    assert out[6] in (7, 1200, 2400) and out[7] < 1000
+    assert set(out[10:].tolist()) == {3, 1500}
+
+
+def test_sample_filtered_rows_samples_the_kept_distribution():
+    """top_k 3 of a flat 20,000-token row plus top_p 0.5 of a peaked one: frequencies over 3,000
+    keys (the kernel on the GPU, the reference elsewhere: the interpreter would take minutes)."""
+    n, vocab = 3000, 20000
+    g = torch.Generator().manual_seed(2)
+    flat = torch.randn(vocab, generator=g) * 0.1
+    flat[[5, 9000, 19999]] = 2.0 + torch.tensor([0.0, 0.3, 0.6])  # the top three
+    peaked = torch.full((vocab,), -20.0)
+    peaked[[1, 2, 3, 4]] = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    logits = torch.stack([flat, peaked]).repeat(n // 2, 1)
+    temperature = torch.ones(n)
+    top_k = torch.tensor([3, vocab]).repeat(n // 2)
+    top_p = torch.tensor([1.0, 0.5]).repeat(n // 2)
+    keys = row_keys(torch.arange(n), torch.zeros(n, dtype=torch.int64))
+    pick = sample_filtered_rows if DEVICE == "cuda" else sample_filtered_rows_reference
+    args = [t.to(DEVICE) for t in (logits, temperature, top_k, top_p, torch.zeros(n), keys, torch.arange(n))]
+    out = pick(*args, torch.zeros(n, dtype=torch.int64, device=DEVICE)).cpu()
+    top3 = torch.softmax(torch.tensor([2.0, 2.3, 2.6]), 0)
+    freq = torch.stack([(out[0::2] == t).float().mean() for t in (5, 9000, 19999)])
+    assert torch.allclose(freq, top3, atol=0.04) and freq.sum() == 1
+    # p(1) = 0.64 of the peaked row's mass >= 0.5: top_p keeps token 1 alone
+    assert (out[1::2] == 1).all()
 
 
 from llmserve.kernels.fused import (rms_norm, rms_norm_reference, rotary, rotary_reference,  # noqa: E402

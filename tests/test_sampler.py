@@ -2,8 +2,22 @@ import math
 
 import torch
 
-from llmserve.kernels.sampling import gumbel_noise_reference, row_keys
-from llmserve.model.sampler import Penalties, SamplingBatch, apply_penalties, gather_logprobs, sample, sampling_probs
+from llmserve.kernels.sampling import row_keys
+from llmserve.model.sampler import Penalties, SamplingBatch, apply_penalties, gather_logprobs, sample
+
+
+def kept_by_sorting(logits, temperature, top_k, top_p, min_p):
+    """bool [B, V]: what min_p, top_k and top_p keep, by their textbook definition over a sort (a
+    token is kept if its probability is at least min_p times the top one, fewer than top_k tokens
+    rank before it, and less than top_p of the min_p-kept mass comes before it)."""
+    probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
+    probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1])[None, :]
+    before = sorted_p.cumsum(dim=-1) - sorted_p
+    keep = (rank < top_k[:, None]) & (before < top_p[:, None] * sorted_p.sum(-1, keepdim=True)) & (sorted_p > 0)
+    keep[:, 0] = True
+    return torch.zeros_like(keep).scatter(-1, order, keep)
 
 
 def batch(n, *, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, seeds=None, out_index=None, vocab=8, **kw):
@@ -33,11 +47,7 @@ def test_same_seed_same_token_whatever_the_batch():
     assert len(set(other_seed)) > 5 or other_step != alone
 
 
-def test_noise_is_gumbel_and_keys_differ():
-    g = gumbel_noise_reference(row_keys(torch.tensor([1, 2**40 + 7]), torch.tensor([0, 3])), 50000)
-    # Standard Gumbel: mean = Euler-Mascheroni constant, variance = pi^2 / 6.
-    assert abs(g.mean().item() - 0.5772) < 0.02 and abs(g.var().item() - math.pi ** 2 / 6) < 0.05
-    assert not torch.equal(g[0], g[1])
+def test_row_keys_differ():
     keys = row_keys(torch.tensor([5, 5, 6, -3]), torch.tensor([0, 1, 0, 0]))
     assert len(set(keys.tolist())) == 4 and all(0 <= k < 2**32 for k in keys.tolist())
 
@@ -51,16 +61,35 @@ def test_sampling_follows_the_distribution():
     assert torch.allclose(freq, probs, atol=0.03)
 
 
-def test_top_k_top_p_min_p_masks():
+def test_top_k_top_p_min_p_keep_what_their_definition_keeps():
+    """Over 3,000 keys a row, the filtered sampler draws every token its filters keep and nothing
+    else, for each filter alone and together."""
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).log_softmax(-1)  # probs p0 > p1 > ...
     p = torch.softmax(logits, -1)[0]
-    keep = lambda b: (sampling_probs(logits, b.temperature, b.top_k, b.top_p, b.min_p)[0] > 0).tolist()  # noqa: E731
-    assert keep(batch(1, top_k=2, vocab=5)) == [True, True, False, False, False]
-    # top_p: keep the smallest prefix whose mass reaches top_p.
-    assert keep(batch(1, top_p=float(p[0] + p[1] * 0.5), vocab=5)) == [True, True, False, False, False]
-    assert keep(batch(1, top_p=0.01, vocab=5)) == [True, False, False, False, False]
-    assert keep(batch(1, min_p=float(p[2] / p[0]) * 1.001, vocab=5)) == [True, True, False, False, False]
-    assert keep(batch(1, vocab=5)) == [True] * 5
+    n = 3000
+    cases = [dict(top_k=2), dict(top_p=float(p[0] + p[1] * 0.5)), dict(top_p=0.01),
+             dict(min_p=float(p[2] / p[0]) * 1.001), dict(top_k=4, top_p=float(p[0] + p[1] + p[2] * 0.5)),
+             dict(top_k=3, min_p=float(p[1] / p[0]) * 0.999, top_p=0.99)]
+    for case in cases:
+        b = batch(n, seeds=list(range(n)), vocab=5, **case)
+        want = kept_by_sorting(logits, b.temperature[:1], b.top_k[:1], b.top_p[:1], b.min_p[:1])[0]
+        drawn = torch.bincount(sample(logits.repeat(n, 1), b), minlength=5) > 0
+        assert drawn.tolist() == want.tolist(), case
+    assert want.tolist() == [True, True, False, False, False]
+
+
+def test_filtered_draws_follow_the_kept_distribution():
+    """top_k 6 and top_p 0.9 at temperature 0.8 on 40 tokens: frequencies over 6,000 keys are the
+    kept tokens' probabilities renormalised."""
+    torch.manual_seed(4)
+    logits = torch.randn(1, 40) * 2
+    n = 6000
+    b = batch(n, temperature=0.8, top_k=6, top_p=0.9, seeds=list(range(n)), vocab=40)
+    keep = kept_by_sorting(logits, b.temperature[:1], b.top_k[:1], b.top_p[:1], b.min_p[:1])[0]
+    want = torch.softmax(logits[0] / 0.8, -1) * keep
+    want /= want.sum()
+    freq = torch.bincount(sample(logits.repeat(n, 1), b), minlength=40).float() / n
+    assert 2 < int(keep.sum()) <= 6 and torch.allclose(freq, want, atol=0.02)
 
 
 def test_filters_are_chosen_per_row_so_batches_do_not_change_draws():

@@ -77,6 +77,13 @@ class AttentionBackend:
         argmax); see kernels/sampling.py for the exact function every backend must compute."""
         raise NotImplementedError
 
+    def sample_filtered_rows(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                             top_p: torch.Tensor, min_p: torch.Tensor, key: torch.Tensor, rows: torch.Tensor,
+                             out: torch.Tensor) -> torch.Tensor:
+        """The rows `rows` (all with T > 0) drawn from softmax(logits / T) over the tokens min_p,
+        top_k and top_p keep, into `out`; see kernels/sampling.py for the exact function."""
+        raise NotImplementedError
+
     def memory_available(self, device: torch.device) -> tuple[int, int]:
         """(free, total) bytes on the device."""
         raise NotImplementedError

@@ -141,7 +141,7 @@ class ModelRunner:
                               top_p=torch.full((rows,), 0.9, device=dev), min_p=torch.zeros(rows, device=dev),
                               keys=torch.zeros(rows, dtype=torch.int64, device=dev), all_greedy=False,
                               filtered_rows=torch.arange(rows, device=dev), max_logprobs=min(20, v))
-        sample(logits, batch, self.backend.sample_rows)
+        sample(logits, batch, self.backend.sample_rows, self.backend.sample_filtered_rows)
         torch.log_softmax(logits, -1, dtype=torch.float32).topk(batch.max_logprobs, -1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
@@ -318,7 +318,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[self._to_device(last)])[:len(rows)]
         states = [self.seqs[r] for r in result.req_ids]
         batch = self._sampling_batch(states, logits.shape[-1])
-        tokens = sample(logits, batch, self.backend.sample_rows)
+        tokens = sample(logits, batch, self.backend.sample_rows, self.backend.sample_filtered_rows)
         flight = InFlight(result, list(plan.req_ids), states, tokens, {r: i for i, r in enumerate(result.req_ids)})
         if batch.max_logprobs >= 0:
             flight.logprob_parts = gather_logprobs(torch.log_softmax(logits, -1, dtype=torch.float32), tokens,

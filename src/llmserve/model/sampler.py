@@ -12,8 +12,8 @@ Random draws come from a counter hash of (request seed, output index) (kernels/s
 depend only on the request's own seed and position, never on the batch around it, so a seeded
 request gives the same output whatever else runs, also after preemption. Rows without
 min_p/top_k/top_p take the backend's fused sampler (inverse transform at the row's u); rows with
-them go through the torch path (softmax, sort, Gumbel-max with noise hashed per token id), chosen
-per row, so batch composition never changes a draw.
+them its filtered sampler (rejection against the filters' thresholds, no sort), chosen per row, so
+batch composition never changes a draw.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.kernels.sampling import gumbel_noise_reference, sample_rows_reference
+from llmserve.kernels.sampling import sample_filtered_rows_reference, sample_rows_reference
 from llmserve.messages import TokenLogprobs
 
 DrawFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+FilterFn = Callable[..., torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -76,35 +77,17 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor) -> torch.Tensor:
-    """Probabilities after temperature, min_p, top_k and top_p (not renormalised: only ranks matter)."""
-    temp = torch.where(temperature > 0, temperature, 1.0)
-    probs = torch.softmax(logits / temp[:, None], dim=-1)
-    probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    # Keep a token if it is within top_k and the mass strictly before it is below top_p.
-    before = sorted_p.cumsum(dim=-1) - sorted_p
-    drop = (rank >= top_k[:, None]) | (before >= top_p[:, None] * sorted_p.sum(-1, keepdim=True))
-    drop[:, 0] = False
-    return probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-
-
-def sample(logits: torch.Tensor, batch: SamplingBatch, draw_fn: DrawFn = sample_rows_reference) -> torch.Tensor:
-    """logits [B, V] (model dtype or float32) -> int64 token ids [B]. `draw_fn` is the backend's
-    fused sampler (sample_rows)."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, draw_fn: DrawFn = sample_rows_reference,
+           filter_fn: FilterFn = sample_filtered_rows_reference) -> torch.Tensor:
+    """logits [B, V] (model dtype or float32) -> int64 token ids [B]. `draw_fn` and `filter_fn` are
+    the backend's fused samplers (sample_rows, sample_filtered_rows)."""
     logits = process_logits(logits, batch)
     if batch.all_greedy:
         return logits.argmax(dim=-1)
-    keys = batch.keys
-    tokens = draw_fn(logits, batch.temperature, keys)
-    rows = batch.filtered_rows
-    if rows is not None:
-        b = lambda t: t[rows]  # noqa: E731
-        probs = sampling_probs(logits[rows].float(), b(batch.temperature), b(batch.top_k), b(batch.top_p), b(batch.min_p))
-        drawn = (probs.log() + gumbel_noise_reference(keys[rows], logits.shape[-1])).argmax(dim=-1)
-        tokens[rows] = torch.where(b(batch.temperature) > 0, drawn, tokens[rows])
+    tokens = draw_fn(logits, batch.temperature, batch.keys)
+    if batch.filtered_rows is not None:  # rows with T > 0 only: greedy rows keep their argmax
+        filter_fn(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.keys, batch.filtered_rows,
+                  tokens)
     return tokens
 
 
