@@ -240,7 +240,7 @@ def _filtered_kernel(logits_ptr, stride, rows_ptr, temp_ptr, topk_ptr, topp_ptr,
         kept_mass = tl.max(kept, 0)
     lo = tl.full([], -2147483647 - 1, tl.int32)  # the candidates: keys >= lo (and min_p's)
     total = kept_mass
-    token = tl.full([], -1, tl.int32)
+    token = tl.where(kept_mass > 0, -1, 0)  # no token of nonzero weight (all -inf): token 0, as sample_rows gives
     pick = tl.full([], -1, tl.int32)
     stream = seed  # round r draws u from the hash of seed + r * golden (uint32, wrapping)
     golden = tl.full([], 0x9E3779B9, tl.uint32)
@@ -373,12 +373,15 @@ def sample_filtered_rows_reference(logits: torch.Tensor, temperature: torch.Tens
         x = logits[row].float()
         c = torch.tensor(_LOG2E, dtype=torch.float32) / torch.tensor(t, dtype=torch.float32)
         y = x * c.to(x.device)
-        top = y.max()
+        top = y.max().clamp(min=-3.0e38)  # finite, as the kernel's running maximum starts
         mp = float(min_p[row])
         ythr = top + torch.log2(torch.tensor(mp, device=x.device)) if mp > 0 else torch.tensor(-3.0e38, device=x.device)
         w = torch.where(y >= ythr, torch.exp2(y - top), 0.0).double()
         keys = order_key_reference(x)
         kept_mass = w.sum()
+        if kept_mass == 0:  # every logit -inf
+            out[row] = 0
+            continue
         k, p = int(top_k[row]), float(top_p[row])
         lo, hi, total = -2**31, int(keys.max()) + 1, kept_mass
         stream = int(key[row]) & _MASK

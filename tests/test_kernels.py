@@ -231,34 +231,35 @@ def test_sample_filtered_rows_matches_reference(dtype):
     vocabulary of three blocks; the kernel's token is the reference's in every row, and each is
     one the filters keep."""
     g = torch.Generator().manual_seed(11)
-    n, vocab = 30, 2500
+    n, vocab = 31, 2500
     logits = torch.randn(n, vocab, generator=g)
     logits[3:6] *= 6  # peaked
     logits[6, :] = -3.0
     logits[6, [7, 1200, 2400]] = 2.0  # three tied top tokens: top_k 2 keeps all three
     logits[7, 1000:] = float("-inf")
-    logits[10:] = -9.0
-    logits[10:, [3, 1500, 2000]] = torch.tensor([2.5, 2.25, 2.0])  # top_k 2 / top_p 0.5 cut a third of the mass
+    logits[8] = float("-inf")  # no token of nonzero weight: token 0
+    logits[10:30] = -9.0
+    logits[10:30, [3, 1500, 2000]] = torch.tensor([2.5, 2.25, 2.0])  # top_k 2 / top_p 0.5 cut a third of the mass
     logits = logits.to(dtype).to(DEVICE)
     f = lambda *v: torch.tensor(v, device=DEVICE)  # noqa: E731
-    temperature = f(1.0, 0.6, 1.3, 1.0, 0.7, 1.0, 1.0, 0.9, 1.0, 0.0, *[1.0] * 20).float()
-    top_k = f(5, vocab, 40, 20, vocab, 3, 2, 30, vocab, 5, *[2] * 10, *[vocab] * 10)
-    top_p = f(1.0, 0.9, 0.95, 0.95, 0.5, 1.0, 1.0, 0.8, 1.0, 0.9, *[1.0] * 10, *[0.5] * 10).float()
-    min_p = f(0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.3, 0.0, *[0.0] * 20).float()
+    temperature = f(1.0, 0.6, 1.3, 1.0, 0.7, 1.0, 1.0, 0.9, 1.0, 0.0, *[1.0] * 21).float()
+    top_k = f(5, vocab, 40, 20, vocab, 3, 2, 30, vocab, 5, *[2] * 10, *[vocab] * 11)
+    top_p = f(1.0, 0.9, 0.95, 0.95, 0.5, 1.0, 1.0, 0.8, 1.0, 0.9, *[1.0] * 10, *[0.5] * 11).float()
+    min_p = f(0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.3, 0.0, *[0.0] * 21).float()
     keys = row_keys(torch.arange(n, device=DEVICE) * 31 + 7, torch.zeros(n, dtype=torch.int64, device=DEVICE))
-    rows = f(0, 1, 2, 3, 4, 5, 6, 7, 9, *range(10, 30))  # not 8; 9 is greedy
+    rows = f(*range(30))  # not 30; 9 is greedy
     out = sample_filtered_rows(logits, temperature, top_k, top_p, min_p, keys, rows, torch.full((n,), -1, device=DEVICE))
     ref = sample_filtered_rows_reference(logits.cpu(), temperature.cpu(), top_k.cpu(), top_p.cpu(), min_p.cpu(),
                                          keys.cpu(), rows.cpu(), torch.full((n,), -1))
     assert out.tolist() == ref.tolist()
-    assert out[8] == -1 and out[9] == -1  # not asked for; greedy
+    assert out[30] == -1 and out[9] == -1 and out[8] == 0  # not asked for; greedy; all -inf
     from test_sampler import kept_by_sorting
     x = logits.float().cpu()
     keep = kept_by_sorting(x, temperature.cpu().clamp(min=0.1), top_k.cpu(), top_p.cpu(), min_p.cpu())
     for r in [*range(8), *range(10, 30)]:
         assert keep[r, out[r]], r
     assert out[6] in (7, 1200, 2400) and out[7] < 1000
-    assert set(out[10:].tolist()) == {3, 1500}
+    assert set(out[10:30].tolist()) == {3, 1500}
 
 
 def test_sample_filtered_rows_samples_the_kept_distribution():
