@@ -294,7 +294,7 @@ def _filtered_kernel(logits_ptr, stride, rows_ptr, temp_ptr, topk_ptr, topp_ptr,
 
 
 _PIVOTS, _MAX_ROUNDS = 4, 64
-FILTER_TILES = (2048, 8)  # (block, warps)
+FILTER_TILES = (2048, 8)  # (block, warps): sampler_bench.py --filtered --sweep (H100), the best of 12 with 4 pivots
 
 
 def sample_filtered_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
