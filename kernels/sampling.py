@@ -228,7 +228,7 @@ def _filtered_kernel(logits_ptr, stride, rows_ptr, temp_ptr, topk_ptr, topp_ptr,
         m_new = tl.maximum(m_lane, y)
         s_lane = s_lane * tl.math.exp2(m_lane - m_new) + tl.math.exp2(y - m_new)
         m_lane = m_new
-        key_lane = tl.maximum(key_lane, tl.where(idx < V, _order_key(x), -2147483647))
+        key_lane = tl.maximum(key_lane, _order_key(x))  # past V: -inf, the lowest key
     top = tl.max(m_lane, 0)
     hi = tl.max(key_lane, 0) + 1
     kept_mass = tl.sum(s_lane * tl.math.exp2(m_lane - top), 0)  # what min_p keeps: top_p's 100%
@@ -259,8 +259,7 @@ def _filtered_kernel(logits_ptr, stride, rows_ptr, temp_ptr, topk_ptr, topp_ptr,
             x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
             y = x * c
             key = _order_key(x)
-            w = tl.where((y >= ythr) & (key >= lo), tl.math.exp2(y - top), 0.0)
-            w = tl.where(idx < V, w, 0.0)
+            w = tl.where((y >= ythr) & (key >= lo), tl.math.exp2(y - top), 0.0)  # 0 past V: y = -inf
             block_sum = tl.sum(w, 0)
             last = tl.max(tl.where(w > 0, idx, last), 0)
             if acc + block_sum > target:
@@ -323,15 +322,15 @@ def _hash32_torch(x: torch.Tensor) -> torch.Tensor:
 
 def _uniform(h: torch.Tensor) -> torch.Tensor:
     """float32 u in (0, 1) from the top 23 bits of a hash: (k + 0.5) / 2**23 is exact in float32
-    for k < 2**23, so u <= 1 - 2**-24 and the noise stays finite (with 24 bits, k + 0.5 rounds up
-    to 2**24 for the largest k: u = 1, infinite noise, a uniformly random token for ~1% of rows of
-    a 152k vocabulary)."""
+    for k < 2**23, so 0 < u <= 1 - 2**-24 (with 24 bits, k + 0.5 rounds up to 2**24 for the largest
+    k: u = 1, a target at or past the last cumulative weight)."""
     return ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
 
 
-def uniform_reference(key: torch.Tensor) -> torch.Tensor:
-    """float32 [B]: the u in (0, 1) that sample_rows draws for each row key."""
-    return _uniform(_hash32_torch((key & _MASK) ^ _U_SALT))
+def uniform_reference(key: torch.Tensor, salt: int = _U_SALT) -> torch.Tensor:
+    """float32 [B]: the u in (0, 1) that sample_rows draws for each row key (with _FILTER_SALT: that
+    a round of sample_filtered_rows draws for its stream)."""
+    return _uniform(_hash32_torch((key & _MASK) ^ salt))
 
 
 def sample_rows_reference(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -387,7 +386,7 @@ def sample_filtered_rows_reference(logits: torch.Tensor, temperature: torch.Tens
         stream = int(key[row]) & _MASK
         pick = 0
         for _ in range(_MAX_ROUNDS):
-            u = float(_uniform(_hash32_torch(torch.tensor([stream ^ _FILTER_SALT])))[0])
+            u = float(uniform_reference(torch.tensor([stream]), _FILTER_SALT)[0])
             cand = torch.where(keys >= lo, w, 0.0)
             cum = cand.cumsum(0)
             hits = (cum > u * total).nonzero()

@@ -29,25 +29,23 @@ VOCAB = 151936
 def filtered(batches: list[int], sweep: bool) -> list[dict]:
     from llmserve.model.sampler import SamplingBatch, sample
 
+    fns = [sampling.sample_rows] + ([sampling.sample_filtered_rows] if hasattr(sampling, "sample_filtered_rows") else [])
     rows = []
     for B, shape in itertools.product(batches, ("flat", "peaked")):
         logits = torch.randn(B, VOCAB, device="cuda") * (1.0 if shape == "flat" else 4.0)
         logits = logits.to(torch.bfloat16)
         row = {"batch": B, "logits": shape}
+        full = lambda v, dtype: torch.full((B,), v, dtype=dtype, device="cuda")  # noqa: E731
         for name, k, p, min_p in (("none", VOCAB, 1.0, 0.0), ("top_k20_top_p0.95", 20, 0.95, 0.0),
                                   ("top_p0.9", VOCAB, 0.9, 0.0), ("min_p0.05", VOCAB, 1.0, 0.05)):
-            full = lambda v, dtype: torch.full((B,), v, dtype=dtype, device="cuda")  # noqa: E731
             batch = SamplingBatch(full(0.6, torch.float32), full(k, torch.int64), full(p, torch.float32),
                                   full(min_p, torch.float32), torch.randint(0, 2**62, (B,), device="cuda"), False,
                                   None if name == "none" else torch.arange(B, device="cuda"))
-            fns = [sampling.sample_rows] + ([sampling.sample_filtered_rows] if hasattr(sampling, "sample_filtered_rows")
-                                            else [])
             row[name + "_us"] = round(graph_us(lambda _: sample(logits, batch, *fns), reps=20), 1)
-        if sweep and hasattr(sampling, "sample_filtered_rows"):
+        if sweep and len(fns) == 2:
             rows_ = torch.arange(B, device="cuda")
             out = torch.empty(B, dtype=torch.int64, device="cuda")
             for name, k, p, min_p in (("top_k20_top_p0.95", 20, 0.95, 0.0), ("min_p0.05", VOCAB, 1.0, 0.05)):
-                full = lambda v, dtype: torch.full((B,), v, dtype=dtype, device="cuda")  # noqa: E731
                 args = (logits, full(0.6, torch.float32), full(k, torch.int64), full(p, torch.float32),
                         full(min_p, torch.float32), torch.randint(0, 2**62, (B,), device="cuda"), rows_, out)
                 timed = []

@@ -39,7 +39,7 @@ class Detokenizer:
         self.include_stop = include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
-        self._rust = rust_tokenizer(tokenizer) if tokenizer is not None else None
+        self._rust = rust_tokenizer(tokenizer)
         if self._rust is not None:
             from tokenizers.decoders import DecodeStream
 
