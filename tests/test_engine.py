@@ -434,3 +434,18 @@ async def test_a_large_batch_reaches_the_scheduler_two_steps_at_a_time():
     assert [len(m.requests) for m in messages] == [7, 7, 6]  # 35 >= 2 x 16 prompt tokens, then the rest
     assert [r.req_id for m in messages for r in m.requests] == [s.req_id for s in subs]
     assert admitted_at_first < len(subs)
+
+
+def test_script_that_never_shuts_the_llm_down_exits(checkpoint):
+    """`llm = LLM(...)`, `llm.generate(...)`, end of script: the interpreter exits. (It used to wait
+    forever: the LLM stopped its engine from __del__, during finalization, through a loop thread the
+    interpreter had already frozen.)"""
+    import subprocess
+    import sys
+    script = (f"from llmserve import LLM, SamplingParams\n"
+              f"llm = LLM({checkpoint('llama')!r}, dtype='float32', device='cpu', log_interval_s=0)\n"
+              f"out = llm.generate({{'prompt_token_ids': [1, 2, 3]}}, SamplingParams(max_tokens=2), use_tqdm=False)\n"
+              f"print(len(out[0].outputs[0].token_ids))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "2"

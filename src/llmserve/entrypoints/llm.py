@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -38,9 +39,13 @@ class LLM:
             config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.config = config
         self.engine = Engine(config)
-        self._portal_cm = start_blocking_portal("asyncio")
-        self._portal = self._portal_cm.__enter__()
-        self._run_future, _ = self._portal.start_task(self.engine.run)
+        portal_cm = start_blocking_portal("asyncio")
+        self._portal = portal_cm.__enter__()
+        run_future, _ = self._portal.start_task(self.engine.run)
+        # Stops the engine on shutdown(), when the LLM is collected, or at interpreter exit, whichever
+        # comes first: at exit while the loop's (daemon) thread still runs; a __del__ would run later,
+        # during finalization, and wait forever on a loop thread the interpreter has frozen.
+        self._finalizer = weakref.finalize(self, _stop, self.engine, self._portal, portal_cm, run_future)
         self._counter = 0
 
     def get_tokenizer(self):
@@ -97,13 +102,7 @@ class LLM:
         return results  # type: ignore[return-value]
 
     def shutdown(self) -> None:
-        if self._portal_cm is None:
-            return
-        self._portal.call(self.engine.stop)
-        self._run_future.result()
-        self._portal_cm.__exit__(None, None, None)
-        self._portal_cm = None
-        self.engine.release()
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self
@@ -111,11 +110,15 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def __del__(self) -> None:
-        try:
-            self.shutdown()
-        except Exception:
-            pass
+
+def _stop(engine: Engine, portal, portal_cm, run_future) -> None:
+    """Stop the engine's loop and thread and release its memory (once: weakref.finalize's call)."""
+    try:
+        portal.call(engine.stop)
+        run_future.result()
+    finally:
+        portal_cm.__exit__(None, None, None)
+        engine.release()
 
 
 def _prompt(p: PromptInput) -> str | list[int]:
