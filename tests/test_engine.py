@@ -136,9 +136,16 @@ def test_seeded_sampling_survives_preemption(checkpoint):
     with LLM(path, dtype="float32", device="cpu", block_size=4, log_interval_s=0) as roomy:
         expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     with LLM(path, dtype="float32", device="cpu", block_size=4, num_blocks=20, max_model_len=64,
-             log_interval_s=0) as tight:
+             reserve_growth=False, log_interval_s=0) as tight:
         got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
         assert tight.engine.scheduler.num_preemptions > 0
+    assert got == expected
+    # Admission that keeps room for the running requests' growth: the same pool, nothing preempted.
+    with LLM(path, dtype="float32", device="cpu", block_size=4, num_blocks=20, max_model_len=64,
+             log_interval_s=0) as reserving:
+        got = [o.outputs[0].token_ids for o in reserving.generate(prompts, params, use_tqdm=False)]
+        assert reserving.engine.scheduler.num_preemptions == 0
+        assert reserving.engine.kv.num_free_blocks() == reserving.engine.kv.pool.num_blocks
     assert got == expected
 
 

@@ -56,8 +56,8 @@ def assert_pool_back_to_total(llm):
 VARIANTS = {
     "default": dict(),
     "chunk7": dict(max_num_batched_tokens=7, block_size=4),
-    "preempt": dict(num_blocks=24, block_size=4, max_model_len=96),
-    "sync-preempt": dict(num_blocks=24, block_size=4, max_model_len=96, async_scheduling=False),
+    "preempt": dict(num_blocks=24, block_size=4, max_model_len=96, reserve_growth=False),
+    "sync-preempt": dict(num_blocks=24, block_size=4, max_model_len=96, async_scheduling=False, reserve_growth=False),
 }
 
 

@@ -115,3 +115,33 @@ def test_placeholder_is_resolved_before_its_block_is_hashed():
     plan, fb = kv.process(StepProposal(2, [ScheduledRequest("a", 1, [70, -1], (0, 0.0, 0))]))
     assert req.token_ids[-2:].tolist() == [70, -1] and plan.context_lens.tolist() == [8]
     assert len(req.block_hashes) == 2 and kv.pool.lookup(req.block_hashes[1]) == req.block_ids[1]
+
+
+def admit_budget(req_id, tokens, n, key, max_tokens):
+    return ScheduledRequest(req_id, n, list(tokens), key, Admission(len(tokens), SamplingParams(max_tokens=max_tokens), True))
+
+
+def test_admission_keeps_room_for_the_growth_of_requests_ahead():
+    """a (2 blocks, may grow by 4) runs; b fits now (1 block) but not with a's growth and its own."""
+    first = admit_budget("a", range(8), 8, (0, 0.0, 0), max_tokens=16)
+    second = admit_budget("b", range(100, 104), 4, (0, 1.0, 1), max_tokens=8)
+    greedy = KVCacheManager(num_blocks=8, block_size=4)
+    greedy.process(StepProposal(0, [first]))
+    _, fb = greedy.process(StepProposal(1, [decode("a", 1, (0, 0.0, 0)), second]))
+    assert "b" in fb.scheduled  # admitted: it would be preempted once a grows
+
+    kv = KVCacheManager(num_blocks=8, block_size=4, reserve_growth=True)
+    _, fb = kv.process(StepProposal(0, [first]))  # nothing ahead of a: admitted as it fits
+    assert kv.growth(kv.requests["a"]) == 4
+    _, fb = kv.process(StepProposal(1, [decode("a", 1, (0, 0.0, 0)), second]))
+    # After a's block for this step 5 are free; b needs 1 now plus room for a's growth (3 more
+    # blocks to its end at 24 tokens) and its own (2 more to 12 tokens): 6 > 5
+    assert fb.not_admitted == ["b"] and "b" not in kv.requests and fb.preempted == []
+
+    # Requests that ended having used none of their budget lower the share reserved: b fits.
+    for i in range(40):
+        kv.process(StepProposal(2 + 2 * i, [admit_budget(f"x{i}", range(200, 204), 4, (0, 2.0 + i, 2 + i), 16)]))
+        kv.process(StepProposal(3 + 2 * i, [], freed=[f"x{i}"]))
+    assert kv.budget_share < 0.2
+    _, fb = kv.process(StepProposal(99, [decode("a", 2, (0, 0.0, 0)), second]))
+    assert "b" in fb.scheduled

@@ -101,7 +101,8 @@ def test_fp8_kv_cache_generates_like_the_full_precision_cache_with_preemption(ch
     params = SamplingParams(max_tokens=24, temperature=0)
     with engine("builtin", kv_cache_dtype="fp8") as llm:
         roomy = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    with engine("builtin", kv_cache_dtype="fp8", num_blocks=6, block_size=8, max_num_seqs=3, max_model_len=48) as llm:
+    with engine("builtin", kv_cache_dtype="fp8", num_blocks=6, block_size=8, max_num_seqs=3, max_model_len=48,
+                reserve_growth=False) as llm:
         tight = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.scheduler.num_preemptions > 0
     with engine("builtin") as llm:

@@ -87,6 +87,10 @@ class SchedulerConfig:
     async_scheduling: bool = True
     """Plan the next step while the current one runs (a request that stops on EOS may compute one
     token more, which is discarded)."""
+    reserve_growth: bool = True
+    """Admit a request only while the KV cache keeps room for the tokens the running requests are
+    expected to add (their max_tokens, scaled by the share finished requests used), so that a full
+    cache holds requests back instead of preempting them; false admits whatever fits now."""
 
     def __post_init__(self) -> None:
         _check(self.max_num_batched_tokens >= 1, "scheduler", "max_num_batched_tokens", ">= 1", self.max_num_batched_tokens)

@@ -297,8 +297,8 @@ class Engine(Frontend):
             log.info("captured CUDA graphs", decode_sizes=len(graphs.sizes), max_batch=s.max_num_seqs,
                      mixed_sizes=len(graphs.token_sizes), max_tokens=s.max_num_batched_tokens,
                      seconds=round(lap("cuda_graphs"), 2))
-        self.kv = KVCacheManager(num_blocks, bs)
         s = config.scheduler
+        self.kv = KVCacheManager(num_blocks, bs, max_model_len=self.max_model_len, reserve_growth=s.reserve_growth)
         self.scheduler = Scheduler(max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
                                    max_model_len=self.max_model_len, policy=s.policy,
                                    eos_token_ids=frozenset(self.spec.eos_token_ids),

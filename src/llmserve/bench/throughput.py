@@ -222,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--no-reserve-growth", dest="reserve_growth", action="store_false",
+                    help="scheduler.reserve_growth = false: admit whatever fits the KV cache now")
     ap.add_argument("--peer", choices=["hf"], help="also run transformers generate on a subset, same run")
     ap.add_argument("--peer-requests", type=int, default=64, help="size of the peer's subset (its first requests)")
     ap.add_argument("--profile", metavar="PREFIX", help="torch profiler over prefill, steady decode and tail steps: PREFIX-stepN.txt, .trace.json")
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.setswitchinterval(args.switch_interval)
     result = run(args.workload, peer=args.peer, peer_requests=args.peer_requests, profile=args.profile,
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                 enforce_eager=args.enforce_eager, log_interval_s=10.0, quantization=args.quantization,
+                 reserve_growth=args.reserve_growth, enforce_eager=args.enforce_eager, log_interval_s=10.0, quantization=args.quantization,
                  kv_cache_dtype=args.kv_cache_dtype, detokenize=args.detokenize)
     report(result, args.json)
 

@@ -10,6 +10,13 @@ A full block's hash chains its parent's hash with its own tokens, so equal hashe
 prefixes. Blocks are hashed as soon as a step is planned to fill them: a later request in the same
 step can already share them, since each layer writes the step's K/V before any attention reads.
 
+Admission keeps room for growth (`reserve_growth`): a new request is admitted only if, once its
+blocks are taken, the pool still holds the blocks the requests ahead of it (and itself) are
+expected to take before they finish. A request may grow to its budget (prompt + max_tokens, at
+most max_model_len), looked at no more than RESERVE_HORIZON tokens ahead; it is expected to use
+the share of its budget that finished requests used (a running mean, 1 until one finishes). Without
+it, a full cache is found out later, as preemption: the request recomputes its prompt.
+
 Plain synchronous code: no event loop, no device.
 """
 
@@ -24,6 +31,10 @@ from llmserve.core.block_pool import BlockPool
 from llmserve.messages import PLACEHOLDER, NewSequence, StepFeedback, StepPlan, StepProposal
 
 _ROOT_HASH = 0x5EED_C0DE
+RESERVE_HORIZON = 4096
+"""Tokens ahead of a request's current length that admission reserves room for, at most."""
+_SHARE_WEIGHT = 0.05
+"""Weight of each finished request in the running mean of the budget share used."""
 
 
 def chain_hash(parent: int, tokens: array) -> int:
@@ -42,12 +53,20 @@ class KVRequest:
     """int32: the plan's block table is these buffers joined, with no pass over Python ints."""
     block_hashes: list[int] = field(default_factory=list)
     num_computed: int = 0
+    prompt_len: int = 0
+    max_len: int = 0
+    """Tokens it may reach: prompt + max_tokens, at most max_model_len (0: unknown)."""
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, max_model_len: int | None = None,
+                 reserve_growth: bool = False) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
+        self.max_model_len = max_model_len or num_blocks * block_size
+        self.reserve_growth = reserve_growth
+        self.budget_share = 1.0
+        """Running mean of the share of their budget (up to RESERVE_HORIZON tokens) finished requests used."""
         self.requests: dict[str, KVRequest] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens found in the cache
@@ -74,16 +93,28 @@ class KVCacheManager:
             parent = h
         return hits
 
-    def admit(self, req: KVRequest, num_tokens: int) -> int | None:
+    def growth(self, req: KVRequest) -> int:
+        """Blocks the request may still take: to its budget's end, at most RESERVE_HORIZON tokens on."""
+        end = min(req.max_len, len(req.token_ids) + RESERVE_HORIZON)
+        return max(0, -(-end // self.block_size) - len(req.block_ids))
+
+    def admit(self, req: KVRequest, num_tokens: int, ahead: int | None = None) -> int | None:
         """Give a request with no blocks its cached prefix and blocks for up to `num_tokens` more.
 
+        ahead: blocks the requests ahead of it may still take (None: reserve nothing). With
+        reserve_growth, the expected share of that and of this request's own growth must stay free.
         Returns the tokens to compute this step, or None (and no change) if the pool is too small.
         """
         hits = self.find_cached_prefix(req)
         num_computed = len(hits) * self.block_size
         n = min(num_tokens, len(req.token_ids) - num_computed)
         need_new = -(-(num_computed + n) // self.block_size) - len(hits)
-        if need_new + self.pool.num_evictable_among(hits) > self.pool.num_free:
+        keep = 0
+        if ahead is not None and self.reserve_growth:
+            own = max(0, -(-min(req.max_len, len(req.token_ids) + RESERVE_HORIZON) // self.block_size)
+                      - len(hits) - need_new)
+            keep = int(self.budget_share * (ahead + own) + 0.5)
+        if need_new + self.pool.num_evictable_among(hits) + keep > self.pool.num_free:
             req.block_hashes.clear()
             return None
         self.pool.touch(hits)
@@ -125,9 +156,15 @@ class KVCacheManager:
             self.pool.cache(req.block_ids[i], parent)
 
     def free(self, req_id: str) -> None:
+        """A finished (or aborted) request's blocks back; what it used of its budget updates the mean."""
         req = self.requests.pop(req_id, None)
-        if req is not None:
-            self.pool.free(req.block_ids)
+        if req is None:
+            return
+        self.pool.free(req.block_ids)
+        budget = min(req.max_len - req.prompt_len, RESERVE_HORIZON)
+        if budget > 0:
+            used = min(1.0, max(0, len(req.token_ids) - req.prompt_len) / budget)
+            self.budget_share += _SHARE_WEIGHT * (used - self.budget_share)
 
     def _preempt(self, req: KVRequest, preempted: list[str]) -> None:
         """Take a request's blocks back; it recomputes later (its full blocks stay cached)."""
@@ -135,13 +172,14 @@ class KVCacheManager:
         self.requests.pop(req.req_id, None)
         preempted.append(req.req_id)
 
-    def _fit(self, req: KVRequest, num_tokens: int, *, admitting: bool, preempted: list[str]) -> int | None:
+    def _fit(self, req: KVRequest, num_tokens: int, *, admitting: bool, preempted: list[str],
+             ahead: int | None = None) -> int | None:
         """Blocks for the entry, preempting lower-priority holders while the pool is short.
 
         Returns the tokens to compute, or None when no holder ranks below `req`.
         """
         while True:
-            n = self.admit(req, num_tokens) if admitting else self.extend(req, num_tokens)
+            n = self.admit(req, num_tokens, ahead) if admitting else self.extend(req, num_tokens)
             if n is not None:
                 return n
             victim = max((r for r in self.requests.values() if r.block_ids), key=lambda r: r.priority_key,
@@ -158,16 +196,23 @@ class KVCacheManager:
         Entries are walked in policy order. When blocks run out for entry X, the lowest-priority
         request holding blocks (largest priority key, necessarily not yet walked) is preempted and X
         retried; if X is itself the lowest, X is preempted (if running) or left waiting, and so are
-        all entries after it (they are new requests by then).
+        all entries after it (they are new requests by then). With reserve_growth, a new request
+        also needs the expected growth of the entries walked before it (all ranked above it) left
+        free: under FCFS it waits; a request ranked above running ones (priority, or preempted
+        earlier) takes the room from them as it would take blocks.
         """
         for req_id in proposal.freed:
             self.free(req_id)
         for e in proposal.entries:
-            if e.admitted is not None:
-                salt = e.admitted.cache_salt
+            adm = e.admitted
+            if adm is not None:
+                salt = adm.cache_salt
+                budget = self.max_model_len if adm.params.max_tokens is None else adm.prompt_len + adm.params.max_tokens
                 self.requests[e.req_id] = KVRequest(e.req_id, array("q", e.new_token_ids), e.priority_key,
-                                                    e.admitted.use_prefix_cache,
-                                                    _ROOT_HASH if salt is None else hash((_ROOT_HASH, salt)))
+                                                    adm.use_prefix_cache,
+                                                    _ROOT_HASH if salt is None else hash((_ROOT_HASH, salt)),
+                                                    prompt_len=adm.prompt_len,
+                                                    max_len=min(budget, self.max_model_len))
             else:
                 req = self.requests[e.req_id]
                 if req.token_ids[-1] == PLACEHOLDER:
@@ -180,11 +225,14 @@ class KVCacheManager:
         not_admitted: list[str] = []
         cached_tokens: dict[str, int] = {}
         entries = proposal.entries
+        ahead: int | None = None  # growth of the requests scheduled so far, summed at the first admission
         for idx, e in enumerate(entries):
             if e.req_id in preempted:
                 continue
             req = self.requests[e.req_id]
-            n = self._fit(req, e.num_tokens, admitting=e.admitted is not None, preempted=preempted)
+            if ahead is None and e.admitted is not None and scheduled and self.reserve_growth:
+                ahead = sum(self.growth(r) for r, _, _ in scheduled)
+            n = self._fit(req, e.num_tokens, admitting=e.admitted is not None, preempted=preempted, ahead=ahead)
             if n is None:
                 # Nothing of lower priority is left to take from: this entry and all after it wait.
                 for rest in entries[idx:]:
@@ -200,6 +248,8 @@ class KVCacheManager:
             if e.admitted is not None:
                 cached_tokens[e.req_id] = before
             scheduled.append((req, before, n))
+            if ahead is not None:
+                ahead += self.growth(req)
 
         plan = self._build_plan(proposal, scheduled)
         feedback = StepFeedback(
