@@ -145,3 +145,17 @@ def test_admission_keeps_room_for_the_growth_of_requests_ahead():
     assert kv.budget_share < 0.2
     _, fb = kv.process(StepProposal(99, [decode("a", 2, (0, 0.0, 0)), second]))
     assert "b" in fb.scheduled
+
+
+def test_room_for_growth_is_never_taken_by_preemption():
+    """A priority arrival whose blocks fit but whose room for growth does not waits; the
+    lower-priority request after it in the walk keeps running."""
+    kv = KVCacheManager(num_blocks=12, block_size=4, reserve_growth=True)
+    top, low = (0, 0.0, 0), (5, 1.0, 1)
+    kv.process(StepProposal(0, [admit_budget("top", range(4), 4, top, max_tokens=20),
+                                admit_budget("low", range(10, 14), 4, low, max_tokens=4)]))
+    mid = admit_budget("mid", range(20, 28), 8, (1, 2.0, 2), max_tokens=16)
+    # top grows into its 2nd block (4 more to come), 9 free; mid needs 2 and room for 4 + 4 more
+    _, fb = kv.process(StepProposal(1, [decode("top", 1, top), mid, decode("low", 2, low)]))
+    assert fb.not_admitted == ["mid"] and fb.preempted == []
+    assert set(fb.scheduled) == {"top", "low"}

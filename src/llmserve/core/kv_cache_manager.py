@@ -35,6 +35,8 @@ RESERVE_HORIZON = 4096
 """Tokens ahead of a request's current length that admission reserves room for, at most."""
 _SHARE_WEIGHT = 0.05
 """Weight of each finished request in the running mean of the budget share used."""
+WAIT = -1
+"""admit's answer when the request's blocks fit but the room for growth does not: it waits."""
 
 
 def chain_hash(parent: int, tokens: array) -> int:
@@ -103,20 +105,22 @@ class KVCacheManager:
 
         ahead: blocks the requests ahead of it may still take (None: reserve nothing). With
         reserve_growth, the expected share of that and of this request's own growth must stay free.
-        Returns the tokens to compute this step, or None (and no change) if the pool is too small.
+        Returns the tokens to compute this step, or (and no change) None if the pool is too small
+        for its blocks, WAIT if it is too small for them and the room for growth.
         """
         hits = self.find_cached_prefix(req)
         num_computed = len(hits) * self.block_size
         n = min(num_tokens, len(req.token_ids) - num_computed)
         need_new = -(-(num_computed + n) // self.block_size) - len(hits)
+        left = self.pool.num_free - need_new - self.pool.num_evictable_among(hits)
         keep = 0
         if ahead is not None and self.reserve_growth:
             own = max(0, -(-min(req.max_len, len(req.token_ids) + RESERVE_HORIZON) // self.block_size)
                       - len(hits) - need_new)
             keep = int(self.budget_share * (ahead + own) + 0.5)
-        if need_new + self.pool.num_evictable_among(hits) + keep > self.pool.num_free:
+        if left < keep:
             req.block_hashes.clear()
-            return None
+            return None if left < 0 else WAIT
         self.pool.touch(hits)
         req.block_ids = array("i", hits + self.pool.allocate(need_new))
         req.num_computed = num_computed
@@ -174,14 +178,16 @@ class KVCacheManager:
 
     def _fit(self, req: KVRequest, num_tokens: int, *, admitting: bool, preempted: list[str],
              ahead: int | None = None) -> int | None:
-        """Blocks for the entry, preempting lower-priority holders while the pool is short.
+        """Blocks for the entry, preempting lower-priority holders while the pool is short of its
+        blocks (never for the room for growth: then the answer is WAIT).
 
-        Returns the tokens to compute, or None when no holder ranks below `req`.
+        Returns the tokens to compute, WAIT, or None when no holder ranks below `req`.
         """
         while True:
             n = self.admit(req, num_tokens, ahead) if admitting else self.extend(req, num_tokens)
             if n is not None:
                 return n
+            ahead = None  # taking blocks from lower-priority holders: for the request's own blocks only
             victim = max((r for r in self.requests.values() if r.block_ids), key=lambda r: r.priority_key,
                          default=None)
             if victim is None or victim is req or victim.priority_key < req.priority_key:
@@ -198,8 +204,8 @@ class KVCacheManager:
         retried; if X is itself the lowest, X is preempted (if running) or left waiting, and so are
         all entries after it (they are new requests by then). With reserve_growth, a new request
         also needs the expected growth of the entries walked before it (all ranked above it) left
-        free: under FCFS it waits; a request ranked above running ones (priority, or preempted
-        earlier) takes the room from them as it would take blocks.
+        free; lacking that room (and only that), it and the new requests after it wait, the running
+        ones after it run: nothing is preempted for room.
         """
         for req_id in proposal.freed:
             self.free(req_id)
@@ -226,13 +232,21 @@ class KVCacheManager:
         cached_tokens: dict[str, int] = {}
         entries = proposal.entries
         ahead: int | None = None  # growth of the requests scheduled so far, summed at the first admission
+        waiting_for_room = False
         for idx, e in enumerate(entries):
             if e.req_id in preempted:
                 continue
             req = self.requests[e.req_id]
-            if ahead is None and e.admitted is not None and scheduled and self.reserve_growth:
+            admitting = e.admitted is not None
+            if ahead is None and admitting and scheduled and self.reserve_growth:
                 ahead = sum(self.growth(r) for r, _, _ in scheduled)
-            n = self._fit(req, e.num_tokens, admitting=e.admitted is not None, preempted=preempted, ahead=ahead)
+            n = WAIT if admitting and waiting_for_room else self._fit(req, e.num_tokens, admitting=admitting,
+                                                                        preempted=preempted, ahead=ahead)
+            if n == WAIT:  # an earlier new request waits for room: so do the ones after it
+                not_admitted.append(e.req_id)
+                del self.requests[e.req_id]
+                waiting_for_room = True
+                continue
             if n is None:
                 # Nothing of lower priority is left to take from: this entry and all after it wait.
                 for rest in entries[idx:]:
