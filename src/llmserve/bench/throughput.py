@@ -240,8 +240,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.setswitchinterval(args.switch_interval)
     result = run(args.workload, peer=args.peer, peer_requests=args.peer_requests, profile=args.profile,
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                 reserve_growth=args.reserve_growth, enforce_eager=args.enforce_eager, log_interval_s=10.0, quantization=args.quantization,
-                 kv_cache_dtype=args.kv_cache_dtype, detokenize=args.detokenize)
+                 reserve_growth=args.reserve_growth, enforce_eager=args.enforce_eager, log_interval_s=10.0,
+                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, detokenize=args.detokenize)
     report(result, args.json)
 
 

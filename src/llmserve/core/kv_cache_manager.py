@@ -95,10 +95,13 @@ class KVCacheManager:
             parent = h
         return hits
 
+    def _end_blocks(self, req: KVRequest) -> int:
+        """Blocks the request holds at its budget's end, looked at most RESERVE_HORIZON tokens on."""
+        return -(-min(req.max_len, len(req.token_ids) + RESERVE_HORIZON) // self.block_size)
+
     def growth(self, req: KVRequest) -> int:
-        """Blocks the request may still take: to its budget's end, at most RESERVE_HORIZON tokens on."""
-        end = min(req.max_len, len(req.token_ids) + RESERVE_HORIZON)
-        return max(0, -(-end // self.block_size) - len(req.block_ids))
+        """Blocks the request may still take."""
+        return max(0, self._end_blocks(req) - len(req.block_ids))
 
     def admit(self, req: KVRequest, num_tokens: int, ahead: int | None = None) -> int | None:
         """Give a request with no blocks its cached prefix and blocks for up to `num_tokens` more.
@@ -115,8 +118,7 @@ class KVCacheManager:
         left = self.pool.num_free - need_new - self.pool.num_evictable_among(hits)
         keep = 0
         if ahead is not None and self.reserve_growth:
-            own = max(0, -(-min(req.max_len, len(req.token_ids) + RESERVE_HORIZON) // self.block_size)
-                      - len(hits) - need_new)
+            own = max(0, self._end_blocks(req) - len(hits) - need_new)
             keep = int(self.budget_share * (ahead + own) + 0.5)
         if left < keep:
             req.block_hashes.clear()
@@ -259,7 +261,7 @@ class KVCacheManager:
                         self._preempt(self.requests[rest.req_id], preempted)
                 break
             before = req.num_computed - n
-            if e.admitted is not None:
+            if admitting:
                 cached_tokens[e.req_id] = before
             scheduled.append((req, before, n))
             if ahead is not None:
