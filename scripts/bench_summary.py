@@ -13,10 +13,12 @@ def main(argv: list[str]) -> None:
     for path in argv[verbose:]:
         r = json.load(open(path))
         d = r["decode_steps"]
+        held = (f" ({100 * r['roofline_sustained_fraction']:.1f}% at the sustained matmul rate)"
+                if "roofline_sustained_fraction" in r else "")
         busy = (f", device busy {d['device_busy_s']:.3f} s ({100 * d['device_busy_fraction']:.1f}%)"
                 if "device_busy_s" in d else "")
         print(f"{path.rsplit('/', 1)[-1]}: {r['wall_s']:.3f} s, {r['output_tok_s']:.0f} tok/s, "
-              f"{100 * r.get('roofline_fraction', 0):.1f}% of roofline{busy}, start-up {r['startup_s']:.1f} s, "
+              f"{100 * r.get('roofline_fraction', 0):.1f}% of roofline{held}{busy}, start-up {r['startup_s']:.1f} s, "
               f"GC {r['stalls']['gc']['ms']:.0f} ms")
         print("   " + "; ".join(f"{b['steps']}: {b['count']} in {b['total_s']:.3f} s"
                                 + (f" (device {b['device_s']:.3f}, idle {b['idle_s']:.3f})" if "device_s" in b else "")

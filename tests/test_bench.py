@@ -20,10 +20,17 @@ def test_workloads_match_their_definitions():
     assert (len(big.prompts), big.prompt_tokens, big.output_tokens) == (1000, 1024000, 128000)
 
 
-def test_w_small_roofline_on_an_h100_is_about_5_2_seconds():
+def test_rooflines_on_an_h100_are_those_of_workloads_md():
+    """W-small: its prompts' FLOPs, then its decode reads (5.23 s: 0.23 s + 5.00 s). W-large: compute
+    bound, 1.885e16 FLOPs at the matmul rate (24.0 s), its decode reads (>= 6.0 s) beneath them."""
     w = w_small()
     roof = roofline_seconds(w, ModelSpec.from_dict(w.model_config), bandwidth=3.0e12, flops=785e12)
-    assert 5.1 < roof["roofline_s"] < 5.4 and 0.2 < roof["prefill_s"] < 0.26  # WORKLOADS.md: 5.23 s, 0.23 s
+    assert 5.1 < roof["roofline_s"] < 5.4 and 0.2 < roof["prefill_s"] < 0.26
+    assert roof["roofline_s"] == roof["prefill_s"] + roof["decode_s"]
+    w = w_large()
+    roof = roofline_seconds(w, ModelSpec.from_dict(w.model_config), bandwidth=3.0e12, flops=785e12)
+    assert roof["bound"] == "compute" and abs(roof["compute_s"] * 785e12 - 1.885e16) < 0.001e16
+    assert roof["roofline_s"] == roof["compute_s"] and 6.0 < roof["decode_s"] < roof["compute_s"]
 
 
 def test_startup_reports_its_phases_and_the_slowest_kernel_variants(checkpoint):

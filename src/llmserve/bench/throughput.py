@@ -2,10 +2,11 @@
 
     python -m llmserve.bench.throughput --workload w-small [--json out.json] [engine options]
 
-Roofline (all requests assumed running at once, as WORKLOADS.md computes it): each decode step
-reads the weights once plus the KV cache of every request still running; prefill costs
-2 * params FLOPs per prompt token plus attention. The device's copy bandwidth and bf16 matmul rate
-are measured in the same run.
+Roofline, as WORKLOADS.md computes it (all requests assumed running at once): each decode step
+reads the weights once plus the KV cache of every request still running; a token costs 2 * params
+FLOPs plus its attention. A bandwidth-bound workload (W-small) takes its prompts' FLOPs, then its
+decode steps' reads; a compute-bound one (W-large) takes every token's FLOPs, its decode reads
+beneath them. The device's copy bandwidth and bf16 matmul rate are measured in the same run.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from llmserve.bench.workloads import WORKLOADS, Workload
 from llmserve.model.spec import ModelSpec
 
 
-def measure_device() -> dict:
-    """Measured device-to-device copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s."""
+def measure_device(sustained: bool = False) -> dict:
+    """Measured device-to-device copy bandwidth (bytes read + written per second) and bf16 matmul
+    FLOP/s (a burst of ten products: the roofline's rate). sustained: also the matmul rate once the
+    board has settled at its power limit (~1 s of products, then ~1.5 s timed), the rate a
+    compute-bound run can keep."""
     x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
@@ -45,6 +49,10 @@ def measure_device() -> dict:
     bw = 2 * x.numel() / timed(lambda: y.copy_(x), 20)
     flops = 2 * 8192**3 / timed(lambda: a @ b, 10)
     result = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": bw, "bf16_flop_per_s": flops}
+    if sustained:
+        for _ in range(800):
+            a @ b
+        result["bf16_flop_per_s_sustained"] = 2 * 8192**3 / timed(lambda: a @ b, 1000)
     if torch.cuda.get_device_capability() >= (8, 9):
         a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
         one = torch.ones(1, device="cuda")
@@ -56,7 +64,8 @@ def measure_device() -> dict:
 def roofline_seconds(w: Workload, spec: ModelSpec, bandwidth: float, flops: float, *,
                      weight_itemsize: int = 2, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
     """weight_itemsize: bytes per decoder-layer weight (1 for int8/fp8; embeddings and lm_head stay
-    bf16); flops: the matmul rate of the weights' format."""
+    bf16); flops: the matmul rate of the weights' format. prefill_s: the prompts' FLOPs; decode_s:
+    the decode steps' reads; compute_s: every token's FLOPs; roofline_s: by the workload's bound."""
     h, inter, layers = spec.hidden_size, spec.intermediate_size, spec.num_layers
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
@@ -69,13 +78,16 @@ def roofline_seconds(w: Workload, spec: ModelSpec, bandwidth: float, flops: floa
     steps = int(out.max())
     t = np.arange(steps, dtype=np.float64)[:, None]
     running = out[None, :] > t
-    kv_bytes = float(((prompt[None, :] + t) * running).sum() * kv_token)
-    decode = (steps * weight_bytes + kv_bytes) / bandwidth
-    # Prefill: matmuls over the non-embedding weights plus causal attention (QK^T and PV).
-    matmul_params = layers * per_layer + spec.vocab_size * h
-    attn = float((4 * layers * q * prompt * (prompt + 1) / 2).sum())
-    prefill = (2 * matmul_params * prompt.sum() + attn) / flops
-    return {"roofline_s": decode + prefill, "decode_s": decode, "prefill_s": prefill}
+    context = float(((prompt[None, :] + t) * running).sum())
+    decode = (steps * weight_bytes + context * kv_token) / bandwidth
+    # FLOPs: 2 * params a token, plus attention (QK^T and PV) over the keys up to and including its own.
+    attn = 4 * layers * q
+    prompt_flops = 2 * params * prompt.sum() + attn * float((prompt * (prompt + 1) / 2).sum())
+    decode_flops = 2 * params * out.sum() + attn * (context + running.sum())
+    prefill, compute = prompt_flops / flops, (prompt_flops + decode_flops) / flops
+    roofline = prefill + decode if w.bound == "bandwidth" else max(compute, decode)
+    return {"roofline_s": float(roofline), "bound": w.bound, "decode_s": float(decode), "prefill_s": float(prefill),
+            "compute_s": float(compute)}
 
 
 def peer_hf(w: Workload, num_requests: int, batch_size: int) -> dict:
@@ -121,7 +133,7 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
         detokenize: bool = False, **engine_kwargs) -> dict:
     from llmserve import LLM, SamplingParams
     w = WORKLOADS[workload]()
-    device = measure_device() if torch.cuda.is_available() else {"device": "cpu"}
+    device = measure_device(sustained=w.bound == "compute") if torch.cuda.is_available() else {"device": "cpu"}
 
     def timed_generate(llm, prompts, params) -> tuple[float, list, float]:
         if torch.cuda.is_available():
@@ -189,10 +201,14 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
         quant = engine_kwargs.get("quantization")
         fp8_kv = engine_kwargs.get("kv_cache_dtype", "auto") != "auto"
         flops = device.get("fp8_flop_per_s", device["bf16_flop_per_s"]) if quant == "fp8" else device["bf16_flop_per_s"]
-        roof = roofline_seconds(w, ModelSpec.from_dict(w.model_config), device["copy_bytes_per_s"], flops,
-                                weight_itemsize=1 if quant in ("int8", "fp8") else 2,
-                                kv_dtype=torch.float8_e4m3fn if fp8_kv else torch.bfloat16)
+        spec, bw = ModelSpec.from_dict(w.model_config), device["copy_bytes_per_s"]
+        shape = {"weight_itemsize": 1 if quant in ("int8", "fp8") else 2,
+                 "kv_dtype": torch.float8_e4m3fn if fp8_kv else torch.bfloat16}
+        roof = roofline_seconds(w, spec, bw, flops, **shape)
         result.update(roof, roofline_fraction=roof["roofline_s"] / wall)
+        if "bf16_flop_per_s_sustained" in device and quant != "fp8":
+            held = roofline_seconds(w, spec, bw, device["bf16_flop_per_s_sustained"], **shape)["roofline_s"]
+            result.update(roofline_sustained_s=held, roofline_sustained_fraction=held / wall)
     if peer_result is not None:
         result["peer"] = peer_result
     return result

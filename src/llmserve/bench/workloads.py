@@ -32,6 +32,10 @@ class Workload:
     model_config: dict
     prompts: list[list[int]]
     params: list[SamplingParams]
+    # WORKLOADS.md's roofline for it: "bandwidth" (its prompts' FLOPs, then every decode step's
+    # reads, as for W-small) or "compute" (every token's FLOPs, the decode reads beneath them, as for
+    # W-large, whose decode tokens ride along with prefill chunks).
+    bound: str = "bandwidth"
 
     @property
     def prompt_tokens(self) -> int:
@@ -98,7 +102,7 @@ def w_large() -> Workload:
     random.seed(0)
     prompts = [[random.randint(0, 100000) for _ in range(1024)] for _ in range(1000)]
     params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=128) for _ in range(1000)]
-    return Workload("w-large", LLAMA31_8B, prompts, params)
+    return Workload("w-large", LLAMA31_8B, prompts, params, bound="compute")
 
 
 def decode_b1() -> Workload:
