@@ -20,10 +20,10 @@ a logit), which was bound by that arithmetic: at W-small's 218 rows on an H100, 
 32.4 µs now (2.0 TB/s of logits; `scripts/sampler_bench.py`, BENCHMARKS.md). Logits may be in
 the model's dtype: they are upcast to float32 as they are read, so the draw is the same.
 
-Rows with min_p, top_k or top_p (`sample_filtered_rows`, a program a row) are drawn by rejection,
-with no sort. What the filters keep is the tokens of weight w >= min_p * max w that have fewer than
-top_k tokens and less than top_p of the kept weight strictly above them (ties at the threshold all
-kept; torch's sort would keep some of them). Round r draws a candidate by inverse transform at
+Rows with min_p, top_k or top_p (`sample_filtered_rows`) are drawn by rejection, with no sort.
+What the filters keep is the tokens of weight w >= min_p * max w that have fewer than top_k tokens
+and less than top_p of the kept weight strictly above them (ties at the threshold all kept; torch's
+sort would keep some of them). Round r draws a candidate by inverse transform at
 u_r = hash(key + r * golden) from the tokens still in play (key >= lo, where tokens are ordered by
 int32 keys of their float32 logits), then counts the tokens and weight above it and above PIVOTS - 1
 keys spread from it to hi (the lowest key known to keep everything above it). If the candidate
@@ -31,13 +31,17 @@ passes it is the draw: conditioned on landing among the kept tokens, a draw from
 them is a draw from them, so the rounds change no probability. Otherwise every token below the
 highest failing pivot fails too: lo rises to it, hi falls to the lowest passing one, and the next
 round draws above lo. Each failure shrinks [lo, hi) to a PIVOTS-th or less, so a row needs at most
-~17 rounds of int32 keys (MAX_ROUNDS = 64 is never reached) and usually one or two: a real model's
-mass sits in its top tokens. A round reads the row twice (the walk stops at the candidate); before
-them one pass finds the top logit and the row's weight online (min_p: one more, the kept weight).
-At 256 rows of W-small's vocabulary on the H100 (`sampler_bench.py --filtered`, bf16, T = 0.6)
-this takes 0.40 ms (min_p 0.05), 0.45-0.52 (top_p 0.9) and 0.45 / 0.82 ms (top_k 20 + top_p 0.95,
-peaked / flat logits) where sorting the rows in torch took 9.3-10.2 ms. A program a row keeps too
-few bytes in flight (~1 TB/s a pass): rows split over slices, as sample_rows does, would go further.
+~17 rounds of int32 keys (MAX_ROUNDS = 64 is never reached) and usually one to four: a real
+model's mass sits in its top tokens (random weights' flat rows take ~3.4 at top_k 20).
+
+The rows are cut into slices of SLICE entries, a program a slice: one pass finds each slice's top
+logit and key, then each of the first SPLIT_ROUNDS rounds is four launches: the candidates'
+weight a slice; a program a row picks the slice where u * total falls and walks it to the
+candidate; the pivots' counts and weights a slice; a program a row sums them and judges. A row
+done skips the later launches at once; a row that needs more rounds finishes them in a program of
+its own (the same rounds, over the whole row). A program a row, as the first version ran every
+round, keeps too few bytes in flight (~1 TB/s a pass at 256 rows of W-small's vocabulary on the
+H100: 0.40-0.82 ms a step against 9.3-10.2 ms for torch's sort; BENCHMARKS.md).
 
 `sample_rows_reference` and `sample_filtered_rows_reference` compute the same functions in torch
 (int64 arithmetic masked to 32 bits, sums in float64), for the CPU backend and as the kernels'
@@ -186,12 +190,12 @@ def _order_key(x):
 
 
 @triton.jit
-def _above(base, V, c, top, ythr, q, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
-    """For each pivot key q[i]: how many of the row's tokens of weight kept by min_p have a key >= q[i],
-    and their weight, sum 2^(y - top). Per-lane sums, reduced once at the end."""
+def _above(base, lo_idx, hi_idx, V, c, top, ythr, q, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+    """For each pivot key q[i]: how many tokens of index in [lo_idx, hi_idx) of weight kept by min_p
+    have a key >= q[i], and their weight, sum 2^(y - top). Per-lane sums, reduced once at the end."""
     count = tl.zeros([BLOCK, PIVOTS], tl.int32)
     mass = tl.zeros([BLOCK, PIVOTS], tl.float32)
-    for start in range(0, V, BLOCK):
+    for start in range(lo_idx, hi_idx, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
         y = x * c
@@ -202,113 +206,281 @@ def _above(base, V, c, top, ythr, q, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
     return tl.sum(count, 0), tl.sum(mass, 0)
 
 
-@triton.jit(do_not_specialize=["V"])
-def _filtered_kernel(logits_ptr, stride, rows_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, key_ptr, out_ptr, V,
-                     BLOCK: tl.constexpr, PIVOTS: tl.constexpr, MAX_ROUNDS: tl.constexpr, PDL: tl.constexpr):
-    """Program i: row rows[i], drawn from softmax(logits / T) restricted to the tokens that min_p,
-    top_k and top_p keep, by rejection (module docstring); the token goes to out[rows[i]]."""
-    pdl_start(PDL)
-    row = tl.load(rows_ptr + tl.program_id(0))
+@triton.jit
+def _pick(base, start, end, c, top, ythr, lo, target, BLOCK: tl.constexpr):
+    """The first token of index in [start, end) where the cumulative weight of the candidates
+    (keys >= lo, kept by min_p) exceeds target, and its key; rounding short of it: the last one."""
+    acc = tl.full([], 0.0, tl.float32)
+    pick = tl.full([], -1, tl.int32)
+    last = tl.full([], 0, tl.int32)
+    pick_key = tl.full([], 0, tl.int32)
+    while (pick < 0) & (start < end):
+        idx = start + tl.arange(0, BLOCK)
+        x = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+        y = x * c
+        key = _order_key(x)
+        w = tl.where((y >= ythr) & (key >= lo), tl.math.exp2(y - top), 0.0)  # 0 past the end: y = -inf
+        block_sum = tl.sum(w, 0)
+        last = tl.max(tl.where(w > 0, idx, last), 0)
+        if acc + block_sum > target:
+            below = tl.sum((acc + tl.cumsum(w, 0) <= target).to(tl.int32), 0)
+            pick = tl.where(below < BLOCK, start + below, last)
+            pick_key = tl.max(tl.where(idx == pick, key, -2147483647 - 1), 0)
+        acc += block_sum
+        start += BLOCK
+    if pick < 0:
+        pick = last
+        pick_key = _order_key(tl.load(base + pick).to(tl.float32))
+    return pick, pick_key
+
+
+@triton.jit
+def _pivots(pick_key, hi, PIVOTS: tl.constexpr):
+    """PIVOTS keys from just above the candidate's up to hi, evenly spread."""
+    q0 = pick_key.to(tl.int64) + 1
+    span = tl.maximum(hi.to(tl.int64) - q0, 0)
+    return (q0 + span * tl.arange(0, PIVOTS) // PIVOTS).to(tl.int32)
+
+
+@triton.jit
+def _row(rows_ptr, temp_ptr, logits_ptr, stride, i):
+    """Filtered row i: its row index, temperature, log2(e) / T and the start of its logits."""
+    row = tl.load(rows_ptr + i)
     t = tl.load(temp_ptr + row)
-    c = 1.4426950408889634 / tl.where(t > 0, t, 1.0)
-    k = tl.load(topk_ptr + row).to(tl.int32)
-    p = tl.load(topp_ptr + row)
-    min_p = tl.load(minp_ptr + row)
-    seed = tl.load(key_ptr + row).to(tl.uint32)
-    base = logits_ptr + row.to(tl.int64) * stride
-    # The row's top y, the top key (+1: no token at or above it) and, online, the row's weight:
-    # per-lane maxima and sums, rescaled when a lane's maximum rises.
+    return row, t, 1.4426950408889634 / tl.where(t > 0, t, 1.0), logits_ptr + row.to(tl.int64) * stride
+
+
+@triton.jit
+def _filter_top_kernel(logits_ptr, stride, rows_ptr, temp_ptr, m_ptr, kmax_ptr, V, NUM_SLICES,
+                       SLICE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program (i, j): over slice j of filtered row i, the top y and the top key."""
+    pdl_start(PDL)
+    i, part = tl.program_id(0), tl.program_id(1)
+    _, _, c, base = _row(rows_ptr, temp_ptr, logits_ptr, stride, i)
     m_lane = tl.full([BLOCK], -3.0e38, tl.float32)
-    s_lane = tl.zeros([BLOCK], tl.float32)
     key_lane = tl.full([BLOCK], -2147483647, tl.int32)
-    for start in range(0, V, BLOCK):
+    for start in range(part * SLICE, (part + 1) * SLICE, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-        y = x * c
-        m_new = tl.maximum(m_lane, y)
-        s_lane = s_lane * tl.math.exp2(m_lane - m_new) + tl.math.exp2(y - m_new)
-        m_lane = m_new
+        m_lane = tl.maximum(m_lane, x * c)
         key_lane = tl.maximum(key_lane, _order_key(x))  # past V: -inf, the lowest key
-    top = tl.max(m_lane, 0)
-    hi = tl.max(key_lane, 0) + 1
-    kept_mass = tl.sum(s_lane * tl.math.exp2(m_lane - top), 0)  # what min_p keeps: top_p's 100%
-    ythr = tl.full([], -3.0e38, tl.float32)
-    if min_p > 0:  # min_p keeps less: weigh what it keeps
-        ythr = top + tl.math.log2(min_p)
-        first = tl.full([PIVOTS], -2147483647 - 1, tl.int32)
-        _, kept = _above(base, V, c, top, ythr, first, BLOCK, PIVOTS)
-        kept_mass = tl.max(kept, 0)
-    lo = tl.full([], -2147483647 - 1, tl.int32)  # the candidates: keys >= lo (and min_p's)
-    total = kept_mass
-    token = tl.where(kept_mass > 0, -1, 0)  # no token of nonzero weight (all -inf): token 0, as sample_rows gives
-    pick = tl.full([], -1, tl.int32)
-    stream = seed  # round r draws u from the hash of seed + r * golden (uint32, wrapping)
-    golden = tl.full([], 0x9E3779B9, tl.uint32)
-    r = 0
-    while (token < 0) & (r < MAX_ROUNDS):
-        # Draw a candidate at this round's u: walk the cumulative weight of keys >= lo.
-        u = ((_hash32(stream ^ 0x2545F491) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        target = u * total
-        acc = tl.full([], 0.0, tl.float32)
-        pick = tl.full([], -1, tl.int32)
-        last = tl.full([], 0, tl.int32)
-        pick_key = tl.full([], 0, tl.int32)
-        start = 0
-        while (pick < 0) & (start < V):
+    tl.store(m_ptr + i * NUM_SLICES + part, tl.max(m_lane, 0))
+    tl.store(kmax_ptr + i * NUM_SLICES + part, tl.max(key_lane, 0))
+
+
+@triton.jit(do_not_specialize=["NUM_SLICES"])
+def _filter_setup_kernel(rows_ptr, temp_ptr, minp_ptr, key_ptr, m_ptr, kmax_ptr, fstate_ptr, istate_ptr, NUM_SLICES,
+                         SLICES_P: tl.constexpr, PDL: tl.constexpr):
+    """Program i: row i's state before its first round: top y, min_p's threshold, lo, hi, stream;
+    status -1 (to draw) or -2 (a greedy row: the caller's argmax stays)."""
+    pdl_start(PDL)
+    i = tl.program_id(0)
+    row = tl.load(rows_ptr + i)
+    j = tl.arange(0, SLICES_P)
+    ok = j < NUM_SLICES
+    top = tl.max(tl.load(m_ptr + i * NUM_SLICES + j, mask=ok, other=-3.0e38), 0)
+    hi = tl.max(tl.load(kmax_ptr + i * NUM_SLICES + j, mask=ok, other=-2147483647), 0) + 1
+    min_p = tl.load(minp_ptr + row)
+    ythr = tl.where(min_p > 0, top + tl.math.log2(tl.where(min_p > 0, min_p, 1.0)), -3.0e38)
+    f, n = fstate_ptr + i * 4, istate_ptr + i * 6
+    tl.store(f + 0, top)
+    tl.store(f + 1, ythr)
+    tl.store(n + 0, -2147483647 - 1)  # lo: every key
+    tl.store(n + 1, hi)
+    tl.store(n + 2, tl.load(key_ptr + row).to(tl.uint32).to(tl.int32, bitcast=True))  # the round's stream
+    tl.store(n + 3, 0)  # rounds drawn
+    tl.store(n + 4, tl.where(tl.load(temp_ptr + row) > 0, -1, -2))
+
+
+@triton.jit
+def _in_play_kernel(logits_ptr, stride, rows_ptr, temp_ptr, fstate_ptr, istate_ptr, w_ptr, V, NUM_SLICES,
+                    SLICE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program (i, j): the weight in slice j of row i's candidates (keys >= lo, kept by min_p)."""
+    pdl_start(PDL)
+    i, part = tl.program_id(0), tl.program_id(1)
+    if tl.load(istate_ptr + i * 6 + 4) == -1:
+        _, _, c, base = _row(rows_ptr, temp_ptr, logits_ptr, stride, i)
+        top, ythr = tl.load(fstate_ptr + i * 4), tl.load(fstate_ptr + i * 4 + 1)
+        lo = tl.load(istate_ptr + i * 6)
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in range(part * SLICE, (part + 1) * SLICE, BLOCK):
             idx = start + tl.arange(0, BLOCK)
             x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
             y = x * c
-            key = _order_key(x)
-            w = tl.where((y >= ythr) & (key >= lo), tl.math.exp2(y - top), 0.0)  # 0 past V: y = -inf
-            block_sum = tl.sum(w, 0)
-            last = tl.max(tl.where(w > 0, idx, last), 0)
-            if acc + block_sum > target:
-                below = tl.sum((acc + tl.cumsum(w, 0) <= target).to(tl.int32), 0)
-                pick = tl.where(below < BLOCK, start + below, last)
-                pick_key = tl.max(tl.where(idx == pick, key, -2147483647 - 1), 0)
-            acc += block_sum
-            start += BLOCK
-        if pick < 0:  # rounding left target at the very end: the last candidate
-            pick = last
-            pick_key = _order_key(tl.load(base + pick).to(tl.float32))
-        # Is it kept? Fewer than k tokens and less than p of the mass rank above it. The other
-        # pivots, spread up to hi, cut the candidates down for the next round if not.
-        q0 = pick_key.to(tl.int64) + 1
-        span = tl.maximum(hi.to(tl.int64) - q0, 0)
-        q = (q0 + span * tl.arange(0, PIVOTS) // PIVOTS).to(tl.int32)
-        count, mass = _above(base, V, c, top, ythr, q, BLOCK, PIVOTS)
-        out = (count >= k) | (mass >= p * kept_mass)  # the tokens below each pivot are all cut
-        if tl.sum(out.to(tl.int32), 0) == 0:
-            token = pick
+            acc += tl.where((y >= ythr) & (_order_key(x) >= lo), tl.math.exp2(y - top), 0.0)
+        tl.store(w_ptr + i * NUM_SLICES + part, tl.sum(acc, 0))
+
+
+@triton.jit(do_not_specialize=["V", "NUM_SLICES"])
+def _candidate_kernel(logits_ptr, stride, rows_ptr, temp_ptr, fstate_ptr, istate_ptr, w_ptr, q_ptr, out_ptr,
+                      V, NUM_SLICES, FIRST: tl.constexpr, SLICE: tl.constexpr, BLOCK: tl.constexpr,
+                      SLICES_P: tl.constexpr, PIVOTS: tl.constexpr, PDL: tl.constexpr):
+    """Program i: this round's candidate of row i, drawn at the round's u from the candidates'
+    weight (the slice where u * total falls, then the token inside it), and the pivots to test it
+    with. The first round's total is the kept weight (top_p's 100%); none at all: token 0."""
+    pdl_start(PDL)
+    i = tl.program_id(0)
+    f, n = fstate_ptr + i * 4, istate_ptr + i * 6
+    if tl.load(n + 4) == -1:
+        row, _, c, base = _row(rows_ptr, temp_ptr, logits_ptr, stride, i)
+        j = tl.arange(0, SLICES_P)
+        w = tl.load(w_ptr + i * NUM_SLICES + j, mask=j < NUM_SLICES, other=0.0)
+        total = tl.sum(w, 0)
+        if FIRST:
+            tl.store(f + 2, total)
+        if total == 0:  # every logit -inf (only in the first round: a later one always keeps its candidate)
+            tl.store(n + 4, 0)
+            tl.store(out_ptr + row, tl.zeros([], tl.int64))
         else:
-            lo = tl.max(tl.where(out, q, -2147483647 - 1), 0)
-            total = tl.min(tl.where(out, mass, 3.0e38), 0)
-            hi = tl.min(tl.where(out, hi, q), 0)
-        stream += golden
-        r += 1
-    if token < 0:  # MAX_ROUNDS spent (the bound in the docstring says never): the last candidate
-        token = pick
-    if t > 0:  # greedy rows keep the argmax the caller already wrote
+            stream = tl.load(n + 2).to(tl.uint32, bitcast=True)
+            u = ((_hash32(stream ^ 0x2545F491) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+            target = u * total
+            last = tl.max(tl.where(w > 0, j, 0), 0)  # rounding may leave target at or past the last sum
+            hit = tl.minimum(tl.sum((tl.cumsum(w, 0) <= target).to(tl.int32), 0), last)
+            rest = target - tl.sum(tl.where(j < hit, w, 0.0), 0)
+            top, ythr = tl.load(f), tl.load(f + 1)
+            lo, hi = tl.load(n), tl.load(n + 1)
+            pick, pick_key = _pick(base, hit * SLICE, tl.minimum(hit * SLICE + SLICE, V), c, top, ythr, lo, rest, BLOCK)
+            tl.store(n + 5, pick)
+            tl.store(q_ptr + i * PIVOTS + tl.arange(0, PIVOTS), _pivots(pick_key, hi, PIVOTS))
+
+
+@triton.jit
+def _pivot_count_kernel(logits_ptr, stride, rows_ptr, temp_ptr, fstate_ptr, istate_ptr, q_ptr, count_ptr, mass_ptr,
+                        V, NUM_SLICES, SLICE: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Program (i, j): in slice j of row i, the tokens at or above each pivot and their weight."""
+    pdl_start(PDL)
+    i, part = tl.program_id(0), tl.program_id(1)
+    if tl.load(istate_ptr + i * 6 + 4) == -1:
+        _, _, c, base = _row(rows_ptr, temp_ptr, logits_ptr, stride, i)
+        top, ythr = tl.load(fstate_ptr + i * 4), tl.load(fstate_ptr + i * 4 + 1)
+        p = tl.arange(0, PIVOTS)
+        count, mass = _above(base, part * SLICE, (part + 1) * SLICE, V, c, top, ythr,
+                             tl.load(q_ptr + i * PIVOTS + p), BLOCK, PIVOTS)
+        out = (i * NUM_SLICES + part) * PIVOTS + p
+        tl.store(count_ptr + out, count)
+        tl.store(mass_ptr + out, mass)
+
+
+@triton.jit
+def _judge(pick, count, mass, q, k, p, kept_mass, lo, hi):
+    """Is the candidate kept (fewer than k tokens and less than p of the kept weight above it)? If
+    not, the candidates for the next round: keys >= the highest failing pivot (lo), below the
+    lowest passing one (hi), and their weight. Returns (token or -1, lo, hi, total)."""
+    out = (count >= k) | (mass >= p * kept_mass)  # the tokens below each pivot are all cut
+    token = tl.where(tl.sum(out.to(tl.int32), 0) == 0, pick, -1)
+    new_lo = tl.max(tl.where(out, q, -2147483647 - 1), 0)
+    total = tl.min(tl.where(out, mass, 3.0e38), 0)
+    new_hi = tl.min(tl.where(out, hi, q), 0)
+    return token, tl.where(token < 0, new_lo, lo), tl.where(token < 0, new_hi, hi), total
+
+
+@triton.jit(do_not_specialize=["NUM_SLICES"])
+def _decide_kernel(rows_ptr, topk_ptr, topp_ptr, fstate_ptr, istate_ptr, q_ptr, count_ptr, mass_ptr, out_ptr,
+                   NUM_SLICES, SLICES_P: tl.constexpr, PIVOTS: tl.constexpr, PDL: tl.constexpr):
+    """Program i: row i's candidate judged on the pivots' counts summed over the slices."""
+    pdl_start(PDL)
+    i = tl.program_id(0)
+    f, n = fstate_ptr + i * 4, istate_ptr + i * 6
+    if tl.load(n + 4) == -1:
+        row = tl.load(rows_ptr + i)
+        j = tl.arange(0, SLICES_P)[:, None]
+        p = tl.arange(0, PIVOTS)[None, :]
+        at = (i * NUM_SLICES + j) * PIVOTS + p
+        ok = j < NUM_SLICES
+        count = tl.sum(tl.load(count_ptr + at, mask=ok, other=0), 0)
+        mass = tl.sum(tl.load(mass_ptr + at, mask=ok, other=0.0), 0)
+        q = tl.load(q_ptr + i * PIVOTS + tl.arange(0, PIVOTS))
+        token, lo, hi, total = _judge(tl.load(n + 5), count, mass, q, tl.load(topk_ptr + row).to(tl.int32),
+                                      tl.load(topp_ptr + row), tl.load(f + 2), tl.load(n), tl.load(n + 1))
+        stream = tl.load(n + 2).to(tl.uint32, bitcast=True) + tl.full([], 0x9E3779B9, tl.uint32)
+        tl.store(n, lo)
+        tl.store(n + 1, hi)
+        tl.store(n + 2, stream.to(tl.int32, bitcast=True))
+        tl.store(n + 3, tl.load(n + 3) + 1)
+        tl.store(n + 4, token)
+        tl.store(f + 3, total)
+        if token >= 0:
+            tl.store(out_ptr + row, token.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["V"])
+def _finish_kernel(logits_ptr, stride, rows_ptr, temp_ptr, topk_ptr, topp_ptr, fstate_ptr, istate_ptr, out_ptr, V,
+                   BLOCK: tl.constexpr, PIVOTS: tl.constexpr, MAX_ROUNDS: tl.constexpr, PDL: tl.constexpr):
+    """Program i: the rounds row i still needs after the split ones, a program for the whole row
+    (rare: most rows end in the first round or two)."""
+    pdl_start(PDL)
+    i = tl.program_id(0)
+    f, n = fstate_ptr + i * 4, istate_ptr + i * 6
+    token = tl.load(n + 4)
+    if token == -1:
+        row, _, c, base = _row(rows_ptr, temp_ptr, logits_ptr, stride, i)
+        k, p = tl.load(topk_ptr + row).to(tl.int32), tl.load(topp_ptr + row)
+        top, ythr, kept_mass, total = tl.load(f), tl.load(f + 1), tl.load(f + 2), tl.load(f + 3)
+        lo, hi = tl.load(n), tl.load(n + 1)
+        stream = tl.load(n + 2).to(tl.uint32, bitcast=True)
+        golden = tl.full([], 0x9E3779B9, tl.uint32)
+        r = tl.load(n + 3)
+        pick = tl.load(n + 5)
+        while (token < 0) & (r < MAX_ROUNDS):
+            u = ((_hash32(stream ^ 0x2545F491) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+            pick, pick_key = _pick(base, 0, V, c, top, ythr, lo, u * total, BLOCK)
+            q = _pivots(pick_key, hi, PIVOTS)
+            count, mass = _above(base, 0, V, V, c, top, ythr, q, BLOCK, PIVOTS)
+            token, lo, hi, total = _judge(pick, count, mass, q, k, p, kept_mass, lo, hi)
+            stream += golden
+            r += 1
+        if token < 0:  # MAX_ROUNDS spent (the bound in the docstring says never): the last candidate
+            token = pick
         tl.store(out_ptr + row, token.to(tl.int64))
 
 
-_PIVOTS, _MAX_ROUNDS = 4, 64
-FILTER_TILES = (2048, 8)  # (block, warps): sampler_bench.py --filtered --sweep (H100), the best of 12 with 4 pivots
+_PIVOTS, _MAX_ROUNDS, _SPLIT_ROUNDS = 4, 64, 3
+FILTER_TILES = (8192, 2048, 8)  # (slice, block, warps)
 
 
 def sample_filtered_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                          min_p: torch.Tensor, key: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
-                         tiles: tuple[int, int] | None = None, pivots: int = _PIVOTS) -> torch.Tensor:
+                         tiles: tuple[int, int, int] | None = None, pivots: int = _PIVOTS,
+                         split_rounds: int = _SPLIT_ROUNDS) -> torch.Tensor:
     """For each row index in `rows` (int64 [R]) with T > 0: a draw from softmax(logits / T) over
     the tokens that min_p, top_k (int64) and top_p keep, written to out[row] (int64 [B]); other
-    rows of `out` untouched. Same per-row parameters as sample_rows, plus the filters. `tiles`
-    (block, warps) and `pivots` for benchmarks: the pivots change the rounds, so the draw."""
-    if rows.numel():
-        block, warps = tiles or FILTER_TILES
-        on = pdl(logits.device)
-        _filtered_kernel[(rows.numel(),)](logits, logits.stride(0), rows, temperature, top_k, top_p, min_p, key, out,
-                                          logits.shape[1], BLOCK=block, PIVOTS=pivots, MAX_ROUNDS=_MAX_ROUNDS,
-                                          PDL=on, num_warps=warps, launch_pdl=on)
+    rows of `out` untouched. Same per-row parameters as sample_rows, plus the filters. The first
+    `split_rounds` rounds (>= 1) run with each row cut into slices, a program a slice; a row that
+    needs more finishes in a program of its own. `tiles` (slice, block, warps: powers of two,
+    block <= slice), `pivots` and `split_rounds` for tests and benchmarks: the pivots change the
+    rounds, so the draw; the others only the rounding."""
+    n = rows.numel()
+    if n:
+        slice_len, block, warps = tiles or FILTER_TILES
+        V, dev = logits.shape[1], logits.device
+        slices = triton.cdiv(V, slice_len)
+        slices_p = max(16, triton.next_power_of_2(slices))
+        m = torch.empty(n, slices, dtype=torch.float32, device=dev)
+        kmax = torch.empty(n, slices, dtype=torch.int32, device=dev)
+        fstate = torch.empty(n, 4, dtype=torch.float32, device=dev)  # top, ythr, kept weight, candidates' weight
+        istate = torch.empty(n, 6, dtype=torch.int32, device=dev)  # lo, hi, stream, rounds, status/token, candidate
+        q = torch.empty(n, pivots, dtype=torch.int32, device=dev)
+        count = torch.empty(n, slices, pivots, dtype=torch.int32, device=dev)
+        mass = torch.empty(n, slices, pivots, dtype=torch.float32, device=dev)
+        on = pdl(dev)
+        common = {"PDL": on, "num_warps": warps, "launch_pdl": on}
+        row_args = (logits, logits.stride(0), rows, temperature)
+        _filter_top_kernel[(n, slices)](*row_args, m, kmax, V, slices, SLICE=slice_len, BLOCK=block, **common)
+        _filter_setup_kernel[(n,)](rows, temperature, min_p, key, m, kmax, fstate, istate, slices, SLICES_P=slices_p,
+                                   **common)
+        for r in range(max(split_rounds, 1)):
+            _in_play_kernel[(n, slices)](*row_args, fstate, istate, m, V, slices, SLICE=slice_len, BLOCK=block,
+                                         **common)  # m: now each slice's candidates' weight
+            _candidate_kernel[(n,)](*row_args, fstate, istate, m, q, out, V, slices, FIRST=r == 0, SLICE=slice_len,
+                                    BLOCK=block, SLICES_P=slices_p, PIVOTS=pivots, **common)
+            _pivot_count_kernel[(n, slices)](*row_args, fstate, istate, q, count, mass, V, slices, SLICE=slice_len,
+                                             BLOCK=block, PIVOTS=pivots, **common)
+            _decide_kernel[(n,)](rows, top_k, top_p, fstate, istate, q, count, mass, out, slices,
+                                 SLICES_P=slices_p, PIVOTS=pivots, **common)
+        _finish_kernel[(n,)](*row_args, top_k, top_p, fstate, istate, out, V, BLOCK=block, PIVOTS=pivots,
+                             MAX_ROUNDS=_MAX_ROUNDS, **common)
     return out
 
 

@@ -224,12 +224,15 @@ def test_sample_rows_walks_to_the_token_inside_its_slice():
     assert len({int(t) // 256 for t in out}) == 4 and not ((out[::3] >= 300) & (out[::3] < 700)).any()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
-def test_sample_filtered_rows_matches_reference(dtype):
+@pytest.mark.parametrize("dtype,tiles,split_rounds", [
+    (torch.float32, None, 3), (torch.float16, None, 3), (torch.float32, (512, 128, 4), 1),
+    (torch.float32, (512, 128, 4), 3)] + ([(torch.bfloat16, None, 3)] if DEVICE == "cuda" else []))
+def test_sample_filtered_rows_matches_reference(dtype, tiles, split_rounds):
     """Flat rows (random weights: a small top_k takes several rounds), peaked rows (one round),
-    min_p, ties at the threshold, negative and -inf logits, rows not asked for left alone, over a
-    vocabulary of three blocks; the kernel's token is the reference's in every row, and each is
-    one the filters keep."""
+    min_p, ties at the threshold, negative and -inf logits, rows not asked for left alone; the
+    kernels' token is the reference's in every row, and each is one the filters keep. With slices
+    of 512 the rows are cut into five and the draw is made slice by slice; after one split round
+    the flat rows finish in a program of their own."""
     g = torch.Generator().manual_seed(11)
     n, vocab = 31, 2500
     logits = torch.randn(n, vocab, generator=g)
@@ -248,7 +251,8 @@ def test_sample_filtered_rows_matches_reference(dtype):
     min_p = f(0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.3, 0.0, *[0.0] * 21).float()
     keys = row_keys(torch.arange(n, device=DEVICE) * 31 + 7, torch.zeros(n, dtype=torch.int64, device=DEVICE))
     rows = f(*range(30))  # not 30; 9 is greedy
-    out = sample_filtered_rows(logits, temperature, top_k, top_p, min_p, keys, rows, torch.full((n,), -1, device=DEVICE))
+    out = sample_filtered_rows(logits, temperature, top_k, top_p, min_p, keys, rows, torch.full((n,), -1, device=DEVICE),
+                               tiles=tiles, split_rounds=split_rounds)
     ref = sample_filtered_rows_reference(logits.cpu(), temperature.cpu(), top_k.cpu(), top_p.cpu(), min_p.cpu(),
                                          keys.cpu(), rows.cpu(), torch.full((n,), -1))
     assert out.tolist() == ref.tolist()
