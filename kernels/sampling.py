@@ -214,6 +214,7 @@ def _pick(base, start, end, c, top, ythr, lo, target, BLOCK: tl.constexpr):
     pick = tl.full([], -1, tl.int32)
     last = tl.full([], 0, tl.int32)
     pick_key = tl.full([], 0, tl.int32)
+    start += tl.zeros([], tl.int32)  # a loop-carried tensor even when called with a literal
     while (pick < 0) & (start < end):
         idx = start + tl.arange(0, BLOCK)
         x = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
