@@ -437,8 +437,8 @@ def _finish_kernel(logits_ptr, stride, rows_ptr, temp_ptr, topk_ptr, topp_ptr, f
         tl.store(out_ptr + row, token.to(tl.int64))
 
 
-_PIVOTS, _MAX_ROUNDS, _SPLIT_ROUNDS = 4, 64, 3
-FILTER_TILES = (8192, 2048, 8)  # (slice, block, warps)
+_PIVOTS, _MAX_ROUNDS, _SPLIT_ROUNDS = 4, 64, 5
+FILTER_TILES = (8192, 1024, 4)  # (slice, block, warps): sampler_bench.py --filtered --sweep (H100), with 5 split rounds
 
 
 def sample_filtered_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -10,7 +10,7 @@ Gumbel-max gumbel_argmax before it), so `gpu_suite.sh run ab-script sampler_benc
 --filtered instead times the whole `sample()` with every row filtered as model cards ask (top_k 20 +
 top_p 0.95: Qwen3; top_p 0.9: Llama 3.1; min_p 0.05) against no filter, on flat logits (random
 weights) and peaked ones (a real model's: most mass on a few tokens), and torch's topk and sort
-of the same rows; with --sweep also sample_filtered_rows alone for every (slice, block, warps, split rounds).
+of the same rows; with --sweep also sample_filtered_rows alone for every (block, warps, split rounds, pivots).
 """
 
 import argparse
@@ -49,15 +49,15 @@ def filtered(batches: list[int], sweep: bool) -> list[dict]:
                 args = (logits, full(0.6, torch.float32), full(k, torch.int64), full(p, torch.float32),
                         full(min_p, torch.float32), torch.randint(0, 2**62, (B,), device="cuda"), rows_, out)
                 timed = []
-                for slice_len, block, warps, split in itertools.product((4096, 8192, 16384), (1024, 2048), (4, 8),
-                                                                         (2, 3, 4)):
+                for block, warps, split, pivots in itertools.product((512, 1024), (4, 8), (2, 3, 4, 5, 6), (4, 8)):
                     try:
                         us = graph_us(lambda _: sampling.sample_filtered_rows(
-                            *args, tiles=(slice_len, block, warps), split_rounds=split), reps=10)
+                            *args, tiles=(8192, block, warps), split_rounds=split, pivots=pivots), reps=10)
                     except Exception:  # too many registers and the like
                         continue
-                    timed.append((round(us, 1), slice_len, block, warps, split))
-                row[name + "_best"] = sorted(timed)[:4]
+                    timed.append((round(us, 1), block, warps, split, pivots))
+                row[name + "_best"] = sorted(timed)[:6]
+                row[name + "_all"] = timed
         row["torch_topk20_us"] = round(graph_us(lambda _: logits.topk(20, dim=-1), reps=20), 1)
         row["torch_sort_us"] = round(graph_us(lambda _: logits.float().sort(dim=-1, descending=True), reps=20), 1)
         rows.append(row)
