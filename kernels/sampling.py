@@ -40,8 +40,10 @@ weight a slice; a program a row picks the slice where u * total falls and walks 
 candidate; the pivots' counts and weights a slice; a program a row sums them and judges. A row
 done skips the later launches at once; a row that needs more rounds finishes them in a program of
 its own (the same rounds, over the whole row). A program a row, as the first version ran every
-round, keeps too few bytes in flight (~1 TB/s a pass at 256 rows of W-small's vocabulary on the
-H100: 0.40-0.82 ms a step against 9.3-10.2 ms for torch's sort; BENCHMARKS.md).
+round, keeps too few bytes in flight (~1 TB/s a pass): at 256 rows of W-small's vocabulary on the
+H100 `sample()` with filters took 0.38-0.81 ms a step (torch's sort: 9.3-10.2 ms), cut into slices
+0.29-0.51 ms; at 48-64 rows 0.23-0.48 against 0.09-0.18 ms (`sampler_bench.py --filtered`,
+BENCHMARKS.md). A round whose rows are all done still costs its four launches, ~15 µs at 256 rows.
 
 `sample_rows_reference` and `sample_filtered_rows_reference` compute the same functions in torch
 (int64 arithmetic masked to 32 bits, sums in float64), for the CPU backend and as the kernels'
