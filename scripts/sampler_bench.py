@@ -2,7 +2,7 @@
 the bandwidth floor of reading the logits once (a row max). Timed inside a CUDA graph, logits in
 bf16 as the lm_head leaves them, temperature 0.6. GPU only.
 
-    python scripts/sampler_bench.py [--batches 15,48,128,218,256] [--sweep] [--filtered] [--json out.json]
+    python scripts/sampler_bench.py [--batches 15,48,128,218,256] [--sweep] [--filtered] [--kernels] [--json out.json]
 
 Per batch: the shipped sampler's µs and the row max's µs; --sweep also times sample_rows for
 every (slice, block, warps). Runs against an llmserve with either sampler (sample_rows, or the
@@ -65,13 +65,46 @@ def filtered(batches: list[int], sweep: bool) -> list[dict]:
     return rows
 
 
+def kernel_times(batches: list[int]) -> list[dict]:
+    """--kernels: sample_filtered_rows at top_k 20 + top_p 0.95 on flat and peaked rows, each of its
+    kernels' device time (µs a call, torch profiler over 20 calls)."""
+    from torch.profiler import ProfilerActivity, profile
+    rows = []
+    for B, shape in itertools.product(batches, ("flat", "peaked")):
+        logits = (torch.randn(B, VOCAB, device="cuda") * (1.0 if shape == "flat" else 4.0)).to(torch.bfloat16)
+        full = lambda v, dtype: torch.full((B,), v, dtype=dtype, device="cuda")  # noqa: E731
+        args = (logits, full(0.6, torch.float32), full(20, torch.int64), full(0.95, torch.float32),
+                full(0.0, torch.float32), torch.randint(0, 2**62, (B,), device="cuda"), torch.arange(B, device="cuda"),
+                torch.empty(B, dtype=torch.int64, device="cuda"))
+        for _ in range(3):
+            sampling.sample_filtered_rows(*args)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                sampling.sample_filtered_rows(*args)
+            torch.cuda.synchronize()
+        times = {}
+        for e in prof.key_averages():
+            if e.device_type.name == "CUDA" and "kernel" in e.key:
+                times[e.key] = (round(e.device_time_total / 20, 1), e.count // 20)
+        row = {"batch": B, "logits": shape, "us_per_call_and_launches": times,
+               "logits_mb": round(B * VOCAB * 2 / 1e6, 1)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="15,48,128,218,256")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--filtered", action="store_true")
+    ap.add_argument("--kernels", action="store_true", help="the filtered sampler's kernels' device times")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.kernels:
+        report(kernel_times(list(map(int, args.batches.split(",")))), args.json, echo=False)
+        return
     if args.filtered:
         report(filtered(list(map(int, args.batches.split(","))), args.sweep), args.json, echo=False)
         return
