@@ -41,9 +41,9 @@ candidate; the pivots' counts and weights a slice; a program a row sums them and
 done skips the later launches at once; a row that needs more rounds finishes them in a program of
 its own (the same rounds, over the whole row). A program a row, as the first version ran every
 round, keeps too few bytes in flight (~1 TB/s a pass): at 256 rows of W-small's vocabulary on the
-H100 `sample()` with filters took 0.38-0.81 ms a step (torch's sort: 9.3-10.2 ms), cut into slices
-0.29-0.51 ms; at 48-64 rows 0.23-0.48 against 0.09-0.18 ms (`sampler_bench.py --filtered`,
-BENCHMARKS.md). A round whose rows are all done still costs its four launches, ~15 µs at 256 rows.
+H100 it took 0.34-0.77 ms a step (torch's sort: 9.3-10.2 ms), cut into slices 0.20-0.37 ms
+(`sampler_bench.py --filtered`, BENCHMARKS.md). A round whose rows are all done still costs its
+four launches, ~15 µs at 256 rows; the pivot-count pass still reads at under 1 TB/s.
 
 `sample_rows_reference` and `sample_filtered_rows_reference` compute the same functions in torch
 (int64 arithmetic masked to 32 bits, sums in float64), for the CPU backend and as the kernels'
@@ -441,8 +441,8 @@ def _finish_kernel(logits_ptr, stride, rows_ptr, temp_ptr, topk_ptr, topp_ptr, f
         tl.store(out_ptr + row, token.to(tl.int64))
 
 
-_PIVOTS, _MAX_ROUNDS, _SPLIT_ROUNDS = 4, 64, 5
-FILTER_TILES = (8192, 1024, 4)  # (slice, block, warps): sampler_bench.py --filtered --sweep (H100), with 5 split rounds
+_PIVOTS, _MAX_ROUNDS, _SPLIT_ROUNDS = 4, 64, 4
+FILTER_TILES = (8192, 1024, 4)  # (slice, block, warps): sampler_bench.py --filtered --sweep (H100), with 4 split rounds
 
 
 def sample_filtered_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
