@@ -194,21 +194,20 @@ def _order_key(x):
 @triton.jit
 def _above(base, lo_idx, hi_idx, V, c, top, ythr, q, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
     """For each pivot key q[i]: how many tokens of index in [lo_idx, hi_idx) of weight kept by min_p
-    have a key >= q[i], and their weight, sum 2^(y - top). Each block's sums reduced as it is read
-    (per-lane sums held PIVOTS x 2 registers a token: 111 a thread, a quarter of the programs an SM
-    the other passes get), the pivots the major axis, so that each token is loaded and weighed by one
-    thread (with them minor, four threads loaded and weighed each token)."""
-    count = tl.zeros([PIVOTS], tl.int32)
-    mass = tl.zeros([PIVOTS], tl.float32)
+    have a key >= q[i], and their weight, sum 2^(y - top). Per-lane sums, reduced once at the end;
+    the pivots the major axis, so that each token is loaded and weighed by one thread (with them
+    minor, the layout spread a token's pivots over threads that each loaded and weighed it)."""
+    count = tl.zeros([PIVOTS, BLOCK], tl.int32)
+    mass = tl.zeros([PIVOTS, BLOCK], tl.float32)
     for start in range(lo_idx, hi_idx, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
         y = x * c
         w = tl.where(y >= ythr, tl.math.exp2(y - top), 0.0)
         ge = (_order_key(x)[None, :] >= q[:, None]) & (w[None, :] > 0)
-        count += tl.sum(ge.to(tl.int32), 1)
-        mass += tl.sum(tl.where(ge, w[None, :], 0.0), 1)
-    return count, mass
+        count += ge.to(tl.int32)
+        mass += tl.where(ge, w[None, :], 0.0)
+    return tl.sum(count, 1), tl.sum(mass, 1)
 
 
 @triton.jit
