@@ -61,6 +61,25 @@ def test_sampling_follows_the_distribution():
     assert torch.allclose(freq, probs, atol=0.03)
 
 
+def test_a_batch_filtered_in_every_row_skips_the_plain_draw():
+    """When every row has a filter (a server whose clients all sample as the model card asks), the
+    filtered sampler writes every token: the unfiltered draw over all rows is not run, and the
+    tokens are the same as with it."""
+    torch.manual_seed(3)
+    logits = torch.randn(6, 50)
+    drawn = []
+
+    def draw(*args):
+        drawn.append(1)
+        from llmserve.kernels.sampling import sample_rows_reference
+        return sample_rows_reference(*args)
+
+    both = sample(logits, batch(6, top_k=5, top_p=0.9, vocab=50), draw)
+    assert drawn == [1]
+    alone = sample(logits, batch(6, top_k=5, top_p=0.9, vocab=50, all_filtered=True), draw)
+    assert drawn == [1] and alone.tolist() == both.tolist()
+
+
 def test_top_k_top_p_min_p_keep_what_their_definition_keeps():
     """Over 3,000 keys a row, the filtered sampler draws every token its filters keep and nothing
     else, for each filter alone and together."""

@@ -416,6 +416,7 @@ class ModelRunner:
         filtered = [i for i, p in enumerate(params) if p.temperature > 0 and (p.top_k or p.top_p < 1.0 or p.min_p > 0)]
         if filtered:
             batch.filtered_rows = t(filtered, np.int64)
+            batch.all_filtered = len(filtered) == len(params)
         if any(_penalized(p) for p in params):
             batch.penalties = Penalties(
                 output_counts=self._scatter_rows([s.output_ids for s in states], vocab, torch.float32, True),

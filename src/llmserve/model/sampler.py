@@ -40,6 +40,7 @@ class SamplingBatch:
     keys: torch.Tensor  # int64: the row's random stream, row_keys(seed, output tokens it already has)
     all_greedy: bool
     filtered_rows: torch.Tensor | None = None  # int64 row indices that use min_p, top_k or top_p
+    all_filtered: bool = False  # every row is one of them, with T > 0: no row takes the plain draw
     penalties: "Penalties | None" = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, values
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, token ids masked by min_tokens
@@ -84,7 +85,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, draw_fn: DrawFn = sample_
     logits = process_logits(logits, batch)
     if batch.all_greedy:
         return logits.argmax(dim=-1)
-    tokens = draw_fn(logits, batch.temperature, batch.keys)
+    if batch.all_filtered:  # the filtered sampler writes every row
+        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    else:
+        tokens = draw_fn(logits, batch.temperature, batch.keys)
     if batch.filtered_rows is not None:  # rows with T > 0 only: greedy rows keep their argmax
         filter_fn(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.keys, batch.filtered_rows,
                   tokens)
