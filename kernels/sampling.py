@@ -240,6 +240,12 @@ def _pick(base, start, end, c, top, ythr, lo, target, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _round_u(stream):
+    """A filtered round's u in (0, 1) from its uint32 stream (uniform_reference with _FILTER_SALT)."""
+    return ((_hash32(stream ^ 0x2545F491) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+
+
+@triton.jit
 def _pivots(pick_key, hi, PIVOTS: tl.constexpr):
     """PIVOTS keys from just above the candidate's up to hi, evenly spread."""
     q0 = pick_key.to(tl.int64) + 1
@@ -338,7 +344,7 @@ def _candidate_kernel(logits_ptr, stride, rows_ptr, temp_ptr, fstate_ptr, istate
             tl.store(out_ptr + row, tl.zeros([], tl.int64))
         else:
             stream = tl.load(n + 2).to(tl.uint32, bitcast=True)
-            u = ((_hash32(stream ^ 0x2545F491) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+            u = _round_u(stream)
             target = u * total
             last = tl.max(tl.where(w > 0, j, 0), 0)  # rounding may leave target at or past the last sum
             hit = tl.minimum(tl.sum((tl.cumsum(w, 0) <= target).to(tl.int32), 0), last)
@@ -429,7 +435,7 @@ def _finish_kernel(logits_ptr, stride, rows_ptr, temp_ptr, topk_ptr, topp_ptr, f
         r = tl.load(n + 3)
         pick = tl.load(n + 5)
         while (token < 0) & (r < MAX_ROUNDS):
-            u = ((_hash32(stream ^ 0x2545F491) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+            u = _round_u(stream)
             pick, pick_key = _pick(base, 0, V, c, top, ythr, lo, u * total, BLOCK)
             q = _pivots(pick_key, hi, PIVOTS)
             count, mass = _above(base, 0, V, V, c, top, ythr, q, BLOCK, PIVOTS)
