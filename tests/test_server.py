@@ -173,6 +173,8 @@ def test_seed_reproducibility(server):
     (dict(prompt=[[1, 2], [3.0]]), openai.BadRequestError, "prompt"),
     (dict(extra_body={"stop": [3]}), openai.BadRequestError, "stop"),
     (dict(logprobs=50), openai.BadRequestError, "logprobs"),
+    (dict(logit_bias={"99999999": 1}), openai.BadRequestError, "logit_bias"),
+    (dict(extra_body={"stop_token_ids": [5, 99999999]}), openai.BadRequestError, "stop_token_ids"),
 ])
 def test_errors_are_typed_exceptions_naming_the_field(server, kwargs, error, param):
     args = dict(model=MODEL, prompt="The list type", max_tokens=4)

@@ -160,9 +160,9 @@ class RequestActor:
         if strict_length and params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens is {params.max_tokens} but the prompt has {len(ids)} tokens and "
                              f"max_model_len is {self.max_model_len}: at most {self.max_model_len - len(ids)} remain")
-        bad = [t for t in [*(params.logit_bias or {}), *params.stop_token_ids] if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias/stop_token_ids: token ids must be < vocab size {self.vocab_size}, got {bad}")
+        for field, token_ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            if bad := [t for t in token_ids if t >= self.vocab_size]:
+                raise ValueError(f"{field} token ids must be < vocab size {self.vocab_size}, got {bad}")
 
     async def _on_submit(self, subs: list[Submit]) -> None:
         """Admit each valid submission (an invalid one gets its error in its slot). The scheduler
