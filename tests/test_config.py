@@ -40,6 +40,7 @@ def test_unknown_toml_keys_are_named(tmp_path):
     (lambda: SchedulerConfig(policy="lifo"), "scheduler.policy must be 'fcfs' or 'priority'"),
     (lambda: ModelConfig(dtype="int4"), "model.dtype must be one of"),
     (lambda: ModelConfig(device="tpu"), "model.device must be"),
+    (lambda: ModelConfig(generation_config="vllm"), "model.generation_config must be 'auto' or 'none', got 'vllm'"),
 ])
 def test_invalid_values_name_field_and_limit(make, match):
     with pytest.raises(ValueError, match=match):

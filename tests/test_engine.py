@@ -250,6 +250,43 @@ def test_sampling_params_validation(field, value, match):
         SamplingParams(**{field: value})
 
 
+def with_generation_config(src: str, dst, **values) -> str:
+    """A copy of checkpoint `src` whose generation_config.json also sets `values`."""
+    import json
+    import shutil
+    shutil.copytree(src, dst)
+    gen = dst / "generation_config.json"
+    gen.write_text(json.dumps({**(json.loads(gen.read_text()) if gen.is_file() else {}), **values}))
+    return str(dst)
+
+
+def test_generate_without_sampling_params_uses_the_checkpoints_generation_config(checkpoint, tmp_path):
+    model = with_generation_config(checkpoint("llama"), tmp_path / "model", do_sample=True, temperature=0.7,
+                                   top_p=0.9, top_k=1, max_new_tokens=99)
+    prompts = [{"prompt_token_ids": [5 + i, 17, 33]} for i in range(4)]
+    with LLM(model, dtype="float32", device="cpu", log_interval_s=0) as llm:
+        defaults = llm.get_default_sampling_params()
+        assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.min_p) == (0.7, 0.9, 1, 0.0)
+        assert defaults.max_tokens == SamplingParams().max_tokens  # only the sampling values are read
+        greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0), use_tqdm=False)]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, use_tqdm=False)] == greedy  # top_k 1
+    with LLM(model, dtype="float32", device="cpu", log_interval_s=0, generation_config="none") as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, use_tqdm=False)] != greedy  # T = 1, no filter
+
+
+@pytest.mark.parametrize("values,match", [
+    (dict(top_p=0.0), r"generation_config.json: top_p must be in \(0, 1\]"),
+    (dict(temperature="warm"), "generation_config.json: temperature must be a number"),
+])
+def test_a_bad_generation_config_is_a_startup_error_naming_the_file(checkpoint, tmp_path, values, match):
+    model = with_generation_config(checkpoint("llama"), tmp_path / "model", **values)
+    with pytest.raises(ValueError, match=match):
+        LLM(model, dtype="float32", device="cpu")
+    with LLM(model, dtype="float32", device="cpu", log_interval_s=0, generation_config="none") as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+
+
 def test_unsupported_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
     with pytest.raises(ValueError, match="unsupported model architecture.*GPT2LMHeadModel"):

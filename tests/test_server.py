@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,7 +26,7 @@ import websockets.sync.client as ws_client
 from anyio.from_thread import start_blocking_portal
 
 from llmserve.config import EngineConfig
-from llmserve.engine import Engine, Frontend
+from llmserve.engine import BUILTIN_MODEL_DIR, Engine, Frontend
 from llmserve.engine_process import ProcessEngine
 from llmserve.server.run import serve
 
@@ -53,11 +54,11 @@ class Server:
 
 
 @contextmanager
-def running_server(engine_process: bool = False, **server_opts):
+def running_server(engine_process: bool = False, model: str = "builtin", **server_opts):
     port = free_port()
     scheduler = server_opts.pop("scheduler", {})
     config = EngineConfig.from_dict({
-        "model": {"model": "builtin", "device": "cpu", "dtype": "float32"},
+        "model": {"model": model, "device": "cpu", "dtype": "float32"},
         "cache": {"num_blocks": 256, "block_size": 16},
         "scheduler": {"log_interval_s": 0, **scheduler},
         "server": {"port": port, **server_opts},
@@ -159,6 +160,26 @@ def test_seed_reproducibility(server):
                                             temperature=1.0, seed=seed).choices[0].text
     assert run(5) == run(5)
     assert len({run(s) for s in range(4)}) > 1
+
+
+def test_requests_leaving_sampling_unset_take_the_checkpoints_generation_config(tmp_path):
+    """top_k 1 in generation_config.json: a request that sets no top_k samples the argmax, as a
+    greedy one does; one that sets top_k itself (even to the OpenAI default) keeps it."""
+    model = tmp_path / "with-defaults"  # the name it is served under
+    shutil.copytree(BUILTIN_MODEL_DIR, model)
+    gen = model / "generation_config.json"
+    gen.write_text(json.dumps({**json.loads(gen.read_text()), "do_sample": True, "temperature": 0.8, "top_k": 1}))
+    with running_server(model=str(model)) as s:
+        client = s.client()
+
+        def texts(**kw):
+            return [client.completions.create(model=model.name, prompt=p, max_tokens=12, seed=3, **kw).choices[0].text
+                    for p in ("The list type", "A tuple is", "Dictionaries map")]
+
+        greedy = texts(temperature=0)
+        assert texts() == greedy
+        assert texts(temperature=1.0) == greedy  # top_k 1 still from the file
+        assert texts(extra_body={"top_k": -1}) != greedy  # temperature 0.8 from the file, no filter
 
 
 @pytest.mark.parametrize("kwargs,error,param", [

@@ -42,10 +42,16 @@ class ModelConfig:
     enforce_eager: bool = False
     """Never use CUDA graphs (captured at start-up otherwise: decode steps by batch size, prefill and
     mixed steps by token count)."""
+    generation_config: str = "auto"
+    """auto: requests that leave temperature, top_p, top_k, min_p or repetition_penalty unset take the
+    checkpoint's generation_config.json values (as transformers' generate and vLLM do) | none: the
+    OpenAI API's defaults (temperature 1, no filters, no penalty)."""
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "model", "dtype", f"one of {_DTYPES}", self.dtype)
         _check(self.load_format in ("auto", "dummy"), "model", "load_format", "'auto' or 'dummy'", self.load_format)
+        _check(self.generation_config in ("auto", "none"), "model", "generation_config", "'auto' or 'none'",
+               self.generation_config)
         _check(self.max_model_len is None or self.max_model_len >= 2, "model", "max_model_len", ">= 2", self.max_model_len)
         _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"), "model", "device",
                "'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)

@@ -34,7 +34,7 @@ from llmserve.config import EngineConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.scheduler import Scheduler
 from llmserve.model.runner import ModelRunner
-from llmserve.model.spec import ModelSpec
+from llmserve.model.spec import ModelSpec, sampling_defaults
 from llmserve.outputs import RequestOutput
 from llmserve.plugin_manager import Plugins
 from llmserve.quantization import QuantizationMethod, Unquantized
@@ -120,6 +120,19 @@ def resolve_model_dir(name: str) -> str:
     return str(BUILTIN_MODEL_DIR) if name == "builtin" else name
 
 
+def resolve_sampling_defaults(config: EngineConfig) -> dict[str, float | int]:
+    """What requests leaving a sampling value unset take instead of the OpenAI default (the
+    checkpoint's generation_config.json under model.generation_config = "auto"), checked once here."""
+    if config.model.generation_config == "none":
+        return {}
+    defaults = sampling_defaults(config.model.model)
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ValueError(f"{config.model.model}/generation_config.json: {exc}") from None
+    return defaults
+
+
 def resolve_quantization(name: str | None, spec: ModelSpec, plugins: Plugins) -> QuantizationMethod:
     """The method named by model.quantization, or the one that reads a pre-quantized checkpoint's
     quantization_config (its quant_method is a registered name), or none."""
@@ -149,6 +162,8 @@ class Frontend(abc.ABC):
     device: torch.device | str
     kv_tokens: int
     """Tokens the KV cache holds."""
+    sampling_defaults: dict[str, float | int]
+    """Sampling values for requests that leave them unset (resolve_sampling_defaults)."""
 
     def __init__(self, config: EngineConfig, *, with_tokenizer: bool = True) -> None:
         """What both sides need: the checkpoint's shape, the context limit, the tokenizer. The
@@ -158,6 +173,7 @@ class Frontend(abc.ABC):
         self.config = config
         self.spec = ModelSpec.from_dir(config.model.model)
         self.max_model_len = resolve_max_model_len(config, self.spec)
+        self.sampling_defaults = resolve_sampling_defaults(config)
         if with_tokenizer:
             self._tokenizer = load_in_background(load_tokenizer, config.model.tokenizer or config.model.model)
         else:
@@ -315,7 +331,7 @@ class Engine(Frontend):
                  dtype=str(self.dtype).removeprefix("torch."), backend=self.backend.name, max_model_len=self.max_model_len,
                  kv_blocks=num_blocks, kv_tokens=self.kv_tokens,
                  kv_gib=round(num_blocks * self.runner.block_bytes() / 2**30, 3),
-                 startup_s={k: round(v, 2) for k, v in self.startup_phases.items()})
+                 sampling_defaults=self.sampling_defaults or "openai", startup_s={k: round(v, 2) for k, v in self.startup_phases.items()})
 
     def add_eos_token_id(self, token_id: int | None) -> None:
         """The tokenizer's end-of-sequence id ends requests (unless ignore_eos) besides the

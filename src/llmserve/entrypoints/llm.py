@@ -51,6 +51,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() samples with when given no sampling_params: the checkpoint's
+        generation_config.json values (model.generation_config = "auto"), SamplingParams' own otherwise."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
@@ -60,7 +65,7 @@ class LLM:
             prompts = [prompts]
         items = [_prompt(p) for p in prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(items)
         if len(sampling_params) != len(items):

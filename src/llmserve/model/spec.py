@@ -103,3 +103,21 @@ class ModelSpec:
         """K and V of one token over all layers; an FP8 cache adds a float32 scale per token and head."""
         per_head = self.head_dim * dtype.itemsize + (4 if dtype.itemsize == 1 else 0)
         return 2 * self.num_layers * self.num_kv_heads * per_head
+
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(path: str | Path) -> dict[str, float | int]:
+    """The sampling values a checkpoint's generation_config.json sets, of SAMPLING_DEFAULT_KEYS (its
+    do_sample and the rest are not read): what transformers' generate samples with and vLLM takes
+    for requests that leave them unset. Empty without the file."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    cfg = json.loads(file.read_text())
+    values = {key: cfg[key] for key in SAMPLING_DEFAULT_KEYS if cfg.get(key) is not None}
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{file}: {key} must be a number, got {value!r}")
+    return values

@@ -83,12 +83,16 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`defaults` (the model's, e.g. from its generation_config.json) replace the fields this
+        request did not set; a field it set, even to the OpenAI default, stays as sent."""
+        sampling = {key: getattr(self, key) for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        sampling.update((key, value) for key, value in (defaults or {}).items() if key not in self.model_fields_set)
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            n=self.n, **sampling,
             seed=self.seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, stop=self.stop,
+            logit_bias=self.logit_bias, stop=self.stop,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)

@@ -65,7 +65,7 @@ class OpenAIServing:
     def _params(self, body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
                 prompt_logprobs: int | None = None) -> SamplingParams:
         try:
-            return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+            return body.sampling_params(max_tokens, logprobs, prompt_logprobs, self.engine.sampling_defaults)
         except ValueError as exc:
             raise APIError.from_value_error(exc) from None
 
