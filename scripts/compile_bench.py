@@ -99,8 +99,7 @@ def inputs(spec: ModelSpec, m: int, device: str):
 def first_call_s(fn, *args) -> float:
     start = time.perf_counter()
     fn(*args)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     return time.perf_counter() - start
 
 

@@ -125,8 +125,8 @@ def resolve_sampling_defaults(config: EngineConfig) -> dict[str, float | int]:
     checkpoint's generation_config.json under model.generation_config = "auto"), checked once here."""
     if config.model.generation_config == "none":
         return {}
-    defaults = sampling_defaults(config.model.model)
     try:
+        defaults = sampling_defaults(config.model.model)
         SamplingParams(**defaults)
     except ValueError as exc:
         raise ValueError(f"{config.model.model}/generation_config.json: {exc}") from None
@@ -331,7 +331,8 @@ class Engine(Frontend):
                  dtype=str(self.dtype).removeprefix("torch."), backend=self.backend.name, max_model_len=self.max_model_len,
                  kv_blocks=num_blocks, kv_tokens=self.kv_tokens,
                  kv_gib=round(num_blocks * self.runner.block_bytes() / 2**30, 3),
-                 sampling_defaults=self.sampling_defaults or "openai", startup_s={k: round(v, 2) for k, v in self.startup_phases.items()})
+                 sampling_defaults=self.sampling_defaults or "openai",
+                 startup_s={k: round(v, 2) for k, v in self.startup_phases.items()})
 
     def add_eos_token_id(self, token_id: int | None) -> None:
         """The tokenizer's end-of-sequence id ends requests (unless ignore_eos) besides the

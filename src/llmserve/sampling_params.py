@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""The fields a checkpoint's generation_config.json may default for requests that leave them unset."""
 
 
 def _fail(name: str, limit: str, value: object) -> None:

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from llmserve.sampling_params import MODEL_DEFAULT_FIELDS
+
 # architecture name -> (q/k/v bias default, q/k RMSNorm)
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": (False, False),
@@ -50,12 +52,9 @@ class ModelSpec:
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in model directory {str(path)!r}")
         spec = cls.from_dict(json.loads(config_file.read_text()))
-        generation_file = Path(path) / "generation_config.json"
-        if generation_file.is_file():
-            eos = json.loads(generation_file.read_text()).get("eos_token_id")
-            more = [eos] if isinstance(eos, int) else list(eos or [])
-            spec = replace(spec, eos_token_ids=tuple(dict.fromkeys([*spec.eos_token_ids, *more])))
-        return spec
+        eos = generation_config(path).get("eos_token_id")
+        more = [eos] if isinstance(eos, int) else list(eos or [])
+        return replace(spec, eos_token_ids=tuple(dict.fromkeys([*spec.eos_token_ids, *more])))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelSpec:
@@ -105,19 +104,19 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+def generation_config(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's generation_config.json ({} without one)."""
+    file = Path(path) / "generation_config.json"
+    return json.loads(file.read_text()) if file.is_file() else {}
 
 
 def sampling_defaults(path: str | Path) -> dict[str, float | int]:
-    """The sampling values a checkpoint's generation_config.json sets, of SAMPLING_DEFAULT_KEYS (its
+    """The sampling values the checkpoint's generation_config.json sets, of MODEL_DEFAULT_FIELDS (its
     do_sample and the rest are not read): what transformers' generate samples with and vLLM takes
-    for requests that leave them unset. Empty without the file."""
-    file = Path(path) / "generation_config.json"
-    if not file.is_file():
-        return {}
-    cfg = json.loads(file.read_text())
-    values = {key: cfg[key] for key in SAMPLING_DEFAULT_KEYS if cfg.get(key) is not None}
+    for requests that leave them unset."""
+    cfg = generation_config(path)
+    values = {key: cfg[key] for key in MODEL_DEFAULT_FIELDS if cfg.get(key) is not None}
     for key, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{file}: {key} must be a number, got {value!r}")
+            raise ValueError(f"{key} must be a number, got {value!r}")
     return values

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from llmserve.sampling_params import MAX_LOGPROBS, MODEL_DEFAULT_FIELDS, SamplingParams
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -87,7 +87,7 @@ class _SamplingFields(_Request):
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
         """`defaults` (the model's, e.g. from its generation_config.json) replace the fields this
         request did not set; a field it set, even to the OpenAI default, stays as sent."""
-        sampling = {key: getattr(self, key) for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        sampling = {key: getattr(self, key) for key in MODEL_DEFAULT_FIELDS}
         sampling.update((key, value) for key, value in (defaults or {}).items() if key not in self.model_fields_set)
         return SamplingParams(
             n=self.n, **sampling,
