@@ -154,6 +154,38 @@ def test_logprobs(server):
     assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob)
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(server):
+    """lm-eval-harness's loglikelihood request: the prompt's own logprobs, nothing generated. Scored
+    after a greedy continuation, its tokens carry the logprobs they were sampled with, each the top-1."""
+    c = server.client()
+    prompt = "The list type"
+    gen = c.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=2).choices[0]
+    text = prompt + gen.text
+    scored = c.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=2)
+    choice = scored.choices[0]
+    assert choice.text == text and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(choice.logprobs.tokens)
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == text and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    tail = slice(len(lp.tokens) - 5, None)  # the continuation, as the prompt tokenizes it back
+    assert lp.tokens[tail] == gen.logprobs.tokens
+    assert lp.token_logprobs[tail] == pytest.approx(gen.logprobs.token_logprobs, abs=1e-3)
+    for value, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert value <= 0 and len(top) >= 2 and max(top.values()) >= value
+    for value, top in zip(lp.token_logprobs[tail], lp.top_logprobs[tail]):
+        assert max(top.values()) == pytest.approx(value)  # greedy picked each
+    chunks = list(c.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=2, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="echo") as err:
+        c.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+    assert err.value.body["param"] == "max_tokens"
+    assert server.idle()
+
+
 def test_seed_reproducibility(server):
     c = server.client()
     run = lambda seed: c.completions.create(model=MODEL, prompt="The asyncio module", max_tokens=16,  # noqa: E731

@@ -7,6 +7,7 @@ prompt_index * n + sample_index, as OpenAI numbers them.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,6 +32,16 @@ class _Sent:
     done: bool = False
 
 
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """A scored prompt's output: each choice without the token sampled after the prompt, ended by
+    its length (max_tokens 0) unless aborted."""
+    return dataclasses.replace(out, outputs=[
+        CompletionOutput(c.index, logprobs=None if c.logprobs is None else [],
+                         finish_reason=None if c.finish_reason is None else "abort" if c.finish_reason == "abort"
+                         else "length")
+        for c in out.outputs])
+
+
 @dataclass(slots=True)
 class _Job:
     """One HTTP request in flight: its prompts, parameters and how it reports."""
@@ -41,6 +52,8 @@ class _Job:
     params: SamplingParams
     body: _SamplingFields
     echo: bool = False
+    score_prompt: bool = False
+    """echo with max_tokens 0: the response is the prompt (and its logprobs) alone."""
     add_special_tokens: bool = True
     sent: dict[int, _Sent] = field(default_factory=dict)
 
@@ -75,10 +88,16 @@ class OpenAIServing:
             raise APIError("suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError("best_of must equal n (beam search is not supported)", param="best_of")
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError("max_tokens must be >= 1 (0 only with echo, to score the prompt), got 0",
+                           param="max_tokens")
+        # echo with max_tokens 0 scores the prompt (lm-eval-harness's loglikelihood requests): the
+        # engine samples its minimum of one token, which the response leaves out.
+        score = body.echo and body.max_tokens == 0
         prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
-        params = self._params(body, body.max_tokens, body.logprobs, prompt_lp)
+        params = self._params(body, 1 if score else body.max_tokens, body.logprobs, prompt_lp)
         return _Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.prompts(), params, body,
-                    echo=body.echo)
+                    echo=body.echo, score_prompt=score)
 
     def chat_job(self, body: ChatCompletionRequest) -> _Job:
         self._check_model(body)
@@ -108,10 +127,11 @@ class OpenAIServing:
 
     async def outputs(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, cumulative output) as the engine produces them, all prompts concurrently."""
-        def gen(i: int):
-            return self.engine.generate(job.prompts[i], job.params, request_id=f"{job.id}-{i}",
-                                        priority=job.body.priority, add_special_tokens=job.add_special_tokens,
-                                        strict_length=True)
+        async def gen(i: int):
+            async for out in self.engine.generate(job.prompts[i], job.params, request_id=f"{job.id}-{i}",
+                                                  priority=job.body.priority,
+                                                  add_special_tokens=job.add_special_tokens, strict_length=True):
+                yield _prompt_only(out) if job.score_prompt else out
 
         timers = [self.metrics.timer() for _ in job.prompts]
         try:
