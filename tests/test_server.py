@@ -214,6 +214,39 @@ def test_requests_leaving_sampling_unset_take_the_checkpoints_generation_config(
         assert texts(extra_body={"top_k": -1}) != greedy  # temperature 0.8 from the file, no filter
 
 
+def test_chat_template_variables_and_a_continued_final_message(tmp_path):
+    """chat_template_kwargs reach the template (a Qwen3-style enable_thinking switch here);
+    continue_final_message renders the last message open, without its separator or a new turn."""
+    model = tmp_path / "thinking"
+    shutil.copytree(BUILTIN_MODEL_DIR, model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['content'] }}\n\n{% endfor %}"
+        "{% if add_generation_prompt %}Answer:{% if enable_thinking is defined and not enable_thinking %}"
+        " (no thinking){% endif %}{% endif %}")
+    with running_server(model=str(model)) as s:
+        def render(**body):
+            r = httpx.post(f"{s.url}/tokenize", json={"messages": msgs, **body})
+            assert r.status_code == 200, r.text
+            return httpx.post(f"{s.url}/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+
+        msgs = [{"role": "user", "content": "A list"}, {"role": "assistant", "content": "is a sequence"}]
+        assert render() == "A list\n\nis a sequence\n\nAnswer:"
+        assert render(chat_template_kwargs={"enable_thinking": False}) == "A list\n\nis a sequence\n\nAnswer: (no thinking)"
+        assert render(add_generation_prompt=False, continue_final_message=True) == "A list\n\nis a sequence"
+        c = s.client()
+        usage = lambda **extra: c.chat.completions.create(  # noqa: E731
+            model=model.name, messages=msgs, max_tokens=2, extra_body=extra).usage.prompt_tokens
+        plain = usage()
+        assert usage(chat_template_kwargs={"enable_thinking": False}) > plain
+        assert usage(add_generation_prompt=False, continue_final_message=True) < plain
+        for extra, param in [({"continue_final_message": True}, "continue_final_message"),
+                             ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs")]:
+            with pytest.raises(openai.BadRequestError) as err:
+                usage(**extra)
+            assert err.value.body["param"] == param
+        assert s.idle()
+
+
 @pytest.mark.parametrize("kwargs,error,param", [
     (dict(model="gpt-9"), openai.NotFoundError, "model"),
     (dict(temperature=-1.0), openai.BadRequestError, "temperature"),

@@ -141,7 +141,16 @@ class ResponseFormat(_Request):
     type: str = "text"
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(_Request):
+    """How messages are rendered (vLLM's extras): `chat_template_kwargs` become the template's
+    variables (Qwen3's `enable_thinking`, say); `continue_final_message` leaves the last message
+    open for the model to continue, in place of a generation prompt."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -149,15 +158,13 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Request):

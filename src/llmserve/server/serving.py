@@ -8,6 +8,7 @@ prompt_index * n + sample_index, as OpenAI numbers them.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,12 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from transformers import PreTrainedTokenizerBase
 
 from llmserve.engine import Frontend
 from llmserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.metrics import Metrics
-from llmserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, _SamplingFields
+from llmserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest, _SamplingFields
+
+# apply_chat_template's own parameters: chat_template_kwargs holds template variables only.
+_RENDER_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
 
 
 @dataclass(slots=True)
@@ -115,11 +120,19 @@ class OpenAIServing:
         return _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [prompt], params, body,
                     add_special_tokens=False)
 
-    def render_chat(self, body: ChatCompletionRequest | Any) -> str:
+    def render_chat(self, body: ChatCompletionRequest | TokenizeRequest) -> str:
+        if body.continue_final_message and body.add_generation_prompt:
+            raise APIError("continue_final_message needs add_generation_prompt false (the last message is "
+                           "continued, no new one begins)", param="continue_final_message")
+        variables = body.chat_template_kwargs or {}
+        if reserved := sorted(variables.keys() & _RENDER_ARGUMENTS):
+            raise APIError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set there (arguments of the "
+                           "rendering, not template variables)", param="chat_template_kwargs")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                      tokenize=False)
+                                                      continue_final_message=body.continue_final_message,
+                                                      tokenize=False, **variables)
         except Exception as exc:  # a template error is the request's fault (roles, order...)
             raise APIError(f"messages: the chat template rejected them: {exc}", param="messages") from None
 
