@@ -231,7 +231,8 @@ def test_chat_template_variables_and_a_continued_final_message(tmp_path):
 
         msgs = [{"role": "user", "content": "A list"}, {"role": "assistant", "content": "is a sequence"}]
         assert render() == "A list\n\nis a sequence\n\nAnswer:"
-        assert render(chat_template_kwargs={"enable_thinking": False}) == "A list\n\nis a sequence\n\nAnswer: (no thinking)"
+        no_thinking = render(chat_template_kwargs={"enable_thinking": False})
+        assert no_thinking == "A list\n\nis a sequence\n\nAnswer: (no thinking)"
         assert render(add_generation_prompt=False, continue_final_message=True) == "A list\n\nis a sequence"
         c = s.client()
         usage = lambda **extra: c.chat.completions.create(  # noqa: E731

@@ -22,7 +22,8 @@ from llmserve.engine import Frontend
 from llmserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.metrics import Metrics
-from llmserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest, _SamplingFields
+from llmserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest,
+                                      _SamplingFields)
 
 # apply_chat_template's own parameters: chat_template_kwargs holds template variables only.
 _RENDER_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
