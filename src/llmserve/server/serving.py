@@ -43,8 +43,7 @@ def _prompt_only(out: RequestOutput) -> RequestOutput:
     its length (max_tokens 0) unless aborted."""
     return dataclasses.replace(out, outputs=[
         CompletionOutput(c.index, logprobs=None if c.logprobs is None else [],
-                         finish_reason=None if c.finish_reason is None else "abort" if c.finish_reason == "abort"
-                         else "length")
+                         finish_reason=c.finish_reason if c.finish_reason in (None, "abort") else "length")
         for c in out.outputs])
 
 
