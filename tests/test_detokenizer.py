@@ -52,6 +52,15 @@ def test_stop_string_spanning_tokens_is_cut(tok):
     assert len(tok.decode([ids[0]])) < len("re was")  # the stop string needed several tokens
 
 
+def test_stop_strings_match_literally_earliest_first_then_in_list_order(tok):
+    d = Detokenizer(tok, [], True, ["x(", "a.b", "b"], True)
+    assert d.add(tok.encode("aXb then a.b")) == "b" and d.text == "aXb"  # "." is no wildcard; "b" comes first
+    d = Detokenizer(tok, [], True, ["cd", "c"], False)
+    assert d.add(tok.encode("abcd")) == "cd" and d.text == "ab"  # at one position, the first listed wins
+    d = Detokenizer(tok, [], True, ["(", "\\"], False)
+    assert d.add(tok.encode("a\\b(")) == "\\" and d.text == "a"
+
+
 def test_visible_text_holds_back_possible_stop_prefix(tok):
     d = Detokenizer(tok, [], True, ["STOP"], True)
     d.add(tok.encode("abc ST"))

@@ -242,12 +242,68 @@ def test_generate_rejects_bad_input_and_keeps_serving(checkpoint):
     ("stop", 5, "stop must be a string or a list of non-empty strings"),
     ("stop", ["ok", 3], "stop must be a string or a list of non-empty strings"),
     ("top_k", -3, "top_k must be"),
-    ("logprobs", 50, r"logprobs must be None or an integer in \[0, 20\]"),
+    ("logprobs", 50, r"logprobs must be an integer in \[0, 20\]"),
     ("repetition_penalty", 0.0, "repetition_penalty"),
+    ("repetition_penalty", 1e-276, r"repetition_penalty must be in \[0.01, 10\]"),  # 0 in float32
+    ("top_k", 2**63, r"top_k must be an integer in \[-1, 2147483647\]"),  # overflows int64 arrays
+    ("temperature", float("nan"), "temperature must be in"),
+    ("logit_bias", {5: float("inf")}, r"biases in \[-100, 100\]"),
 ])
 def test_sampling_params_validation(field, value, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**{field: value})
+
+
+def test_values_that_would_overflow_float32_are_clamped_safely():
+    assert SamplingParams(temperature=1e-300).temperature == 0  # greedy: logits / 1e-300 is inf
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+    assert 0 < SamplingParams(top_p=5e-324).top_p == 2.0 ** -126  # 0 in float32 would keep no token
+
+
+def test_a_request_the_tokenizer_cannot_take_fails_alone(checkpoint):
+    """A lone surrogate reaches the tokenizer only offline (the server refuses it first): that request
+    fails with the tokenizer's error and the engine serves on."""
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0) as llm:
+        with pytest.raises(Exception) as info:
+            llm.generate(["fine", "bad \ud800"], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert not isinstance(info.value, ValueError) or "surrogate" in str(info.value)
+        out = llm.generate(["fine"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+        kv = llm.engine.kv
+        assert kv.num_free_blocks() == kv.pool.num_blocks
+
+
+def test_a_submission_cancelled_as_it_was_delivered_is_aborted():
+    """The inbox took the request, then the caller was cancelled (a client gone): it is aborted,
+    not left to run for nobody."""
+    from llmserve.actors.request_actor import Abort
+    from llmserve.engine import Frontend
+
+    class Inbox:
+        sent: list = []
+
+        async def send(self, msg):
+            self.sent.append(msg)
+            if isinstance(msg, list):
+                raise anyio.get_cancelled_exc_class()()
+
+    class Front(Frontend):  # no engine behind it: the inbox is all generate() talks to
+        async def run(self, **kw):
+            pass
+
+        def snapshot(self):
+            pass
+
+    frontend = Front.__new__(Front)
+    frontend._requests_in = Inbox()
+
+    async def main():
+        with pytest.raises(anyio.get_cancelled_exc_class()):
+            async for _ in frontend.generate("x", request_id="r1"):
+                pass
+    anyio.run(main)
+    submitted, aborted = Inbox.sent
+    assert submitted[0].req_id == "r1" and aborted == Abort("r1")
 
 
 def with_generation_config(src: str, dst, **values) -> str:
@@ -358,25 +414,86 @@ def test_engine_logs_an_interval_line(checkpoint, capsys):
         assert key in lines[-1]
 
 
-@pytest.mark.parametrize("stage", ["_launch", "_finish"])
-def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(checkpoint, monkeypatch, stage):
+def run_together(llm, prompts, params) -> list:
+    """Submit the requests in one message (so they share their steps); each one's output token
+    ids, or the exception it ended with."""
+    from llmserve.actors.request_actor import OutputSlot, Submit
+
+    async def main():
+        subs = [Submit(f"r{i}", p, sp, OutputSlot()) for i, (p, sp) in enumerate(zip(prompts, params))]
+        await llm.engine.submit(subs)
+        results: list = [None] * len(subs)
+
+        async def read(i):
+            try:
+                async for out in llm.engine.outputs(subs[i]):
+                    results[i] = out.outputs[0].token_ids
+            except Exception as exc:
+                results[i] = exc
+        async with anyio.create_task_group() as tg:
+            for i in range(len(subs)):
+                tg.start_soon(read, i)
+        return results
+    return llm._portal.call(main)
+
+
+def fail_on_third_call(monkeypatch, obj, name: str) -> list:
+    """obj.name raises once, on its third call; returns the list its calls are counted in."""
+    original, calls = getattr(obj, name), []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device fell over")
+        return original(*args)
+    monkeypatch.setattr(obj, name, flaky)
+    return calls
+
+
+def test_a_step_that_fails_once_is_run_again_and_gives_the_same_tokens(checkpoint, monkeypatch):
+    from llmserve import LLM, SamplingParams
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=5)
+    with LLM(checkpoint("llama"), device="cpu", log_interval_s=0) as llm:
+        expected = llm.generate(["the quick brown"], params, use_tqdm=False)[0].outputs[0].token_ids
+        calls = fail_on_third_call(monkeypatch, llm.engine.runner, "_launch")
+        again = llm.generate(["the quick brown"], params, use_tqdm=False)[0].outputs[0]
+        assert len(calls) > 8 and again.token_ids == expected and again.finish_reason == "length"
+
+
+def test_a_failing_finish_fails_its_requests_and_the_engine_keeps_serving(checkpoint, monkeypatch):
     from llmserve import LLM, SamplingParams
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
     with LLM(checkpoint("llama"), device="cpu", log_interval_s=0) as llm:
-        runner = llm.engine.runner
-        original, calls = getattr(runner, stage), []
-
-        def flaky(*args):
-            calls.append(1)
-            if len(calls) == 3:
-                raise RuntimeError("device fell over")
-            return original(*args)
-
-        monkeypatch.setattr(runner, stage, flaky)
-        with pytest.raises(RuntimeError, match="engine step failed: RuntimeError\\('device fell over'\\)"):
+        fail_on_third_call(monkeypatch, llm.engine.runner, "_finish")
+        with pytest.raises(RuntimeError, match="the engine failed this request: RuntimeError: device fell over"):
             llm.generate(["the quick brown"], params, use_tqdm=False)
         again = llm.generate(["the quick brown"], params, use_tqdm=False)[0].outputs[0]
         assert again.finish_reason == "length" and len(again.token_ids) == 8
+        assert llm.engine.kv.num_free_blocks() == llm.engine.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_request_that_fails_its_steps_fails_alone(checkpoint, monkeypatch, async_scheduling):
+    """A request whose sampling raises (seed 13 here) is found by running its step again in halves:
+    it ends with the error, the others of its steps get exactly the tokens of a run without it."""
+    from llmserve import LLM, SamplingParams
+    prompts = [[5 + i, 17, 33, 2 + i] for i in range(6)]
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=i) for i in range(6)]
+    with LLM(checkpoint("llama"), device="cpu", log_interval_s=0, async_scheduling=async_scheduling) as llm:
+        expected = run_together(llm, prompts, params)
+        runner = llm.engine.runner
+        original = runner._sampling_batch
+
+        def poisoned(states, vocab):
+            if any(s.params.seed == 13 for s in states):
+                raise IndexError("sampler index out of range")
+            return original(states, vocab)
+
+        monkeypatch.setattr(runner, "_sampling_batch", poisoned)
+        bad = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=13)
+        got = run_together(llm, prompts[:3] + [[9, 9, 9]] + prompts[3:], params[:3] + [bad] + params[3:])
+        assert isinstance(got[3], RuntimeError) and "IndexError: sampler index out of range" in str(got[3])
+        assert got[:3] + got[4:] == expected
         assert llm.engine.kv.num_free_blocks() == llm.engine.kv.pool.num_blocks
 
 

@@ -159,3 +159,20 @@ def test_room_for_growth_is_never_taken_by_preemption():
     _, fb = kv.process(StepProposal(1, [decode("top", 1, top), mid, decode("low", 2, low)]))
     assert fb.not_admitted == ["mid"] and fb.preempted == []
     assert set(fb.scheduled) == {"top", "low"}
+
+
+def test_an_entry_that_fails_fails_alone_and_its_blocks_go_back(monkeypatch):
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    original = kv.admit
+
+    def admit_or_fail(req, *args, **kw):
+        if req.req_id == "b":
+            req.block_ids = kv.pool.allocate(1)  # it took a block before it failed
+            raise KeyError("bug")
+        return original(req, *args, **kw)
+    monkeypatch.setattr(kv, "admit", admit_or_fail)
+    plan, fb = kv.process(StepProposal(0, [admit("a", range(6), 6, (0, 0.0, 0)), admit("b", range(9), 9, (0, 1.0, 1)),
+                                           admit("c", range(3), 3, (0, 2.0, 2))]))
+    assert plan.req_ids == ["a", "c"] and set(plan.new_sequences) == {"a", "c"}
+    assert fb.failed == {"b": "KV cache manager: KeyError: 'bug'"} and set(fb.scheduled) == {"a", "c"}
+    assert "b" not in kv.requests and kv.pool.num_free == 8 - 2 - 1

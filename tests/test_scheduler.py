@@ -1,5 +1,7 @@
+import numpy as np
+
 from llmserve.core.scheduler import RequestStatus, Scheduler
-from llmserve.messages import NewRequest, StepFeedback, StepResult
+from llmserve.messages import NewRequest, StepFeedback, StepPlan, StepResult
 from llmserve.sampling_params import SamplingParams
 
 
@@ -117,3 +119,24 @@ def test_async_scheduling_plans_on_placeholders_and_stops_at_max_tokens():
     assert s.schedule().entries == []  # the token in flight is the third and last: nothing to plan
     out = s.on_result(StepResult(p2.step_id, ["a"], [12]))
     assert out.updates[0].finish_reason == "length" and s.requests == {}
+
+
+def test_a_failed_request_is_ended_and_reported_even_if_never_taken_in():
+    s = make_scheduler()
+    add(s, "a", 3, 0.0)
+    out = s.fail({"a": "boom", "ghost": "lost"})
+    assert [(u.req_id, u.finish_reason, u.error) for u in out.updates] == [("a", "abort", "boom"),
+                                                                          ("ghost", "abort", "lost")]
+    assert not s.waiting and s.schedule().freed == ["a"]
+
+
+def test_a_step_plan_subset_keeps_each_requests_rows():
+    plan = StepPlan(7, ["a", "b", "c"], np.array([1, 2, 3, 4, 5, 6], dtype=np.int64),
+                    np.array([2, 1, 3], dtype=np.int32), np.array([0, 5, 9], dtype=np.int32),
+                    np.array([[1, 0], [2, 3], [4, 5]], dtype=np.int32), np.array([True, False, True]),
+                    freed=["z"])
+    part = plan.subset(np.array([0, 2]))
+    assert part.req_ids == ["a", "c"] and part.token_ids.tolist() == [1, 2, 4, 5, 6]
+    assert part.query_lens.tolist() == [2, 3] and part.context_lens.tolist() == [0, 9]
+    assert part.block_tables.tolist() == [[1, 0], [4, 5]] and part.sample.tolist() == [True, True]
+    assert part.freed == ["z"] and part.step_id == 7

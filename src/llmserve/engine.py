@@ -28,7 +28,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from llmserve.actors.executor_actor import ExecutorActor
 from llmserve.actors.kv_actor import KVActor
-from llmserve.actors.request_actor import Abort, OutputSlot, RequestActor, Submit
+from llmserve.actors.request_actor import Abort, EndAll, OutputSlot, RequestActor, Submit
 from llmserve.actors.scheduler_actor import EngineStats, SchedulerActor
 from llmserve.config import EngineConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
@@ -231,7 +231,13 @@ class Frontend(abc.ABC):
         """
         sub = Submit(request_id or uuid.uuid4().hex, prompt, params or SamplingParams(), OutputSlot(), priority,
                      add_special_tokens, strict_length, final_only)
-        await self.submit([sub])
+        submitted = False
+        try:
+            await self.submit([sub])
+            submitted = True
+        finally:
+            if not submitted:  # cancelled while the inbox was full: the submission may have gone through
+                await self._abort_shielded(sub.req_id)
         async for out in self.outputs(sub):
             yield out
 
@@ -251,17 +257,28 @@ class Frontend(abc.ABC):
                 out = await sub.slot.get()
                 finished = out.finished
                 yield out
-        except ValueError:
-            finished = True  # rejected at the door: nothing to abort
+        except Exception:
+            finished = True  # rejected or failed: the request actor has already ended it
             raise
         finally:
-            if not finished and self._requests_in is not None:
-                with anyio.CancelScope(shield=True):
-                    await self._requests_in.send(Abort(sub.req_id))
+            if not finished:
+                await self._abort_shielded(sub.req_id)
 
     async def abort(self, request_id: str) -> None:
         if self._requests_in is not None:
             await self._requests_in.send(Abort(request_id))
+
+    async def end_all(self, reason: str) -> None:
+        """End every request in flight, and refuse later ones, with ShuttingDown(reason): each
+        reader raises it (the server's streams end with it as their error)."""
+        if self._requests_in is not None:
+            with anyio.CancelScope(shield=True):
+                await self._requests_in.send(EndAll(reason))
+
+    async def _abort_shielded(self, request_id: str) -> None:
+        """Abort from a cancelled task (a client gone); aborting an unknown id does nothing."""
+        with anyio.CancelScope(shield=True):
+            await self.abort(request_id)
 
 
 class _Laps:

@@ -117,6 +117,24 @@ class StepPlan:
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    @classmethod
+    def empty(cls, step_id: int, freed: list[str]) -> StepPlan:
+        """A step that computes nothing (it still tells the executor what to forget)."""
+        return cls(step_id, [], np.empty(0, np.int64), np.empty(0, np.int32), np.empty(0, np.int32),
+                   np.zeros((0, 1), np.int32), np.empty(0, bool), freed=list(freed))
+
+    def subset(self, rows: np.ndarray) -> StepPlan:
+        """The step for the requests at `rows` (sorted plan indices) alone: their tokens, lengths,
+        block tables and new sequences; every freed request (forgetting twice is harmless)."""
+        starts = np.zeros(len(self.req_ids) + 1, dtype=np.int64)
+        np.cumsum(self.query_lens, out=starts[1:])
+        req_ids = [self.req_ids[r] for r in rows.tolist()]
+        tokens = np.concatenate([self.token_ids[starts[r]:starts[r + 1]] for r in rows.tolist()] or
+                                [np.empty(0, np.int64)])
+        return StepPlan(self.step_id, req_ids, tokens, self.query_lens[rows], self.context_lens[rows],
+                        self.block_tables[rows], self.sample[rows],
+                        {r: self.new_sequences[r] for r in req_ids if r in self.new_sequences}, list(self.freed))
+
 
 # ---- KV manager -> scheduler ----------------------------------------------------------------
 
@@ -134,6 +152,8 @@ class StepFeedback:
     kv_usage: float
     prefix_queries: int
     prefix_hits: int
+    failed: dict[str, str] = field(default_factory=dict)
+    """Requests of the proposal the KV manager could not place, by error: they end with it."""
 
 
 # ---- executor -> scheduler ------------------------------------------------------------------
@@ -163,7 +183,9 @@ class StepResult:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     """req_id -> one entry per prompt position computed this step that has a next prompt token."""
-    error: BaseException | None = None
+    failed: dict[str, str] = field(default_factory=dict)
+    """Requests the step could not compute or sample, by error: they end with it (the others of
+    the step carry on)."""
 
 
 # ---- scheduler -> request actor -------------------------------------------------------------

@@ -8,10 +8,53 @@ MAX_LOGPROBS = 20
 MAX_N = 128
 MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 """The fields a checkpoint's generation_config.json may default for requests that leave them unset."""
+GREEDY_BELOW = 1e-5
+"""Temperatures under this sample greedily: dividing logits by less overflows float32."""
+_FLOAT32_TINY = 2.0 ** -126
+
+
+@dataclass(slots=True, frozen=True)
+class Range:
+    """A closed interval, or one open at its low end."""
+    lo: float
+    hi: float
+    open_lo: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        return (self.lo < value if self.open_lo else self.lo <= value) and value <= self.hi
+
+    def __str__(self) -> str:
+        return f"{'(' if self.open_lo else '['}{_number(self.lo)}, {_number(self.hi)}]"
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+RANGES = {
+    "n": Range(1, MAX_N),
+    "temperature": Range(0, 100),
+    "top_p": Range(0, 1, open_lo=True),
+    "top_k": Range(-1, 2**31 - 1),
+    "min_p": Range(0, 1),
+    "presence_penalty": Range(-2, 2),
+    "frequency_penalty": Range(-2, 2),
+    # Below 0.01 the division of positive logits overflows float32 for large logits.
+    "repetition_penalty": Range(0.01, 10),
+    "logprobs": Range(0, MAX_LOGPROBS),
+    "prompt_logprobs": Range(0, MAX_LOGPROBS),
+}
+"""Numeric limits of the sampling fields (the server's OpenAPI document states them too)."""
+LOGIT_BIAS_RANGE = Range(-100, 100)
 
 
 def _fail(name: str, limit: str, value: object) -> None:
     raise ValueError(f"{name} must be {limit}, got {value!r}")
+
+
+def _check_range(name: str, value: object, integer: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or value not in RANGES[name]:
+        _fail(name, f"{'an integer ' if integer else ''}in {RANGES[name]}", value)
 
 
 @dataclass(slots=True)
@@ -43,25 +86,19 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
-            _fail("n", f"an integer in [1, {MAX_N}]", self.n)
-        if not 0.0 <= self.temperature <= 100.0:
-            _fail("temperature", "in [0, 100]", self.temperature)
-        if not 0.0 < self.top_p <= 1.0:
-            _fail("top_p", "in (0, 1]", self.top_p)
+        _check_range("n", self.n, integer=True)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            _check_range(name, getattr(self, name))
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
+        # The device holds it in float32: a top_p that rounds to 0 there would keep no token at
+        # all; the smallest normal float32 keeps the most likely one, as any tiny top_p does.
+        self.top_p = max(self.top_p, _FLOAT32_TINY)
+        _check_range("top_k", self.top_k, integer=True)
         if self.top_k == -1:
             self.top_k = 0
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            _fail("top_k", "-1, 0 (disabled) or a positive integer", self.top_k)
-        if not 0.0 <= self.min_p <= 1.0:
-            _fail("min_p", "in [0, 1]", self.min_p)
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             _fail("seed", "an integer in [0, 2**63)", self.seed)
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                _fail(name, "in [-2, 2]", getattr(self, name))
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            _fail("repetition_penalty", "in (0, 10]", self.repetition_penalty)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 _fail("logit_bias", "a mapping of token id to bias", self.logit_bias)
@@ -71,8 +108,9 @@ class SamplingParams:
                     tok_id = int(tok)
                 except (TypeError, ValueError):
                     _fail("logit_bias", "keyed by integer token ids", tok)
-                if tok_id < 0 or not -100.0 <= float(b) <= 100.0:
-                    _fail("logit_bias", "token ids >= 0 with biases in [-100, 100]", {tok: b})
+                if (tok_id < 0 or isinstance(b, bool) or not isinstance(b, (int, float))
+                        or b not in LOGIT_BIAS_RANGE):
+                    _fail("logit_bias", f"token ids >= 0 with biases in {LOGIT_BIAS_RANGE}", {tok: b})
                 bias[tok_id] = float(b)
             self.logit_bias = bias
         if isinstance(self.stop, str):
@@ -91,9 +129,8 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
-                _fail(name, f"None or an integer in [0, {MAX_LOGPROBS}]", v)
+            if getattr(self, name) is not None:
+                _check_range(name, getattr(self, name), integer=True)
 
     @property
     def greedy(self) -> bool:

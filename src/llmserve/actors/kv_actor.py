@@ -4,10 +4,13 @@ plan on to the executor and the feedback back to the scheduler."""
 from __future__ import annotations
 
 import anyio
+import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from llmserve.core.kv_cache_manager import KVCacheManager
-from llmserve.messages import FinishInFlight
+from llmserve.messages import FinishInFlight, StepFeedback, StepPlan, StepProposal
+
+log = structlog.get_logger("llmserve.engine")
 
 
 class KVActor:
@@ -23,7 +26,24 @@ class KVActor:
                 if isinstance(proposal, FinishInFlight):
                     await self.to_executor.send(proposal)  # in order behind the plans before it
                     continue
-                plan, feedback = self.manager.process(proposal)
+                try:
+                    plan, feedback = self.manager.process(proposal)
+                except Exception as exc:
+                    plan, feedback = self._failed(proposal, exc)
                 # Feedback first: the scheduler must know the step's shape before its result arrives.
                 await self.to_scheduler.send(feedback)
                 await self.to_executor.send(plan)
+
+    def _failed(self, proposal: StepProposal, exc: Exception) -> tuple[StepPlan, StepFeedback]:
+        """A proposal the manager could not fit (a bug: proposals hold validated requests only)
+        ends its requests with the error; their blocks go back, and the executor still gets a
+        step, empty, so that the scheduler's count of steps in flight stays right."""
+        names = [e.req_id for e in proposal.entries]
+        log.exception("KV manager: step failed; ending its requests", step=proposal.step_id,
+                      request_ids=names[:8], num_requests=len(names))
+        for req_id in names:
+            self.manager.free(req_id)
+        feedback = StepFeedback(proposal.step_id, {}, [], [], {}, self.manager.pool.usage(),
+                                self.manager.prefix_queries, self.manager.prefix_hits,
+                                failed={r: f"KV cache allocation failed: {exc!r}" for r in names})
+        return StepPlan.empty(proposal.step_id, proposal.freed), feedback

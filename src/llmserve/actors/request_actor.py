@@ -30,6 +30,8 @@ log = structlog.get_logger("llmserve.request")
 # GIL while the loop keeps running callbacks may wait until the loop is idle: each of the loop's
 # polls releases and retakes the GIL before the waiter's 5 ms switch interval runs out.
 _LAUNCH_WINDOW_S = 0.0005
+LONG_PROMPT_CHARS = 1 << 14
+"""Longer prompt texts are tokenized off the event loop (1 MB takes ~0.4 s)."""
 
 
 class OutputSlot:
@@ -44,6 +46,8 @@ class OutputSlot:
         self._notify = notify
 
     def put(self, value: RequestOutput | BaseException) -> None:
+        if isinstance(self._value, BaseException):
+            return  # an error is the request's last word: no later output may hide it
         self._value = value
         if self._ready is not None:
             self._ready.set()
@@ -64,6 +68,14 @@ class OutputSlot:
         return value
 
 
+class RequestFailed(RuntimeError):
+    """The engine could not finish this request (its step failed); the request alone is ended."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server ended the requests still in flight as it stops."""
+
+
 @dataclass(slots=True)
 class Submit:
     req_id: str
@@ -81,6 +93,12 @@ class Submit:
 @dataclass(slots=True)
 class Abort:
     req_id: str
+
+
+@dataclass(slots=True)
+class EndAll:
+    """End every request in flight, and every later one, with ShuttingDown(reason)."""
+    reason: str
 
 
 @dataclass(slots=True, eq=False)
@@ -114,27 +132,36 @@ class RequestActor:
         self.rng = random.Random(seed)
         self.requests: dict[str, _Request] = {}
         self.child_of: dict[str, tuple[_Request, int]] = {}
+        self.ended: ShuttingDown | None = None
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        async with self.inbox:
+        async with self.inbox, anyio.create_task_group() as self._tasks:
             async for msg in self.inbox:
-                if isinstance(msg, EngineOutputs):
-                    await self._on_outputs(msg)
-                elif isinstance(msg, list):  # Submits, handed in together
-                    await self._on_submit(msg)
-                elif isinstance(msg, Abort):
-                    await self._abort(msg.req_id)
+                # Each handler fails the one request whose input or output broke it; this catch is
+                # the last line: whatever escapes is logged, and the engine keeps serving.
+                try:
+                    if isinstance(msg, EngineOutputs):
+                        await self._on_outputs(msg)
+                    elif isinstance(msg, list):  # Submits, handed in together
+                        await self._on_submit(msg)
+                    elif isinstance(msg, Abort):
+                        await self._abort(msg.req_id)
+                    elif isinstance(msg, EndAll):
+                        await self._end_all(ShuttingDown(msg.reason))
+                except Exception:
+                    log.exception("request actor: message failed", message=type(msg).__name__)
 
     # ---- arrivals ------------------------------------------------------------------------------
 
-    def _tokenize(self, sub: Submit) -> tuple[str | None, list[int], array]:
+    def _tokenize(self, sub: Submit, encoded: list[int] | None = None) -> tuple[str | None, list[int], array]:
         """(prompt text, the token ids outputs show, the engine's copy: int64 in one buffer, which
-        the garbage collector does not scan as it scans a list's items)."""
+        the garbage collector does not scan as it scans a list's items). `encoded`: the text's ids,
+        tokenized already."""
         if isinstance(sub.prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids instead")
-            ids = self.tokenizer.encode(sub.prompt, add_special_tokens=sub.add_special_tokens)
+            ids = encoded if encoded is not None else self._encode(sub)
             return sub.prompt, ids, array("q", ids)
         ids = sub.prompt if type(sub.prompt) is list else list(sub.prompt)
         # C-level passes (a per-token Python check cost ~0.1 ms a prompt: 256 of them delayed an
@@ -175,23 +202,52 @@ class RequestActor:
         arrivals: list[NewRequest] = []
         tokens = 0
         for sub in subs:
-            if sub.req_id in self.requests:
-                sub.slot.put(ValueError(f"request_id {sub.req_id!r} is already in use"))
+            if isinstance(sub.prompt, str) and len(sub.prompt) > LONG_PROMPT_CHARS and self.tokenizer is not None:
+                self._tasks.start_soon(self._submit_long, sub)
                 continue
-            try:
-                prompt, ids, engine_ids = self._tokenize(sub)
-                self._validate(ids, sub.params, sub.strict_length)
-            except ValueError as exc:
-                sub.slot.put(exc)
-                continue
-            self._admit(sub, prompt, ids, engine_ids, arrivals)
-            tokens += len(ids)
+            tokens += self._accept(sub, arrivals)
             if tokens >= 2 * self.step_tokens:
                 await self.to_scheduler.send(NewRequests(arrivals))
                 await anyio.sleep(_LAUNCH_WINDOW_S)
                 arrivals, tokens = [], 0
         if arrivals:
             await self.to_scheduler.send(NewRequests(arrivals))
+
+    async def _submit_long(self, sub: Submit) -> None:
+        """A long text is tokenized on a worker thread (the tokenizer lets go of the interpreter
+        lock), so that the event loop and the other requests' outputs go on meanwhile."""
+        try:
+            encoded = await anyio.to_thread.run_sync(self._encode, sub)
+        except Exception as exc:
+            sub.slot.put(exc)
+            return
+        arrivals: list[NewRequest] = []
+        if self._accept(sub, arrivals, encoded):
+            await self.to_scheduler.send(NewRequests(arrivals))
+
+    def _encode(self, sub: Submit) -> list[int]:
+        return self.tokenizer.encode(sub.prompt, add_special_tokens=sub.add_special_tokens)
+
+    def _accept(self, sub: Submit, arrivals: list[NewRequest], encoded: list[int] | None = None) -> int:
+        """Admit one submission into `arrivals`; its prompt's length in tokens, or 0 when it is refused
+        (its error then in its slot)."""
+        if self.ended is not None:
+            sub.slot.put(self.ended)
+            return 0
+        if sub.req_id in self.requests:
+            sub.slot.put(ValueError(f"request_id {sub.req_id!r} is already in use"))
+            return 0
+        try:
+            prompt, ids, engine_ids = self._tokenize(sub, encoded)
+            self._validate(ids, sub.params, sub.strict_length)
+            self._admit(sub, prompt, ids, engine_ids, arrivals)
+        except Exception as exc:  # this request's input broke something: it alone fails
+            if not isinstance(exc, ValueError):
+                log.exception("request failed at admission", request_id=sub.req_id)
+            self._forget_id(sub.req_id, arrivals)
+            sub.slot.put(exc)
+            return 0
+        return len(ids)
 
     def _admit(self, sub: Submit, prompt: str | None, ids: list[int], engine_ids: array,
                arrivals: list[NewRequest]) -> None:
@@ -226,6 +282,7 @@ class RequestActor:
 
     async def _on_outputs(self, msg: EngineOutputs) -> None:
         stopped: list[str] = []
+        aborted: list[str] = []
         touched: dict[str, _Request] = {}
         for up in msg.updates:
             entry = self.child_of.get(up.req_id)
@@ -235,13 +292,17 @@ class RequestActor:
             comp = req.completions[i]
             if comp.finish_reason is not None:
                 continue  # already ended by a stop string or an abort
-            if up.error is not None:
-                comp.finish_reason = "abort"
-                req.slot.put(RuntimeError(f"engine step failed: {up.error}"))
-                self._forget(req)
+            try:
+                if up.error is not None:
+                    raise RequestFailed(f"the engine failed this request: {up.error}")
+                self._apply(req, i, up)
+                stop = req.detoks[i].add(up.new_token_ids, final=up.finish_reason is not None)
+            except Exception as exc:
+                if not isinstance(exc, RequestFailed):
+                    log.exception("request failed on its output", request_id=req.req_id)
+                aborted += self._fail(req, exc)  # (the engine already ended a child its step failed)
+                touched.pop(req.req_id, None)
                 continue
-            self._apply(req, i, up)
-            stop = req.detoks[i].add(up.new_token_ids, final=up.finish_reason is not None)
             if stop is not None:
                 comp.finish_reason, comp.stop_reason = "stop", stop
                 if up.finish_reason is None:
@@ -249,8 +310,25 @@ class RequestActor:
             touched[req.req_id] = req
         if stopped:
             await self.to_scheduler.send(FinishRequests(stopped, "stop"))
+        if aborted:
+            await self.to_scheduler.send(FinishRequests(aborted, "abort"))
         for req in touched.values():
-            self._publish(req)
+            try:
+                self._publish(req)
+            except Exception as exc:
+                log.exception("request failed on its output", request_id=req.req_id)
+                if live := self._fail(req, exc):
+                    await self.to_scheduler.send(FinishRequests(live, "abort"))
+
+    def _fail(self, req: _Request, error: BaseException) -> list[str]:
+        """End a request with `error` (its reader raises it); returns its children still running
+        in the engine, for the caller to abort."""
+        live = [c for c, comp in zip(req.children, req.completions) if comp.finish_reason is None]
+        for comp in req.completions:
+            comp.finish_reason = comp.finish_reason or "abort"
+        req.slot.put(error)
+        self._forget(req)
+        return live
 
     def _apply(self, req: _Request, i: int, up: SequenceUpdate) -> None:
         comp = req.completions[i]
@@ -294,6 +372,18 @@ class RequestActor:
         for req in list(self.requests.values()):
             req.slot.put(error)
             self._forget(req)
+
+    async def _end_all(self, error: ShuttingDown) -> None:
+        self.ended = error
+        live = [child for req in list(self.requests.values()) for child in self._fail(req, error)]
+        if live:
+            await self.to_scheduler.send(FinishRequests(live, "abort"))
+
+    def _forget_id(self, req_id: str, arrivals: list[NewRequest]) -> None:
+        """Undo a partial admission: the request and any of its children not yet sent on."""
+        if (req := self.requests.get(req_id)) is not None:
+            self._forget(req)
+            arrivals[:] = [a for a in arrivals if a.req_id not in req.children]
 
     def _forget(self, req: _Request) -> None:
         self.requests.pop(req.req_id, None)

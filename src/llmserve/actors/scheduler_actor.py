@@ -10,7 +10,8 @@ import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from llmserve.core.scheduler import RequestStatus, Scheduler
-from llmserve.messages import EngineOutputs, FinishInFlight, FinishRequests, NewRequests, StepFeedback, StepResult
+from llmserve.messages import (EngineOutputs, FinishInFlight, FinishRequests, NewRequests, StepFeedback, StepProposal,
+                               StepResult)
 
 log = structlog.get_logger("llmserve.engine")
 
@@ -72,8 +73,8 @@ class SchedulerActor:
                 # the requests' readers then happens while the device runs it.
                 if (self.in_flight < self.max_in_flight and not self.awaiting_feedback and not self.stalled
                         and self.scheduler.has_work()):
-                    proposal = self.scheduler.schedule()
-                    if proposal.entries or proposal.freed:
+                    proposal = self._schedule()
+                    if proposal is not None and (proposal.entries or proposal.freed):
                         self.in_flight += 1
                         self.awaiting_feedback = True
                         self.finish_sent = False
@@ -89,7 +90,32 @@ class SchedulerActor:
                 self.outputs.clear()
                 self.stats.maybe_log(self.scheduler)
 
+    def _schedule(self) -> StepProposal | None:
+        """The next proposal. Should planning ever fail (a bug: it runs on validated requests
+        only), no request can be blamed: all of them end with the error, and the engine serves on."""
+        try:
+            return self.scheduler.schedule()
+        except Exception as exc:
+            log.exception("scheduling failed; ending the requests it held")
+            self.outputs.append(self.scheduler.fail({r: f"scheduling failed: {exc!r}" for r in self.scheduler.requests}))
+            return None
+
     async def _handle(self, msg: object) -> None:
+        # The step counters move first, so that a failure below cannot stall the loop; a message
+        # that fails ends the requests it names, never the engine.
+        if isinstance(msg, StepFeedback):
+            self.awaiting_feedback = False
+        elif isinstance(msg, StepResult):
+            self.in_flight -= 1
+        try:
+            self._apply(msg)
+        except Exception as exc:
+            names = _request_ids(msg)
+            log.exception("scheduler: message failed; ending its requests", message=type(msg).__name__,
+                          request_ids=names[:8], num_requests=len(names))
+            self.outputs.append(self.scheduler.fail({r: f"scheduling failed: {exc!r}" for r in names}))
+
+    def _apply(self, msg: object) -> None:
         s = self.scheduler
         if isinstance(msg, NewRequests):
             for new in msg.requests:
@@ -100,15 +126,28 @@ class SchedulerActor:
                      else RequestStatus.FINISHED_ABORTED)
             self.stalled = False
         elif isinstance(msg, StepFeedback):
-            self.awaiting_feedback = False
-            s.on_feedback(msg)
+            failed = s.on_feedback(msg)
+            if failed.updates:
+                self.outputs.append(failed)
             self.stalled = not msg.scheduled and not s.running
             self.stats.kv_usage = msg.kv_usage
             self.stats.prefix_queries, self.stats.prefix_hits = msg.prefix_queries, msg.prefix_hits
         elif isinstance(msg, StepResult):
-            self.in_flight -= 1
             outputs = s.on_result(msg)
             if outputs.updates:
                 self.outputs.append(outputs)
         else:
             raise TypeError(f"scheduler actor got unexpected message {type(msg).__name__}")
+
+
+def _request_ids(msg: object) -> list[str]:
+    """The requests a message is about (those a failure to handle it must end)."""
+    if isinstance(msg, NewRequests):
+        return [r.req_id for r in msg.requests]
+    if isinstance(msg, FinishRequests):
+        return list(msg.req_ids)
+    if isinstance(msg, StepFeedback):
+        return [*msg.scheduled, *msg.preempted, *msg.not_admitted, *msg.failed]
+    if isinstance(msg, StepResult):
+        return [*msg.req_ids, *msg.failed]
+    return []

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmserve.core.block_pool import BlockPool
-from llmserve.messages import PLACEHOLDER, NewSequence, StepFeedback, StepPlan, StepProposal
+from llmserve.messages import PLACEHOLDER, NewSequence, ScheduledRequest, StepFeedback, StepPlan, StepProposal
 
 _ROOT_HASH = 0x5EED_C0DE
 RESERVE_HORIZON = 4096
@@ -211,22 +211,14 @@ class KVCacheManager:
         """
         for req_id in proposal.freed:
             self.free(req_id)
+        # An entry that raises (a bug its data exposes) fails alone: its blocks go back, the
+        # others are planned as if it had not been proposed.
+        failed: dict[str, str] = {}
         for e in proposal.entries:
-            adm = e.admitted
-            if adm is not None:
-                salt = adm.cache_salt
-                budget = self.max_model_len if adm.params.max_tokens is None else adm.prompt_len + adm.params.max_tokens
-                self.requests[e.req_id] = KVRequest(e.req_id, array("q", e.new_token_ids), e.priority_key,
-                                                    adm.use_prefix_cache,
-                                                    _ROOT_HASH if salt is None else hash((_ROOT_HASH, salt)),
-                                                    prompt_len=adm.prompt_len,
-                                                    max_len=min(budget, self.max_model_len))
-            else:
-                req = self.requests[e.req_id]
-                if req.token_ids[-1] == PLACEHOLDER:
-                    req.token_ids.pop()  # resolved: the real token leads new_token_ids
-                req.token_ids.extend(e.new_token_ids)
-                self._hash_full_blocks(req)
+            try:
+                self._take_tokens(e)
+            except Exception as exc:
+                self._fail(e.req_id, exc, failed)
 
         scheduled: list[tuple[KVRequest, int, int]] = []  # (request, computed before, new tokens)
         preempted: list[str] = []
@@ -236,14 +228,18 @@ class KVCacheManager:
         ahead: int | None = None  # growth of the requests scheduled so far, summed at the first admission
         waiting_for_room = False
         for idx, e in enumerate(entries):
-            if e.req_id in preempted:
+            if e.req_id in preempted or e.req_id in failed:
                 continue
             req = self.requests[e.req_id]
             admitting = e.admitted is not None
             if ahead is None and admitting and scheduled and self.reserve_growth:
                 ahead = sum(self.growth(r) for r, _, _ in scheduled)
-            n = WAIT if admitting and waiting_for_room else self._fit(req, e.num_tokens, admitting=admitting,
-                                                                        preempted=preempted, ahead=ahead)
+            try:
+                n = WAIT if admitting and waiting_for_room else self._fit(req, e.num_tokens, admitting=admitting,
+                                                                            preempted=preempted, ahead=ahead)
+            except Exception as exc:
+                self._fail(e.req_id, exc, failed)
+                continue
             if n == WAIT:  # an earlier new request waits for room: so do the ones after it
                 not_admitted.append(e.req_id)
                 del self.requests[e.req_id]
@@ -252,7 +248,7 @@ class KVCacheManager:
             if n is None:
                 # Nothing of lower priority is left to take from: this entry and all after it wait.
                 for rest in entries[idx:]:
-                    if rest.req_id in preempted:
+                    if rest.req_id in preempted or rest.req_id in failed:
                         continue
                     if rest.admitted is not None:
                         not_admitted.append(rest.req_id)
@@ -277,8 +273,32 @@ class KVCacheManager:
             kv_usage=self.pool.usage(),
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
+            failed=failed,
         )
         return plan, feedback
+
+    def _take_tokens(self, e: ScheduledRequest) -> None:
+        """A new entry becomes a KVRequest; a running one appends the tokens sampled since."""
+        adm = e.admitted
+        if adm is not None:
+            salt = adm.cache_salt
+            budget = self.max_model_len if adm.params.max_tokens is None else adm.prompt_len + adm.params.max_tokens
+            self.requests[e.req_id] = KVRequest(e.req_id, array("q", e.new_token_ids), e.priority_key,
+                                                adm.use_prefix_cache,
+                                                _ROOT_HASH if salt is None else hash((_ROOT_HASH, salt)),
+                                                prompt_len=adm.prompt_len,
+                                                max_len=min(budget, self.max_model_len))
+        else:
+            req = self.requests[e.req_id]
+            if req.token_ids[-1] == PLACEHOLDER:
+                req.token_ids.pop()  # resolved: the real token leads new_token_ids
+            req.token_ids.extend(e.new_token_ids)
+            self._hash_full_blocks(req)
+
+    def _fail(self, req_id: str, exc: Exception, failed: dict[str, str]) -> None:
+        failed[req_id] = f"KV cache manager: {type(exc).__name__}: {exc}"
+        if (req := self.requests.pop(req_id, None)) is not None:
+            self.pool.free(req.block_ids)
 
     def _build_plan(self, proposal: StepProposal, scheduled: list[tuple[KVRequest, int, int]]) -> StepPlan:
         """The step's arrays, built from the requests' int32/int64 buffers joined as bytes: a pass

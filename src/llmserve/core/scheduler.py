@@ -151,8 +151,8 @@ class Scheduler:
         return ((p.max_tokens is not None and req.num_output + req.pending >= p.max_tokens)
                 or len(req.token_ids) + req.pending >= self.max_model_len)
 
-    def on_feedback(self, fb: StepFeedback) -> None:
-        """Follow what the KV manager did with the proposal."""
+    def on_feedback(self, fb: StepFeedback) -> EngineOutputs:
+        """Follow what the KV manager did with the proposal; the requests it failed end here."""
         for req_id, (before, n, samples) in fb.scheduled.items():
             req = self.requests.get(req_id)
             if req is None:
@@ -183,14 +183,17 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is not None:
                 req.num_sent = 0
+        return self.fail(fb.failed)
+
+    def fail(self, errors: dict[str, str]) -> EngineOutputs:
+        """End requests the engine could not serve, each with its error, and report them all (also
+        those this scheduler never took in: their callers wait for an answer too)."""
+        self.finish([r for r in errors if r in self.requests])
+        return EngineOutputs([SequenceUpdate(r, [], "abort", error=error) for r, error in errors.items()])
 
     def on_result(self, result: StepResult) -> EngineOutputs:
         """Append sampled tokens, apply token-level stop conditions, and report to the request actor."""
-        updates: list[SequenceUpdate] = []
-        if result.error is not None:
-            failed = [r for r in result.req_ids if r in self.requests]
-            self.finish(failed)
-            return EngineOutputs([SequenceUpdate(r, [], "abort", error=repr(result.error)) for r in failed])
+        updates = self.fail(result.failed).updates if result.failed else []
         for req_id, prompt_lps in result.prompt_logprobs.items():
             if req_id in self.requests:
                 self.requests[req_id].held_prompt_logprobs.extend(prompt_lps)

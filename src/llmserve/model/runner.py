@@ -21,7 +21,7 @@ import torch
 from llmserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from llmserve.config import EngineConfig
 from llmserve.kernels.sampling import row_keys
-from llmserve.messages import StepPlan, StepResult
+from llmserve.messages import PLACEHOLDER, NewSequence, StepPlan, StepResult
 from llmserve.model.cuda_graphs import StepGraphs
 from llmserve.model.loader import load_model
 from llmserve.model.pinned import PinnedRing
@@ -32,6 +32,10 @@ from llmserve.quantization import QuantizationMethod
 from llmserve.sampling_params import SamplingParams
 
 log = structlog.get_logger("llmserve.runner")
+
+_DEVICE_ERRORS = (torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()
+"""Errors of the device itself (a CUDA fault): every later launch fails too, so no part of a step
+that raised one is retried."""
 
 
 def _penalized(p: SamplingParams) -> bool:
@@ -45,6 +49,14 @@ class SeqState:
     prompt_ids: array  # int64
     output_ids: list[int]
     in_flight: int = 0  # tokens sampled by a launched step, not yet appended to output_ids
+    bias: tuple[np.ndarray, np.ndarray] | None = None  # logit_bias as (int64 token ids, float32 values)
+
+    @classmethod
+    def of(cls, new: NewSequence) -> SeqState:
+        bias = new.params.logit_bias
+        arrays = None if not bias else (np.fromiter(bias.keys(), np.int64, len(bias)),
+                                        np.fromiter(bias.values(), np.float32, len(bias)))
+        return cls(new.params, new.prompt_token_ids, list(new.output_token_ids), bias=arrays)
 
 
 @dataclass(slots=True)
@@ -79,6 +91,7 @@ class ModelRunner:
         self.placeholders_filled = 0
         self.in_flight: InFlight | None = None
         self.host_sampled: set[str] = set()  # requests whose sampling reads their tokens on the host
+        self.failed: set[str] = set()  # requests that failed a step, left out of the plans made before that was known
         self._pinned: PinnedRing | None = None
 
     # ---- KV cache ------------------------------------------------------------------------------
@@ -239,18 +252,68 @@ class ModelRunner:
             if previous is not None and self._needs_host_tokens(plan, previous):
                 done.append(self._finish_or_fail(previous))
                 previous = None
-            failed = None
+            if self.failed:
+                plan = self._without_failed(plan)
+            holes = np.flatnonzero(plan.token_ids < 0)
             try:
-                self.in_flight = self._launch(plan, previous)
+                self.in_flight = self._launch(plan, previous, holes)
                 self.timing.launched()
-            except Exception as exc:  # a failed step fails its requests, not the engine
-                log.exception("step failed", step=plan.step_id, num_reqs=len(plan.req_ids))
-                failed = StepResult(plan.step_id, list(plan.req_ids), [], error=exc)
+            except Exception:  # a failed step fails the requests that fail it alone, not the engine
+                log.exception("step failed; running it again to find its failing requests", step=plan.step_id,
+                              num_reqs=len(plan.req_ids))
+                plan.token_ids[holes] = PLACEHOLDER  # as planned: the retries fill them in again
+                if previous is not None:
+                    done.append(self._finish_or_fail(previous))
+                    previous = None
+                done.append(self._isolate(plan))
             if previous is not None:
                 done.append(self._finish_or_fail(previous))
-            if failed is not None:
-                done.append(failed)
             return done
+
+    def _isolate(self, plan: StepPlan) -> StepResult:
+        """The result of a step whose launch failed, computed again in parts, each launched and
+        finished at once: a part that fails is halved until single requests fail alone; those end
+        with their error, the rest get the tokens the whole step would have given them (sampling
+        depends only on a request's own seed and position). Recomputing K/V rewrites the same
+        values in the same slots. An accelerator error (the device itself failed) fails all."""
+        merged = StepResult(plan.step_id, [], [])
+        parts = [np.arange(len(plan.req_ids))]
+        while parts:
+            rows = parts.pop()
+            part = plan.subset(rows)
+            try:
+                result = self._run_now(part)
+            except Exception as exc:
+                if len(rows) == 1 or isinstance(exc, _DEVICE_ERRORS):
+                    log.error("request failed its step", step=plan.step_id, request_ids=part.req_ids[:8],
+                              error=repr(exc))
+                    self.failed.update(part.req_ids)
+                    merged.failed.update((r, f"{type(exc).__name__}: {exc}") for r in part.req_ids)
+                else:
+                    half = len(rows) // 2
+                    parts += [rows[half:], rows[:half]]  # the first half runs first: plan order
+                continue
+            merged.req_ids += result.req_ids
+            merged.token_ids += result.token_ids
+            merged.logprobs.update(result.logprobs)
+            merged.prompt_logprobs.update(result.prompt_logprobs)
+        return merged
+
+    def _run_now(self, plan: StepPlan) -> StepResult:
+        flight = self._launch(plan, None, np.flatnonzero(plan.token_ids < 0))
+        try:
+            return self._finish(flight)
+        except Exception:
+            for state in flight.states:
+                state.in_flight -= 1
+            raise
+
+    def _without_failed(self, plan: StepPlan) -> StepPlan:
+        """`plan` less the requests that failed a step (planned again before their failure was known)."""
+        self.failed.difference_update(plan.freed)
+        if self.failed.isdisjoint(plan.req_ids):
+            return plan
+        return plan.subset(np.array([i for i, r in enumerate(plan.req_ids) if r not in self.failed], dtype=np.int64))
 
     def flush(self) -> list[StepResult]:
         """Finish the step in flight, if any."""
@@ -271,12 +334,12 @@ class ModelRunner:
         return False
 
     @torch.inference_mode()
-    def _launch(self, plan: StepPlan, previous: InFlight | None) -> InFlight:
+    def _launch(self, plan: StepPlan, previous: InFlight | None, holes: np.ndarray) -> InFlight:
         for req_id in plan.freed:
             self.seqs.pop(req_id, None)
             self.host_sampled.discard(req_id)
         for req_id, new in plan.new_sequences.items():
-            self.seqs[req_id] = SeqState(new.params, new.prompt_token_ids, list(new.output_token_ids))
+            self.seqs[req_id] = SeqState.of(new)
             if _penalized(new.params) or new.params.min_tokens > 0:
                 self.host_sampled.add(req_id)
         result = StepResult(plan.step_id, [], [])
@@ -284,7 +347,7 @@ class ModelRunner:
             return InFlight(result, [])
         qsl = np.zeros(len(plan.req_ids) + 1, dtype=np.int32)
         np.cumsum(plan.query_lens, out=qsl[1:])
-        from_device = self._fill_placeholders(plan, qsl, previous)
+        from_device = self._fill_placeholders(plan, qsl, previous, holes)
         decode = plan.num_tokens == len(plan.req_ids)
         graphed = self.graphs is not None and self.graphs.fits(len(plan.req_ids)) and decode
         mixed_graphed = (self.graphs is not None and not decode
@@ -335,11 +398,15 @@ class ModelRunner:
         return flight
 
     def _finish_or_fail(self, flight: InFlight) -> StepResult:
+        """The launched step's result; if finishing it fails (its sampled tokens are lost), its
+        requests end with the error."""
         try:
             return self._finish(flight)
         except Exception as exc:
             log.exception("step failed", step=flight.result.step_id, num_reqs=len(flight.req_ids))
-            return StepResult(flight.result.step_id, flight.req_ids, [], error=exc)
+            self.failed.update(flight.req_ids)
+            return StepResult(flight.result.step_id, [], [],
+                              failed={r: f"{type(exc).__name__}: {exc}" for r in flight.req_ids})
 
     def _finish(self, flight: InFlight) -> StepResult:
         result = flight.result
@@ -359,12 +426,12 @@ class ModelRunner:
             state.in_flight -= 1
         return result
 
-    def _fill_placeholders(self, plan: StepPlan, qsl: np.ndarray,
-                           previous: InFlight | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A PLACEHOLDER input is the token its request sampled in the step before (planned before
-        that step had finished). Tokens already on the host go into plan.token_ids; those of the
-        step still in flight come back as (positions, device tokens) to copy on the device."""
-        holes = np.flatnonzero(plan.token_ids < 0)
+    def _fill_placeholders(self, plan: StepPlan, qsl: np.ndarray, previous: InFlight | None,
+                           holes: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A PLACEHOLDER input (at `holes`) is the token its request sampled in the step before
+        (planned before that step had finished). Tokens already on the host go into plan.token_ids;
+        those of the step still in flight come back as (positions, device tokens) to copy on the
+        device."""
         if not holes.size:
             return None
         self.placeholders_filled += holes.size
@@ -404,7 +471,7 @@ class ModelRunner:
         t = lambda xs, dtype: self._to_device(np.array(xs, dtype=dtype))  # noqa: E731
         batch = SamplingBatch(
             temperature=t([p.temperature for p in params], np.float32),
-            top_k=t([p.top_k or vocab for p in params], np.int64),
+            top_k=t([min(p.top_k or vocab, vocab) for p in params], np.int64),
             top_p=t([p.top_p for p in params], np.float32),
             min_p=t([p.min_p for p in params], np.float32),
             keys=self._to_device(row_keys(np.array([p.seed for p in params], dtype=np.int64),
@@ -425,10 +492,11 @@ class ModelRunner:
                 presence=t([p.presence_penalty for p in params], np.float32),
                 frequency=t([p.frequency_penalty for p in params], np.float32),
             )
-        bias = [(i, tok, b) for i, p in enumerate(params) if p.logit_bias for tok, b in p.logit_bias.items()]
-        if bias:
-            rows, toks, vals = zip(*bias)
-            batch.bias = (t(rows, np.int64), t(toks, np.int64), t(vals, np.float32))
+        biased = [(i, s.bias) for i, s in enumerate(states) if s.bias is not None]
+        if biased:
+            rows = np.repeat(np.array([i for i, _ in biased], dtype=np.int64), [len(b[0]) for _, b in biased])
+            batch.bias = (self._to_device(rows), self._to_device(np.concatenate([b[0] for _, b in biased])),
+                          self._to_device(np.concatenate([b[1] for _, b in biased])))
         banned = [(i, tok) for i, s in enumerate(states) if len(s.output_ids) < s.params.min_tokens
                   for tok in (s.params.stop_token_ids + ([] if s.params.ignore_eos else self.eos_token_ids))]
         if banned:
