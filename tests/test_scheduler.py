@@ -140,3 +140,41 @@ def test_a_step_plan_subset_keeps_each_requests_rows():
     assert part.query_lens.tolist() == [2, 3] and part.context_lens.tolist() == [0, 9]
     assert part.block_tables.tolist() == [[1, 0], [4, 5]] and part.sample.tolist() == [True, True]
     assert part.freed == ["z"] and part.step_id == 7
+
+
+def test_a_request_arriving_while_a_step_that_only_frees_is_planned_gets_scheduled():
+    """A request ended by its stop string leaves a step that only frees its blocks; a request
+    arriving before that step's feedback must not be taken for nothing to do (it hung forever)."""
+    import anyio
+
+    from llmserve.actors.scheduler_actor import EngineStats, SchedulerActor
+    from llmserve.messages import FinishInFlight, FinishRequests, NewRequests
+
+    def new(req_id):
+        return NewRequests([NewRequest(req_id, list(range(1, 4)), SamplingParams(seed=1), 0, 0.0)])
+
+    async def main():
+        inbox_send, inbox = anyio.create_memory_object_stream(100)
+        kv_send, kv = anyio.create_memory_object_stream(100)
+        out_send, _out = anyio.create_memory_object_stream(100)
+        actor = SchedulerActor(make_scheduler(), EngineStats(0), inbox=inbox, to_kv=kv_send, to_requests=out_send,
+                               async_scheduling=False)
+        async with anyio.create_task_group() as tg:
+            await tg.start(actor.run)
+            await inbox_send.send(new("a"))
+            p0 = await kv.receive()
+            await inbox_send.send(StepFeedback(p0.step_id, {"a": (0, 3, True)}, [], [], {}, 0.0, 0, 0))
+            assert isinstance(await kv.receive(), FinishInFlight)
+            await inbox_send.send(FinishRequests(["a"], "stop"))  # its stop string, found by the request actor
+            await inbox_send.send(StepResult(p0.step_id, ["a"], [5]))
+            p1 = await kv.receive()
+            assert p1.entries == [] and p1.freed == ["a"]
+            await inbox_send.send(new("b"))  # arrives before p1's feedback
+            await inbox_send.send(StepFeedback(p1.step_id, {}, [], [], {}, 0.0, 0, 0))
+            assert isinstance(await kv.receive(), FinishInFlight)
+            await inbox_send.send(StepResult(p1.step_id, [], []))
+            with anyio.fail_after(5):
+                p2 = await kv.receive()
+            assert [e.req_id for e in p2.entries] == ["b"]
+            tg.cancel_scope.cancel()
+    anyio.run(main)

@@ -53,6 +53,7 @@ class SchedulerActor:
         self.in_flight = 0
         self.awaiting_feedback = False
         self.stalled = False  # the last step scheduled nothing: wait for news before trying again
+        self.news = False  # requests arrived or ended since the proposal awaiting feedback went out
         self.finish_sent = False  # told the executor no plan follows until results arrive
         self.outputs: list[EngineOutputs] = []
 
@@ -77,6 +78,7 @@ class SchedulerActor:
                     if proposal is not None and (proposal.entries or proposal.freed):
                         self.in_flight += 1
                         self.awaiting_feedback = True
+                        self.news = False
                         self.finish_sent = False
                         await self.to_kv.send(proposal)
                 # The executor launches each plan before it finishes the step before, so with one
@@ -120,16 +122,18 @@ class SchedulerActor:
         if isinstance(msg, NewRequests):
             for new in msg.requests:
                 s.add(new)
-            self.stalled = False
+            self.stalled, self.news = False, True
         elif isinstance(msg, FinishRequests):
             s.finish(msg.req_ids, RequestStatus.FINISHED_STOPPED if msg.reason == "stop"
                      else RequestStatus.FINISHED_ABORTED)
-            self.stalled = False
+            self.stalled, self.news = False, True
         elif isinstance(msg, StepFeedback):
             failed = s.on_feedback(msg)
             if failed.updates:
                 self.outputs.append(failed)
-            self.stalled = not msg.scheduled and not s.running
+            # Nothing scheduled and nothing running: wait for news, unless some came while this
+            # proposal was out (a request that arrived then was not in it).
+            self.stalled = not msg.scheduled and not s.running and not self.news
             self.stats.kv_usage = msg.kv_usage
             self.stats.prefix_queries, self.stats.prefix_hits = msg.prefix_queries, msg.prefix_hits
         elif isinstance(msg, StepResult):
