@@ -8,83 +8,33 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-import anyio
 import httpx
 import jsonschema
 import openai
 import pytest
+import websockets
 import websockets.sync.client as ws_client
 from anyio.from_thread import start_blocking_portal
 
 from llmserve.config import EngineConfig
-from llmserve.engine import BUILTIN_MODEL_DIR, Engine, Frontend
+from llmserve.engine import BUILTIN_MODEL_DIR
 from llmserve.engine_process import ProcessEngine
 from llmserve.server.run import serve
+from servers import MODEL, free_port, running_server, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = "llmserve-builtin"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    url: str
-    engine: Frontend
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
-
-    def idle(self) -> bool:
-        snap = self.engine.snapshot()  # from the engine process: at most one step old
-        return snap.kv_usage == 0 and snap.running == snap.waiting == 0
-
-
-@contextmanager
-def running_server(engine_process: bool = False, model: str = "builtin", **server_opts):
-    port = free_port()
-    scheduler = server_opts.pop("scheduler", {})
-    config = EngineConfig.from_dict({
-        "model": {"model": model, "device": "cpu", "dtype": "float32"},
-        "cache": {"num_blocks": 256, "block_size": 16},
-        "scheduler": {"log_interval_s": 0, **scheduler},
-        "server": {"port": port, **server_opts},
-    })
-    engine = ProcessEngine(config) if engine_process else Engine(config)
-    with start_blocking_portal("asyncio") as portal:
-        stop = portal.call(anyio.Event)
-        future, _ = portal.start_task(partial(serve, config, stop=stop, handle_signals=False, engine=engine))
-        try:
-            yield Server(f"http://127.0.0.1:{port}", engine)
-        finally:
-            portal.call(stop.set)
-            future.result(timeout=30)
 
 
 @pytest.fixture(scope="module", params=["in-process", "engine-process"])
 def server(request):
     with running_server(request.param == "engine-process", max_body_bytes=64 * 1024, max_ws_requests=3) as s:
         yield s
-
-
-def wait_for(cond, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 # ---- completions and chat through the official client -------------------------------------------
@@ -372,6 +322,14 @@ def test_openapi_document_matches_routes_and_bodies(server):
     check("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, valid=False)
     check("/tokenize", {"prompt": "hi"})
     check("/detokenize", {"tokens": ["x"]}, valid=False)
+    # the limits the server enforces are stated: ranges, and this server's per-request bounds
+    check("/v1/completions", {"prompt": "hi", "top_p": 0}, valid=False)
+    check("/v1/completions", {"prompt": "hi", "repetition_penalty": 1e-276}, valid=False)
+    check("/v1/completions", {"prompt": "hi", "stop": ["a"] * 64})
+    check("/v1/completions", {"prompt": "hi", "stop": ["a"] * 65}, valid=False)
+    check("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1025)}}, valid=False)
+    check("/v1/completions", {"prompt": ["hi"] * 257}, valid=False)
+    check("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, valid=False)
 
 
 def test_client_disconnect_aborts_stream_and_frees_blocks(server):
@@ -480,7 +438,7 @@ def test_full_queue_answers_503_with_retry_after():
             async with httpx.AsyncClient(timeout=60) as http:
                 post = lambda: asyncio.create_task(http.post(f"{s.url}/v1/completions", json=body))  # noqa: E731
                 busy = [post()]
-                await until(lambda snap: snap.running == 1)  # the one seat is taken...
+                await until(lambda snap: snap.generation_tokens > 0)  # the one seat is taken, first token out...
                 busy.append(post())
                 await until(lambda snap: snap.waiting == 1)  # ...and the queue is full
                 rejected = await http.post(f"{s.url}/v1/completions", json=body)
@@ -550,6 +508,91 @@ def test_llmserve_command_serves_the_builtin_model_and_stops_on_sigterm(tmp_path
         assert proc.wait(timeout=30) == 0
         log = proc.stdout.read()
         assert "serving" in log and "llmserve-builtin" in log and "shutting down" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+# ---- shutdown ---------------------------------------------------------------------------------------
+
+def launch(tmp_path, **server) -> tuple[subprocess.Popen, str]:
+    """`llmserve --config` on the built-in model with these [server] keys; temporary files (the
+    engine's socket) under tmp_path. Returns once /health answers."""
+    port = free_port()
+    keys = "\n".join(f"{k} = {json.dumps(v)}" for k, v in {"port": port, **server}.items())
+    (tmp_path / "config.toml").write_text(f'[model]\nmodel = "builtin"\ndevice = "cpu"\n[scheduler]\n'
+                                          f'log_interval_s = 0\n[server]\n{keys}\n')
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve.cli", "--config", str(tmp_path / "config.toml")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        time.sleep(0.2)
+
+
+LONG_STREAM = {"model": MODEL, "prompt": "The list type", "max_tokens": 400, "n": 16, "ignore_eos": True,
+               "stream": True}
+
+
+def read_events(lines) -> list:
+    return [json.loads(d) if d != "[DONE]" else d for d in (ln.removeprefix("data: ") for ln in lines if ln)]
+
+
+def test_at_the_end_of_the_grace_streams_end_with_an_error_and_idle_sockets_close_at_once(tmp_path):
+    proc, url = launch(tmp_path, shutdown_grace_s=1.0)
+    try:
+        ws = url.replace("http://", "ws://") + "/v1/ws"
+        with ws_client.connect(ws) as idle, ws_client.connect(ws) as busy, \
+                httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=LONG_STREAM) as r:
+            busy.send(json.dumps({"id": "w", "body": {k: v for k, v in LONG_STREAM.items() if k != "stream"}}))
+            assert "chunk" in json.loads(busy.recv(timeout=10))
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                idle.recv(timeout=10)
+            assert closed.value.rcvd.code == 1001 and time.monotonic() - t0 < 0.9  # before the grace ends
+            events = read_events(lines)
+            last = None
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                while True:
+                    last = json.loads(busy.recv(timeout=10))
+            assert last == {"id": "w", "cancelled": True, "reason": "server shutting down"}
+            assert closed.value.rcvd.code == 1001
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutdown", events[-3:]
+        assert 0.9 < time.monotonic() - t0 < 8
+        assert not any(c["finish_reason"] for e in events[:-2] for c in e["choices"])  # it was cut, and says so
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_ends_the_requests_at_once_and_cleans_up(tmp_path, sig):
+    proc, url = launch(tmp_path, shutdown_grace_s=60.0)
+    try:
+        with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=LONG_STREAM) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            proc.send_signal(sig)
+            assert next(lines) == "" and next(lines).startswith("data: {")  # the grace: it goes on
+            t0 = time.monotonic()
+            proc.send_signal(sig)
+            events = read_events(lines)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutdown"
+        assert proc.wait(timeout=30) == 0 and time.monotonic() - t0 < 10
+        log = proc.stdout.read()
+        assert "second signal" in log and "Traceback" not in log, log
+        assert not list(tmp_path.glob("llmserve-*"))  # the engine's socket and its directory are gone
     finally:
         if proc.poll() is None:
             proc.kill()

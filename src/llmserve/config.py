@@ -124,14 +124,36 @@ class ServerConfig:
     """Required as `Authorization: Bearer KEY` when set (or when LLMSERVE_API_KEY is set)."""
     protect_health_metrics: bool = False
     """Also require the key for /health and /metrics."""
+    allowed_hosts: list[str] = field(default_factory=list)
+    """Host header values served (names or addresses; the port is not compared); others get 403,
+    which keeps web pages from reaching a local server through DNS rebinding. Empty: the loopback
+    names and the bound address, or any host when bound to all interfaces; ["*"]: any."""
+    allowed_origins: list[str] = field(default_factory=list)
+    """Browser origins ("https://app.example:8443") allowed to call the API (CORS) and to open
+    WebSockets; ["*"] allows all. A request whose Origin header is not listed gets 403. Empty:
+    CORS off, no cross-origin browser access."""
     max_body_bytes: int = 1 << 20
-    """Larger request bodies get 413."""
+    """Larger request bodies and WebSocket messages get 413 (a WebSocket is closed with 1009)."""
     max_waiting_requests: int = 1024
-    """With this many requests waiting, new ones get 503 and Retry-After."""
+    """Sequences (prompts x n) admitted that have no first token yet (queued or in prefill), counted
+    as they are admitted; a request that would pass it gets 503 and Retry-After."""
+    max_choices: int = 256
+    """Sequences one request may ask for: its prompts times n."""
+    max_stop_sequences: int = 64
+    """Entries in one request's `stop`, and separately in its `stop_token_ids`."""
+    max_stop_chars: int = 4096
+    """Characters of one request's stop strings together."""
+    max_logit_bias: int = 1024
+    """Tokens one request's logit_bias may name."""
     max_ws_requests: int = 16
     """Requests in flight on one WebSocket."""
+    max_ws_per_client: int = 32
+    """Open WebSockets per client address; more are refused with 429."""
+    ws_idle_timeout_s: float = 300.0
+    """A WebSocket with no message and no request in flight for this long is closed."""
     shutdown_grace_s: float = 10.0
-    """Seconds in-flight requests get to finish after SIGINT/SIGTERM."""
+    """Seconds in-flight requests get to finish after SIGINT/SIGTERM (a second signal ends them at
+    once); then each stream ends with an error event."""
     engine_process: bool = True
     """Run the scheduler, KV manager and executor in a child process, so HTTP and detokenization never
     take the step loop's time; false runs everything on the server's event loop."""
@@ -140,8 +162,15 @@ class ServerConfig:
         _check(0 <= self.port <= 65535, "server", "port", "in [0, 65535]", self.port)
         _check(self.max_body_bytes >= 1024, "server", "max_body_bytes", ">= 1024", self.max_body_bytes)
         _check(self.max_waiting_requests >= 1, "server", "max_waiting_requests", ">= 1", self.max_waiting_requests)
-        _check(self.max_ws_requests >= 1, "server", "max_ws_requests", ">= 1", self.max_ws_requests)
+        for name in ("max_choices", "max_stop_sequences", "max_stop_chars", "max_logit_bias", "max_ws_requests",
+                     "max_ws_per_client"):
+            _check(getattr(self, name) >= 1, "server", name, ">= 1", getattr(self, name))
+        _check(self.ws_idle_timeout_s > 0, "server", "ws_idle_timeout_s", "> 0", self.ws_idle_timeout_s)
         _check(self.shutdown_grace_s >= 0, "server", "shutdown_grace_s", ">= 0", self.shutdown_grace_s)
+        for name in ("allowed_hosts", "allowed_origins"):
+            value = getattr(self, name)
+            _check(isinstance(value, list) and all(isinstance(v, str) and v for v in value), "server", name,
+                   "a list of non-empty strings", value)
 
 
 @dataclass(slots=True)

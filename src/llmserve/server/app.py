@@ -1,14 +1,16 @@
 """The Quart app: OpenAI-compatible routes, SSE and WebSocket streaming, auth, limits, errors.
 
 Every error leaves as OpenAI's error object ({"error": {"message", "type", "param", "code"}}); no
-traceback reaches a client, and no request can stop the engine.
+traceback reaches a client, and no request can stop the engine. A stream that fails after it began
+ends with an error event, then `data: [DONE]`.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
+from collections import Counter
+from functools import partial
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,17 +20,18 @@ from quart import Quart, Response, request, websocket
 from werkzeug.exceptions import HTTPException
 
 from llmserve import __version__
+from llmserve.actors.request_actor import LONG_PROMPT_CHARS
 from llmserve.config import EngineConfig
 from llmserve.engine import BUILTIN_MODEL_DIR, Frontend
 from llmserve.server.metrics import Metrics
 from llmserve.server.openapi import openapi_document
 from llmserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                      TokenizeRequest, parse)
+                                      TokenizeRequest, decode_body, parse)
+from llmserve.server.security import Gate
 from llmserve.server.serving import OpenAIServing
+from llmserve.server.websocket import WebSocketSession
 
 log = structlog.get_logger("llmserve.server")
-
-OPEN_PATHS = ("/health", "/metrics")
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -36,12 +39,16 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
                     content_type="application/json")
 
 
-def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+def _sse(chunks: AsyncIterator[dict], metrics: Metrics) -> AsyncIterator[bytes]:
     async def body() -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
-        except APIError as exc:  # failed after the stream began: report in-band, as OpenAI does
+        except Exception as exc:  # failed after the stream began: report in-band, as OpenAI does
+            if not isinstance(exc, APIError):
+                log.exception("stream failed", path=request.path)
+                exc = APIError("internal error", status=500, type="server_error")
+            metrics.count_error(exc)
             yield f"data: {json.dumps(exc.body())}\n\n".encode()
         yield b"data: [DONE]\n\n"
     return body()
@@ -66,88 +73,86 @@ def served_model_name(config: EngineConfig) -> str:
     return os.path.basename(os.path.normpath(config.model.model)) or "model"
 
 
-def create_app(engine: Frontend, config: EngineConfig) -> Quart:
+def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | None = None) -> Quart:
+    """`draining`, once set, means the server is stopping: new requests get 503, idle WebSockets close."""
     cfg = config.server
     app = Quart("llmserve")
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes
     app.config["RESPONSE_TIMEOUT"] = None  # a long generation streams for as long as it takes
     app.config["BODY_TIMEOUT"] = 60
+    draining = draining or anyio.Event()
     model_name = served_model_name(config)
     metrics = Metrics(engine)
-    serving = OpenAIServing(engine, model_name, metrics)
-    api_key = cfg.api_key or os.environ.get("LLMSERVE_API_KEY") or None
+    serving = OpenAIServing(engine, model_name, metrics, cfg)
+    gate = Gate(cfg, cfg.api_key or os.environ.get("LLMSERVE_API_KEY") or None)
+    sockets_of: Counter[str] = Counter()  # open WebSockets per client address
     app.extensions["llmserve"] = {"engine": engine, "metrics": metrics, "serving": serving}
 
     # ---- guards ----------------------------------------------------------------------------------
 
-    def authorized(headers) -> bool:
-        if api_key is None:
-            return True
-        given = headers.get("Authorization", "")
-        scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), api_key.encode())
-
-    def guarded(path: str) -> bool:
-        return api_key is not None and (cfg.protect_health_metrics or path not in OPEN_PATHS)
-
     @app.before_request
-    async def check_key():
-        if guarded(request.path) and not authorized(request.headers):
-            raise APIError("Invalid or missing API key (Authorization: Bearer ...)", status=401,
-                           type="authentication_error", code="invalid_api_key")
+    async def check_request():
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:  # CORS preflight
+            gate.check_source(request.headers)
+            return Response(status=204, headers=gate.cors_headers(request.headers.get("Origin"), preflight=True))
+        gate.check(request.path, request.headers)
+        if request.method == "POST":
+            if draining.is_set():
+                raise APIError("the server is shutting down", status=503, type="server_error", code="shutdown")
+            gate.check_json(request.mimetype)
 
     @app.before_websocket
-    async def check_ws_key():
-        if guarded(websocket.path) and not authorized(websocket.headers):
-            raise APIError("Invalid or missing API key (Authorization: Bearer ...)", status=401,
-                           type="authentication_error", code="invalid_api_key")
+    async def check_websocket():
+        gate.check(websocket.path, websocket.headers, websocket.requested_subprotocols)
 
-    def admit() -> None:
-        waiting = engine.snapshot().waiting
-        if waiting >= cfg.max_waiting_requests:
-            raise APIError(f"The server is busy: {waiting} requests are waiting (server.max_waiting_requests is "
-                           f"{cfg.max_waiting_requests}); retry later", status=503, type="server_error",
-                           code="overloaded", headers={"Retry-After": "1"})
+    @app.after_request
+    async def add_cors(response: Response) -> Response:
+        response.headers.update(gate.cors_headers(request.headers.get("Origin")))
+        return response
 
     async def body_json() -> Any:
-        raw = await request.get_data()
-        try:
-            return json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise APIError("request body is not valid UTF-8") from None
-        except json.JSONDecodeError as exc:
-            raise APIError(f"request body is not valid JSON: {exc.msg} at position {exc.pos}") from None
+        return decode_body(await request.get_data())
 
     # ---- errors ----------------------------------------------------------------------------------
 
     @app.errorhandler(APIError)
     async def on_api_error(exc: APIError):
+        metrics.count_error(exc)
         return _json(exc.body(), exc.status, exc.headers)
 
     @app.errorhandler(HTTPException)
     async def on_http_error(exc: HTTPException):
         status = exc.code or 500
+        headers = {}
         if status == 404:
             err = APIError(f"no route {request.path}", status=404, type="not_found_error")
+        elif status == 405:
+            allowed = ", ".join(sorted(getattr(exc, "valid_methods", None) or []))
+            err = APIError(f"{request.method} is not allowed on {request.path} (allowed: {allowed})", status=405)
+            headers["Allow"] = allowed
         elif status == 413:
             err = APIError(f"request body is larger than server.max_body_bytes ({cfg.max_body_bytes} bytes)",
                            status=413)
         else:
             err = APIError(exc.description or exc.name, status=status)
-        return _json(err.body(), status)
+        metrics.count_error(err)
+        return _json(err.body(), status, headers)
 
     @app.errorhandler(Exception)
     async def on_error(exc: Exception):
         log.exception("request failed", path=request.path)
-        return _json(APIError("internal error", status=500, type="server_error").body(), 500)
+        err = APIError("internal error", status=500, type="server_error")
+        metrics.count_error(err)
+        return _json(err.body(), 500)
 
     # ---- OpenAI endpoints -------------------------------------------------------------------------
 
     async def respond(job) -> Response:
-        admit()
+        serving.admit(job)
         if job.body.stream:
             chunks = await _first(serving.stream(job))
-            return Response(_sse(chunks), content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return Response(_sse(chunks, metrics), content_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache"})
         return _json(await serving.full_response(job))
 
     @app.post("/v1/completions")
@@ -161,62 +166,20 @@ def create_app(engine: Frontend, config: EngineConfig) -> Quart:
     @app.websocket("/v1/ws")
     async def ws():
         """Several requests per socket, each tagged with the client's id; see docs/server.md."""
-        await websocket.accept()
-        lock = anyio.Lock()
-        active: dict[str, anyio.CancelScope] = {}
-
-        async def send(obj: dict) -> None:
-            async with lock:
-                await websocket.send(json.dumps(obj, ensure_ascii=False))
-
-        async def run_one(rid: str, endpoint: str, body: Any, scope: anyio.CancelScope) -> None:
-            with scope:  # a cancel that arrived before this task started takes effect here
-                try:
-                    if endpoint == "/v1/completions":
-                        job = serving.completion_job(parse(CompletionRequest, body))
-                    elif endpoint == "/v1/chat/completions":
-                        job = serving.chat_job(parse(ChatCompletionRequest, body))
-                    else:
-                        raise APIError(f"endpoint must be /v1/completions or /v1/chat/completions, got {endpoint!r}",
-                                       param="endpoint")
-                    job.body.stream = True
-                    admit()
-                    async for chunk in serving.stream(job):
-                        await send({"id": rid, "chunk": chunk})
-                    await send({"id": rid, "done": True})
-                except APIError as exc:
-                    await send({"id": rid, **exc.body()})
-                finally:
-                    active.pop(rid, None)
-            if scope.cancelled_caught:
-                await send({"id": rid, "cancelled": True})
-
-        async with anyio.create_task_group() as tg:
-            while True:
-                raw = await websocket.receive()
-                try:
-                    msg = json.loads(raw)
-                    if not isinstance(msg, dict) or not isinstance(msg.get("id"), str):
-                        raise ValueError
-                except ValueError:
-                    await send({"id": None, **APIError("each message must be a JSON object with a string id",
-                                                        param="id").body()})
-                    continue
-                rid = msg["id"]
-                if msg.get("cancel"):
-                    if rid in active:
-                        active[rid].cancel()
-                    continue
-                if rid in active:
-                    await send({"id": rid, **APIError(f"id {rid!r} is already in flight on this socket",
-                                                      param="id").body()})
-                elif len(active) >= cfg.max_ws_requests:
-                    await send({"id": rid, **APIError(f"too many requests in flight on this socket "
-                                                      f"(server.max_ws_requests is {cfg.max_ws_requests})",
-                                                      status=429, code="too_many_requests").body()})
-                else:
-                    active[rid] = scope = anyio.CancelScope()
-                    tg.start_soon(run_one, rid, msg.get("endpoint", "/v1/completions"), msg.get("body"), scope)
+        client = websocket.remote_addr or ""
+        if sockets_of[client] >= cfg.max_ws_per_client:
+            raise APIError(f"too many WebSockets open from {client} (server.max_ws_per_client is "
+                           f"{cfg.max_ws_per_client})", status=429, code="too_many_connections")
+        if draining.is_set():
+            raise APIError("the server is shutting down", status=503, type="server_error", code="shutdown")
+        sockets_of[client] += 1
+        try:
+            await websocket.accept(subprotocol=gate.ws_subprotocol(websocket.requested_subprotocols))
+            await WebSocketSession(serving, metrics, cfg, draining).run()
+        finally:
+            sockets_of[client] -= 1
+            if not sockets_of[client]:
+                del sockets_of[client]
 
     @app.get("/v1/models")
     async def models():
@@ -227,8 +190,9 @@ def create_app(engine: Frontend, config: EngineConfig) -> Quart:
 
     @app.get("/health")
     async def health():
-        if not engine.running:
-            return _json(APIError("engine is not running", status=503, type="server_error").body(), 503)
+        if not engine.running or draining.is_set():
+            reason = "the server is shutting down" if draining.is_set() else "engine is not running"
+            return _json(APIError(reason, status=503, type="server_error").body(), 503)
         return _json({"status": "ok"})
 
     @app.get("/version")
@@ -250,7 +214,9 @@ def create_app(engine: Frontend, config: EngineConfig) -> Quart:
             text, special = serving.render_chat(body), False
         else:
             text, special = body.prompt, body.add_special_tokens
-        tokens = engine.tokenizer.encode(text, add_special_tokens=special)
+        encode = partial(engine.tokenizer.encode, text, add_special_tokens=special)
+        # a long text on a worker thread, as the engine tokenizes prompts: the loop serves on meanwhile
+        tokens = await anyio.to_thread.run_sync(encode) if len(text) > LONG_PROMPT_CHARS else encode()
         return _json({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len})
 
     @app.post("/detokenize")
@@ -266,6 +232,6 @@ def create_app(engine: Frontend, config: EngineConfig) -> Quart:
 
     @app.get("/openapi.json")
     async def openapi():
-        return _json(openapi_document(app))
+        return _json(openapi_document(app, cfg))
 
     return app

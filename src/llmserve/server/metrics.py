@@ -41,11 +41,18 @@ class Metrics:
         self.registry.register(_EngineCollector(engine))
         self.request_success = Counter("llmserve_request_success", "Finished requests by finish reason.",
                                        ["finished_reason"], registry=self.registry)
+        self.request_errors = Counter("llmserve_request_errors", "Requests answered with an error (before or "
+                                      "during their stream), by HTTP status and error type.", ["status", "type"],
+                                      registry=self.registry)
         h = lambda name, doc: Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)  # noqa: E731
         self.ttft = h("llmserve_time_to_first_token_seconds", "Arrival to first output token.")
         self.itl = h("llmserve_inter_token_latency_seconds", "Time between output tokens of a request.")
         self.e2e = h("llmserve_e2e_request_latency_seconds", "Arrival to last output token.")
         self.queue = h("llmserve_request_queue_time_seconds", "Arrival to first being scheduled.")
+
+    def count_error(self, err) -> None:
+        """Count an APIError sent to a client."""
+        self.request_errors.labels(str(err.status), err.type).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

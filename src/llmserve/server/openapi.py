@@ -8,6 +8,8 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from llmserve import __version__
+from llmserve.config import ServerConfig
+from llmserve.sampling_params import LOGIT_BIAS_RANGE, MAX_N, RANGES, Range
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
@@ -35,10 +37,46 @@ _DESCRIPTIONS = {
 }
 
 
-def openapi_document(app) -> dict[str, Any]:
+def _members(schema: dict, kind: str) -> list[dict]:
+    """The schema itself or its anyOf members of JSON type `kind`."""
+    return [m for m in schema.get("anyOf", [schema]) if m.get("type") == kind]
+
+
+def _bound(schema: dict, r: Range) -> None:
+    for m in _members(schema, "integer") + _members(schema, "number"):
+        m["exclusiveMinimum" if r.open_lo else "minimum"] = r.lo
+        m["maximum"] = r.hi
+
+
+def _state_limits(schemas: dict[str, Any], cfg: ServerConfig) -> None:
+    """Write the limits the server enforces beyond the fields' types into the body schemas: the
+    sampling ranges and this server's per-request bounds (server.max_*)."""
+    for body in (CompletionRequest, ChatCompletionRequest):
+        props = schemas[body.__name__]["properties"]
+        for name, r in RANGES.items():
+            if name in props:
+                _bound(props[name], r)
+        _bound(props["n"], Range(1, min(MAX_N, cfg.max_choices)))
+        _bound(props["seed"], Range(0, 2**63 - 1))
+        for m in _members(props["logit_bias"], "object"):
+            m["maxProperties"] = cfg.max_logit_bias
+            _bound(m["additionalProperties"], LOGIT_BIAS_RANGE)
+        for m in _members(props["stop"], "array"):
+            m["maxItems"] = cfg.max_stop_sequences
+            m["items"]["maxLength"] = cfg.max_stop_chars
+        for m in _members(props["stop"], "string"):
+            m["maxLength"] = cfg.max_stop_chars
+        props["stop_token_ids"]["maxItems"] = cfg.max_stop_sequences
+    for m in _members(schemas["CompletionRequest"]["properties"]["prompt"], "array"):
+        m["maxItems"] = cfg.max_choices
+    _bound(schemas["ChatCompletionRequest"]["properties"]["top_logprobs"], RANGES["logprobs"])
+
+
+def openapi_document(app, cfg: ServerConfig) -> dict[str, Any]:
     keys, schema = models_json_schema([(m, "validation") for m in _BODIES.values()],
                                       ref_template="#/components/schemas/{model}")
     schemas = dict(schema.get("$defs", {}))
+    _state_limits(schemas, cfg)
     schemas["Error"] = _ERROR
     paths: dict[str, Any] = {}
     for rule in app.url_map.iter_rules():

@@ -1,8 +1,11 @@
 """OpenAI wire format: request bodies (validated by pydantic, which also gives the OpenAPI schemas)
-and the error object. Unknown fields are ignored, as OpenAI-compatible servers do."""
+and the error object. Unknown fields are ignored, as OpenAI-compatible servers do; known ones are
+taken strictly as their type ("stream": "yes" is not a boolean, 2.0 is not a token count)."""
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
@@ -50,8 +53,71 @@ class APIError(Exception):
         return cls(f"{param}: {err['msg']}" if param else err["msg"], param=param)
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+MAX_DEPTH = 64
+"""Nesting levels a body may have (json's own limit is the interpreter's recursion limit)."""
+
+
+def _refuse_constant(name: str) -> None:
+    raise APIError(f"request body is not valid JSON: {name} is not a JSON number")
+
+
+def decode_body(raw: bytes | str) -> Any:
+    """The JSON value of a request body, or an APIError naming what is wrong: not UTF-8, not JSON
+    (NaN and Infinity included), too deep, an integer of thousands of digits, or a string holding a
+    lone UTF-16 surrogate ("\\ud800": JSON can spell it, UTF-8 and the tokenizer cannot take it)."""
+    data, suspect = parse_json(raw)
+    if suspect:
+        check_value(data)
+    return data
+
+
+def parse_json(raw: bytes | str) -> tuple[Any, bool]:
+    """(value, suspect): the JSON value, and whether it may hold a lone surrogate or nesting too deep
+    for `check_value` to pass (only a \\uD800-\\uDFFF escape can put a surrogate in a string, and
+    only many brackets can nest: the common body needs no walk)."""
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise APIError("request body is not valid UTF-8") from None
+    else:
+        text, raw = raw, raw.encode("utf-8", "surrogatepass")
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as exc:
+        raise APIError(f"request body is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    except RecursionError:
+        raise APIError(f"request body is nested more than {MAX_DEPTH} levels deep") from None
+    except ValueError as exc:  # an integer past the interpreter's digit limit
+        raise APIError(f"request body is not acceptable JSON: {exc}") from None
+    return data, bool(_SURROGATE_ESCAPE.search(raw)) or text.count("[") + text.count("{") > MAX_DEPTH
+
+
+def check_value(data: Any) -> None:
+    """Raise an APIError naming the first string with a lone surrogate, or a nesting too deep."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        field = path.split(".")[0].split("[")[0] or None  # the top-level field, for `param`
+        if depth > MAX_DEPTH:
+            raise APIError(f"{field or 'body'}: nested more than {MAX_DEPTH} levels deep", param=field)
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(f"{path or 'body'}: the string holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
+                               "which is not text", param=field) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, path, depth + 1))
+                stack.append((item, f"{path}.{key}" if path else str(key), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):

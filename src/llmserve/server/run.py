@@ -2,8 +2,13 @@
 (scheduler, KV manager, executor) in a child process (server.engine_process, the default) or on
 the same loop.
 
-SIGINT/SIGTERM stop accepting connections; in-flight requests get server.shutdown_grace_s to finish
-(Hypercorn's graceful timeout), then are cancelled, which aborts them in the engine; exit is clean.
+Shutdown (SIGINT/SIGTERM, or `stop` set):
+    1. stop accepting connections; new requests on open ones get 503, /health answers 503, idle
+       WebSockets close (1001);
+    2. requests in flight get server.shutdown_grace_s to finish; a second signal ends the grace now;
+    3. those still running are ended: each SSE stream gets an error event (code "shutdown") and
+       `data: [DONE]`, each WebSocket request `cancelled`; their sockets close;
+    4. the engine stops (its child process exits, its socket file is removed); exit is clean.
 """
 
 from __future__ import annotations
@@ -22,27 +27,48 @@ from llmserve.server.app import create_app, served_model_name
 
 log = structlog.get_logger("llmserve.server")
 
+FLUSH_S = 5.0
+"""Seconds the streams ended at the grace's end get to send their last events before Hypercorn
+closes their connections."""
+
 
 async def serve(config: EngineConfig, *, stop: anyio.Event | None = None, handle_signals: bool = True,
                 engine: Frontend | None = None, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
     """Run until `stop` is set or a signal arrives. Reports started (with the bound port) once listening."""
     if engine is None:
         engine = ProcessEngine(config) if config.server.engine_process else Engine(config)
-    app = create_app(engine, config)
+    draining = anyio.Event()
+    app = create_app(engine, config, draining)
     stop = stop or anyio.Event()
+    cut = anyio.Event()  # the grace period ends now
+    grace = config.server.shutdown_grace_s
     hc = HypercornConfig()
     hc.bind = [f"{config.server.host}:{config.server.port}"]
-    hc.graceful_timeout = config.server.shutdown_grace_s
+    hc.graceful_timeout = grace + FLUSH_S
+    hc.websocket_max_message_size = config.server.max_body_bytes
     hc.accesslog = None
     hc.errorlog = "-"
 
-    async def watch_signals() -> None:
+    async def watch_signals(scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
-                log.info("shutting down", signal=signal.Signals(signum).name,
-                         grace_s=config.server.shutdown_grace_s)
-                stop.set()
-                return
+                name = signal.Signals(signum).name
+                if not started or cut.is_set():  # during start-up, or a third signal: stop waiting
+                    log.info("stopping now", signal=name)
+                    scope.cancel()
+                elif not stop.is_set():
+                    log.info("shutting down", signal=name, grace_s=grace)
+                    stop.set()
+                else:
+                    log.info("second signal: ending the requests in flight now", signal=name)
+                    cut.set()
+
+    async def shut_down() -> None:
+        await stop.wait()
+        draining.set()
+        with anyio.move_on_after(grace):
+            await cut.wait()
+        await engine.end_all("the server is shutting down")
 
     failure: list[Exception] = []
     started = False
@@ -60,16 +86,17 @@ async def serve(config: EngineConfig, *, stop: anyio.Event | None = None, handle
             stop.set()
 
     async with anyio.create_task_group() as tg:
+        if handle_signals:  # from the start: a signal during start-up cancels it, cleaning up
+            tg.start_soon(watch_signals, tg.cancel_scope)
         await tg.start(run_engine)
         started = True
-        if handle_signals:
-            tg.start_soon(watch_signals)
 
         async def http() -> None:
             await hypercorn_serve(app, hc, shutdown_trigger=stop.wait)
             engine.stop()
             tg.cancel_scope.cancel()
 
+        tg.start_soon(shut_down)
         tg.start_soon(http)
         await _until_listening(config.server.host, config.server.port)
         log.info("serving", url=f"http://{config.server.host}:{config.server.port}", model=served_model_name(config),

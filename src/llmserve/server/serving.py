@@ -16,14 +16,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import structlog
 from transformers import PreTrainedTokenizerBase
 
+from llmserve.actors.request_actor import ShuttingDown
+from llmserve.config import ServerConfig
 from llmserve.engine import Frontend
 from llmserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.metrics import Metrics
 from llmserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest,
                                       _SamplingFields)
+
+log = structlog.get_logger("llmserve.server")
 
 # apply_chat_template's own parameters: chat_template_kwargs holds template variables only.
 _RENDER_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
@@ -61,13 +66,35 @@ class _Job:
     """echo with max_tokens 0: the response is the prompt (and its logprobs) alone."""
     add_special_tokens: bool = True
     sent: dict[int, _Sent] = field(default_factory=dict)
+    queued: list[int] = field(default_factory=list)
+    """Per prompt, its sequences still counted in OpenAIServing.queued (n until its first output)."""
+
+
+def _api_error(exc: BaseException) -> APIError:
+    """What a request that failed in the engine is answered with."""
+    while isinstance(exc, BaseExceptionGroup):  # several prompts ran as tasks: the first failure
+        exc = exc.exceptions[0]
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):  # refused by the engine's checks (prompt length, token ids)
+        return APIError.from_value_error(exc, default_param="prompt")
+    if isinstance(exc, ShuttingDown):
+        return APIError(str(exc), status=503, type="server_error", code="shutdown")
+    if isinstance(exc, RuntimeError):  # the engine failed it (a failed step, a dead engine process)
+        return APIError(str(exc), status=500, type="server_error")
+    log.error("request failed", error=repr(exc))
+    return APIError(f"internal error: {type(exc).__name__}", status=500, type="server_error")
 
 
 class OpenAIServing:
-    def __init__(self, engine: Frontend, model_name: str, metrics: Metrics) -> None:
+    def __init__(self, engine: Frontend, model_name: str, metrics: Metrics, limits: ServerConfig) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.limits = limits
+        self.queued = 0
+        """Sequences admitted that have no first output yet: what max_waiting_requests bounds,
+        counted here, where requests are admitted, so that a burst cannot overshoot it."""
 
     @property
     def tokenizer(self):
@@ -79,6 +106,27 @@ class OpenAIServing:
         if body.model is not None and body.model != self.model_name:
             raise APIError(f"The model `{body.model}` does not exist.", status=404, param="model",
                            code="model_not_found")
+
+    def _check_limits(self, body: _SamplingFields, num_prompts: int) -> None:
+        """The bounds on one request's work (server.max_*), checked before anything is built."""
+        lim = self.limits
+        if num_prompts * body.n > lim.max_choices:
+            raise APIError(f"{'n' if num_prompts == 1 else 'prompt'}: {num_prompts} prompt(s) x n = {body.n} asks for "
+                           f"{num_prompts * body.n} sequences; server.max_choices is {lim.max_choices}",
+                           param="n" if num_prompts == 1 else "prompt")
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if len(stop) > lim.max_stop_sequences:
+            raise APIError(f"stop: {len(stop)} strings; server.max_stop_sequences is {lim.max_stop_sequences}",
+                           param="stop")
+        if (chars := sum(map(len, stop))) > lim.max_stop_chars:
+            raise APIError(f"stop: {chars} characters in all; server.max_stop_chars is {lim.max_stop_chars}",
+                           param="stop")
+        if len(body.stop_token_ids) > lim.max_stop_sequences:
+            raise APIError(f"stop_token_ids: {len(body.stop_token_ids)} ids; server.max_stop_sequences is "
+                           f"{lim.max_stop_sequences}", param="stop_token_ids")
+        if body.logit_bias and len(body.logit_bias) > lim.max_logit_bias:
+            raise APIError(f"logit_bias: {len(body.logit_bias)} tokens; server.max_logit_bias is {lim.max_logit_bias}",
+                           param="logit_bias")
 
     def _params(self, body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
                 prompt_logprobs: int | None = None) -> SamplingParams:
@@ -96,12 +144,14 @@ class OpenAIServing:
         if body.max_tokens == 0 and not body.echo:
             raise APIError("max_tokens must be >= 1 (0 only with echo, to score the prompt), got 0",
                            param="max_tokens")
+        prompts = body.prompts()
+        self._check_limits(body, len(prompts))
         # echo with max_tokens 0 scores the prompt (lm-eval-harness's loglikelihood requests): the
         # engine samples its minimum of one token, which the response leaves out.
         score = body.echo and body.max_tokens == 0
         prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
         params = self._params(body, 1 if score else body.max_tokens, body.logprobs, prompt_lp)
-        return _Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.prompts(), params, body,
+        return _Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, params, body,
                     echo=body.echo, score_prompt=score)
 
     def chat_job(self, body: ChatCompletionRequest) -> _Job:
@@ -113,6 +163,7 @@ class OpenAIServing:
                            param="response_format")
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer, so it cannot render chat messages", param="messages")
+        self._check_limits(body, 1)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens, logprobs)
@@ -138,12 +189,30 @@ class OpenAIServing:
 
     # ---- running -------------------------------------------------------------------------------
 
+    def admit(self, job: _Job) -> None:
+        """Count the job's sequences as queued, or refuse it (503) when they would pass
+        server.max_waiting_requests; a job alone is always let in (it is within max_choices)."""
+        size = len(job.prompts) * job.params.n
+        limit = self.limits.max_waiting_requests
+        if self.queued and self.queued + size > limit:
+            raise APIError(f"The server is busy: {self.queued} sequences are waiting for their first token and this "
+                           f"request adds {size} (server.max_waiting_requests is {limit}); retry later", status=503,
+                           type="server_error", code="overloaded", headers={"Retry-After": "1"})
+        self.queued += size
+        job.queued = [job.params.n] * len(job.prompts)
+
+    def _unqueue(self, job: _Job, i: int) -> None:
+        if job.queued and job.queued[i]:
+            self.queued -= job.queued[i]
+            job.queued[i] = 0
+
     async def outputs(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, cumulative output) as the engine produces them, all prompts concurrently."""
         async def gen(i: int):
             async for out in self.engine.generate(job.prompts[i], job.params, request_id=f"{job.id}-{i}",
                                                   priority=job.body.priority,
                                                   add_special_tokens=job.add_special_tokens, strict_length=True):
+                self._unqueue(job, i)
                 yield _prompt_only(out) if job.score_prompt else out
 
         timers = [self.metrics.timer() for _ in job.prompts]
@@ -168,19 +237,11 @@ class OpenAIServing:
                     async for i, out in recv:
                         timers[i].update(out)
                         yield i, out
-        except ValueError as exc:
-            raise APIError.from_value_error(exc, default_param="prompt") from None
-        except RuntimeError as exc:  # the engine failed this request (a failed step, a dead engine process)
-            raise APIError(str(exc), status=500, type="server_error") from None
-        except BaseExceptionGroup as group:
-            leaf = group
-            while isinstance(leaf, BaseExceptionGroup):
-                leaf = leaf.exceptions[0]
-            if isinstance(leaf, ValueError):
-                raise APIError.from_value_error(leaf, default_param="prompt") from None
-            if isinstance(leaf, RuntimeError):
-                raise APIError(str(leaf), status=500, type="server_error") from None
-            raise
+        except Exception as exc:  # ExceptionGroup (several prompts) included
+            raise _api_error(exc) from None
+        finally:  # every prompt leaves the queue, also one whose task never started
+            for i in range(len(job.prompts)):
+                self._unqueue(job, i)
 
     async def full_response(self, job: _Job) -> dict[str, Any]:
         finals: dict[int, RequestOutput] = {}
@@ -200,10 +261,12 @@ class OpenAIServing:
         """Chunk objects, in order; the last one carries usage when stream_options.include_usage."""
         finals: dict[int, RequestOutput] = {}
         n = job.params.n
-        if job.kind == "chat":
-            yield self._chunk(job, [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                     "finish_reason": None} for k in range(n)])
         async for i, out in self.outputs(job):
+            if job.kind == "chat" and not finals:
+                # The role opens the stream only once the engine took the request: a request it
+                # refuses (a prompt too long) is then still answered with its 4xx status.
+                yield self._chunk(job, [{"index": k, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None} for k in range(n)])
             finals[i] = out
             choices = []
             for c in out.outputs:
@@ -242,7 +305,6 @@ class OpenAIServing:
     def _choice(self, job: _Job, i: int, out: RequestOutput, c: CompletionOutput, text: str, token_ids: list[int],
                 logprobs: list[PositionLogprobs], finish: str | None, *, first: bool, offset: int = 0) -> dict:
         index = i * job.params.n + c.index
-        finish = "stop" if finish == "abort" else finish
         if job.kind == "chat":
             streaming = job.body.stream
             k = job.params.logprobs or 0

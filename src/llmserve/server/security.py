@@ -1,0 +1,117 @@
+"""Who may talk to the server, checked before any route runs.
+
+A server on localhost is reachable from every web page its user opens: a page can POST to
+127.0.0.1 (a "simple" cross-site request needs no preflight when its body is text/plain), open a
+WebSocket to it (WebSockets are not bound by CORS), or reach it under its own domain name through
+DNS rebinding. So, besides the API key:
+
+- the Host header must name this server (server.allowed_hosts; by default the loopback names and
+  the bound address), which defeats DNS rebinding;
+- a request carrying an Origin header (browsers send one with every cross-site request and every
+  WebSocket) must come from an allowed origin (server.allowed_origins; none by default), which
+  also decides CORS;
+- bodies must be sent as application/json, which no page can send cross-site without a preflight
+  that CORS answers.
+
+Browsers cannot set an Authorization header on a WebSocket: they pass the key as a subprotocol,
+`new WebSocket(url, ["llmserve", "openai-insecure-api-key." + KEY])` (the convention of OpenAI's
+Realtime API); the server answers with the plain "llmserve".
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable, Mapping
+
+from llmserve.config import ServerConfig
+from llmserve.server.protocol import APIError
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+WILDCARD_ADDRESSES = frozenset({"", "0.0.0.0", "::"})
+WS_PROTOCOL = "llmserve"
+WS_KEY_PREFIX = "openai-insecure-api-key."
+OPEN_PATHS = ("/health", "/metrics")
+
+
+def host_name(host: str) -> str:
+    """A Host header's name, without its port and brackets, in lower case ("[::1]:8000" -> "::1")."""
+    host = host.strip().lower().rstrip(".")
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _origin(value: str) -> str:
+    return value.strip().lower().rstrip("/")
+
+
+class Gate:
+    def __init__(self, cfg: ServerConfig, api_key: str | None) -> None:
+        self.api_key = api_key
+        self.protect_health_metrics = cfg.protect_health_metrics
+        if "*" in cfg.allowed_hosts or (not cfg.allowed_hosts and cfg.host in WILDCARD_ADDRESSES):
+            self.hosts: frozenset[str] | None = None  # any
+        else:
+            names = cfg.allowed_hosts or [*LOOPBACK_NAMES, cfg.host]
+            self.hosts = frozenset(host_name(h) for h in names)
+        self.any_origin = "*" in cfg.allowed_origins
+        self.origins = frozenset(_origin(o) for o in cfg.allowed_origins if o != "*")
+
+    # ---- checks: each raises the APIError the request is answered with ------------------------
+
+    def check(self, path: str, headers: Mapping[str, str], subprotocols: Iterable[str] = ()) -> None:
+        """Host, Origin and API key of a request or WebSocket handshake."""
+        self.check_source(headers)
+        if self._guarded(path) and not self._authorized(headers, subprotocols):
+            raise APIError("Invalid or missing API key (Authorization: Bearer ..., or on a WebSocket the "
+                           f"subprotocol {WS_KEY_PREFIX}KEY)", status=401, type="authentication_error",
+                           code="invalid_api_key")
+
+    def check_source(self, headers: Mapping[str, str]) -> None:
+        """Host and Origin alone (a CORS preflight carries no credentials)."""
+        host = headers.get("Host", "")
+        if self.hosts is not None and host and host_name(host) not in self.hosts:
+            raise APIError(f"Host {host!r} is not served here (server.allowed_hosts)", status=403,
+                           type="permission_error", code="host_not_allowed")
+        origin = headers.get("Origin")
+        if origin is not None and not self.origin_allowed(origin):
+            raise APIError(f"Origin {origin!r} is not allowed (server.allowed_origins)", status=403,
+                           type="permission_error", code="origin_not_allowed")
+
+    @staticmethod
+    def check_json(mimetype: str) -> None:
+        if mimetype != "application/json":
+            raise APIError(f"Content-Type must be application/json, got {mimetype or 'none'!r}", status=415,
+                           code="unsupported_media_type")
+
+    def origin_allowed(self, origin: str) -> bool:
+        return self.any_origin or _origin(origin) in self.origins
+
+    def _guarded(self, path: str) -> bool:
+        return self.api_key is not None and (self.protect_health_metrics or path not in OPEN_PATHS)
+
+    def _authorized(self, headers: Mapping[str, str], subprotocols: Iterable[str]) -> bool:
+        scheme, _, token = headers.get("Authorization", "").partition(" ")
+        tokens = [token] if scheme.lower() == "bearer" else []
+        tokens += [p.removeprefix(WS_KEY_PREFIX) for p in subprotocols if p.startswith(WS_KEY_PREFIX)]
+        expected = self.api_key.encode()
+        # every candidate compared in constant time: no early exit reveals which one failed
+        return any([hmac.compare_digest(t.encode(), expected) for t in tokens])
+
+    # ---- answers ------------------------------------------------------------------------------
+
+    def cors_headers(self, origin: str | None, preflight: bool = False) -> dict[str, str]:
+        """CORS headers for a request from an allowed origin (none for others and for non-browsers)."""
+        if origin is None or not self.origin_allowed(origin):
+            return {}
+        headers = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+        if preflight:
+            headers.update({"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                            "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                            "Access-Control-Max-Age": "600"})
+        return headers
+
+    @staticmethod
+    def ws_subprotocol(requested: Iterable[str]) -> str | None:
+        """The subprotocol to accept a WebSocket with: never the one carrying the key."""
+        return next((p for p in requested if not p.startswith(WS_KEY_PREFIX)), None)

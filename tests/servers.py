@@ -1,0 +1,72 @@
+"""A live server on 127.0.0.1 for tests: the built-in model on the CPU, in-process or with its
+engine process, stopped the way a signal stops it."""
+
+from __future__ import annotations
+
+import socket
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import anyio
+import openai
+from anyio.from_thread import start_blocking_portal
+
+from llmserve.config import EngineConfig
+from llmserve.engine import Engine, Frontend
+from llmserve.engine_process import ProcessEngine
+from llmserve.server.run import serve
+
+MODEL = "llmserve-builtin"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    engine: Frontend
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def idle(self) -> bool:
+        snap = self.engine.snapshot()  # from the engine process: at most one step old
+        return snap.kv_usage == 0 and snap.running == snap.waiting == 0
+
+
+@contextmanager
+def running_server(engine_process: bool = False, model: str = "builtin", model_opts: dict | None = None,
+                   **server_opts):
+    """server_opts: [server] keys, and the sections "cache" and "scheduler" as dicts; model_opts: [model] keys."""
+    port = free_port()
+    sections = {name: server_opts.pop(name, {}) for name in ("cache", "scheduler")}
+    config = EngineConfig.from_dict({
+        "model": {"model": model, "device": "cpu", "dtype": "float32", **(model_opts or {})},
+        "cache": {"num_blocks": 256, "block_size": 16, **sections["cache"]},
+        "scheduler": {"log_interval_s": 0, **sections["scheduler"]},
+        "server": {"port": port, **server_opts},
+    })
+    engine = ProcessEngine(config) if engine_process else Engine(config)
+    with start_blocking_portal("asyncio") as portal:
+        stop = portal.call(anyio.Event)
+        future, _ = portal.start_task(partial(serve, config, stop=stop, handle_signals=False, engine=engine))
+        try:
+            yield Server(f"http://127.0.0.1:{port}", engine)
+        finally:
+            portal.call(stop.set)
+            future.result(timeout=30)
+
+
+def wait_for(cond, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
