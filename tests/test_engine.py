@@ -254,6 +254,25 @@ def test_sampling_params_validation(field, value, match):
         SamplingParams(**{field: value})
 
 
+async def test_a_request_aborted_while_its_long_prompt_is_tokenized_never_runs(engine, monkeypatch):
+    import time
+
+    from llmserve.actors import request_actor
+    monkeypatch.setattr(request_actor, "LONG_PROMPT_CHARS", 4)  # every prompt text takes the worker thread
+    encode = engine.tokenizer.encode
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **kw: (time.sleep(0.3), encode(*a, **kw))[1])
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        with anyio.move_on_after(0.05):  # the caller leaves while the text is tokenized
+            await collect(engine, "the quick brown fox", SamplingParams(max_tokens=50, ignore_eos=True))
+        await anyio.sleep(0.6)
+        s = engine.scheduler
+        assert s.num_running == s.num_waiting == 0 and s.generation_tokens == 0  # it never ran for nobody
+        out = await collect(engine, "the quick brown fox", SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(out.outputs[0].token_ids) == 3
+        engine.stop()
+
+
 def test_values_that_would_overflow_float32_are_clamped_safely():
     assert SamplingParams(temperature=1e-300).temperature == 0  # greedy: logits / 1e-300 is inf
     assert SamplingParams(temperature=1e-5).temperature == 1e-5
@@ -264,9 +283,8 @@ def test_a_request_the_tokenizer_cannot_take_fails_alone(checkpoint):
     """A lone surrogate reaches the tokenizer only offline (the server refuses it first): that request
     fails with the tokenizer's error and the engine serves on."""
     with LLM(checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0) as llm:
-        with pytest.raises(Exception) as info:
+        with pytest.raises(TypeError):  # what the tokenizer raises: not a ValueError, which used to end the engine
             llm.generate(["fine", "bad \ud800"], SamplingParams(max_tokens=2), use_tqdm=False)
-        assert not isinstance(info.value, ValueError) or "surrogate" in str(info.value)
         out = llm.generate(["fine"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3
         kv = llm.engine.kv

@@ -75,6 +75,8 @@ HOSTILE = [
      js(messages=[{"role": "user", "content": "word " * 600}], stream=True), {}, 400, "prompt"),
     ("max_tokens too large, streamed chat", "/v1/chat/completions",
      js(messages=[{"role": "user", "content": "hi"}], max_tokens=100_000, stream=True), {}, 400, "max_tokens"),
+    ("a prompt too long among several, streamed", "/v1/completions",
+     js(prompt=["x", "word " * 150_000], stream=True), {}, 400, "prompt"),
     ("a body over max_body_bytes", "/v1/completions", js(prompt="x" * (1 << 20)), {}, 413, None),
     ("text/plain body", "/v1/completions", js(prompt="x"), {"Content-Type": "text/plain"}, 415, None),
     ("form body", "/v1/completions", b"prompt=x", {"Content-Type": "application/x-www-form-urlencoded"}, 415, None),
@@ -172,22 +174,27 @@ def test_a_tiny_temperature_samples_greedily(server):
     assert tiny == greedy
 
 
-def heaviest_requests() -> list[tuple[str, dict]]:
+def heaviest_requests(url: str) -> list[tuple[str, dict]]:
     """The largest requests the default limits allow: 256 sequences with 64 stop strings of 64
-    characters and 1,024 biased tokens; a prompt text of nearly 1 MiB, raw and as a chat message
-    (tokenized, then refused as too long); and the same text to /tokenize."""
+    characters and 1,024 biased tokens; 64 sequences whose output nearly matches a 4,000-character
+    stop string; a prompt text of nearly 1 MiB, raw and as a chat message (tokenized, then refused
+    as too long); and the same text to /tokenize."""
     text = ("The list type is a mutable sequence. " * 30_000)[:1_000_000]
     many = {"prompt": ["The list type", "A dictionary is"] * 128, "max_tokens": 24, "temperature": 0.8,
             "ignore_eos": True, "stop": [f"{i:02d}" + "q" * 62 for i in range(64)],
             "logit_bias": {str(t): 0.5 for t in range(1024)}}
-    return [("/v1/completions", many), ("/v1/completions", {"prompt": text, "max_tokens": 1}),
+    # a long stop string that the output almost spells: the text held back is ~4,000 characters
+    spaces = httpx.post(f"{url}/tokenize", json={"prompt": " " * 32}).json()["tokens"][0]
+    near_miss = {"prompt": "x", "n": 64, "max_tokens": 200, "ignore_eos": True, "stop": [" " * 4000 + "X", "Y"],
+                 "logit_bias": {str(spaces): 100}}
+    return [("/v1/completions", many), ("/v1/completions", near_miss), ("/v1/completions", {"prompt": text, "max_tokens": 1}),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 1}),
             ("/tokenize", {"prompt": text})]
 
 
 def test_health_answers_fast_while_the_heaviest_allowed_request_runs(server):
     """Each of the heaviest requests leaves the event loop free: /health within 200 ms throughout."""
-    for path, body in heaviest_requests():
+    for path, body in heaviest_requests(server.url):
         worst, done, status = 0.0, threading.Event(), []
 
         def heavy():
@@ -281,6 +288,26 @@ def test_the_waiting_limit_is_exact_under_a_burst():
         for t in threads:
             t.join()
         assert results.count(503) >= 34 and results.count(200) + results.count(503) == 40, results
+
+
+def test_the_waiting_limit_counts_each_sample_until_its_own_first_token():
+    """n = 4 with one seat: one sample runs, three wait; with room for four, one more fits."""
+    with running_server(max_waiting_requests=4, scheduler={"max_num_seqs": 1}) as s:
+        body = {"model": MODEL, "prompt": "The list type", "max_tokens": 200, "ignore_eos": True}
+        first = threading.Thread(target=httpx.post, args=(f"{s.url}/v1/completions",),
+                                 kwargs={"json": {**body, "n": 4}, "timeout": 120})
+        first.start()
+        wait_for(lambda: s.engine.snapshot().generation_tokens > 0)
+        results = [None] * 4
+
+        def post(i):
+            results[i] = httpx.post(f"{s.url}/v1/completions", json=body, timeout=120).status_code
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads + [first]:
+            t.join()
+        assert sorted(results) == [200, 503, 503, 503], results
 
 
 # ---- browser safety ---------------------------------------------------------------------------------
@@ -412,6 +439,44 @@ def test_an_engine_failure_fails_only_the_request_that_caused_it(inproc, monkeyp
     wait_for(inproc.idle)
     metrics = httpx.get(f"{inproc.url}/metrics").text
     assert 'llmserve_request_errors_total{status="500",type="server_error"}' in metrics
+
+
+@pytest.mark.parametrize("prompts", [1, 2])
+def test_cancelled_websocket_requests_end_alone_and_the_socket_goes_on(inproc, prompts):
+    """Twelve requests of one or two prompts, each cancelled at its first chunk, while another runs:
+    each ends `cancelled` (its streams closed in its own task), the other is done, nothing runs on."""
+    many = {"model": MODEL, "prompt": ["The list type"] * prompts, "max_tokens": 400, "ignore_eos": True}
+    with ws_client.connect(ws_url(inproc.url)) as conn:
+        conn.send(json.dumps({"id": "keep", "body": {**many, "max_tokens": 60}}))
+        ids = [f"c{k}" for k in range(12)]
+        for rid in ids:
+            conn.send(json.dumps({"id": rid, "body": many}))
+        seen, ends = set(), {}
+        while len(ends) < len(ids) + 1:
+            msg = json.loads(conn.recv(timeout=60))
+            if "chunk" in msg and msg["id"] != "keep" and msg["id"] not in seen:
+                seen.add(msg["id"])
+                conn.send(json.dumps({"id": msg["id"], "cancel": True}))
+            elif "chunk" not in msg:
+                ends[msg["id"]] = msg
+        assert ends.pop("keep") == {"id": "keep", "done": True}
+        assert all(m == {"id": rid, "cancelled": True} for rid, m in ends.items())
+    wait_for(inproc.idle)
+
+
+def test_a_stream_the_server_itself_breaks_ends_with_an_error_event(inproc, monkeypatch):
+    from llmserve.server.serving import OpenAIServing
+    original, calls = OpenAIServing._new_choices, []
+
+    def broken(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyError("a bug")
+        return original(self, *args)
+    monkeypatch.setattr(OpenAIServing, "_new_choices", broken)
+    got = stream_text(inproc.url, {**INNOCENT, "max_tokens": 10})
+    assert got["done"] and got["error"] == {"message": "internal error", "type": "server_error", "param": None,
+                                            "code": None}
 
 
 def test_a_request_failing_mid_stream_says_so(inproc, monkeypatch):

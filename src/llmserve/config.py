@@ -126,8 +126,9 @@ class ServerConfig:
     """Also require the key for /health and /metrics."""
     allowed_hosts: list[str] = field(default_factory=list)
     """Host header values served (names or addresses; the port is not compared); others get 403,
-    which keeps web pages from reaching a local server through DNS rebinding. Empty: the loopback
-    names and the bound address, or any host when bound to all interfaces; ["*"]: any."""
+    which keeps web pages from reaching the server through DNS rebinding. Empty: localhost and any
+    IP address (a rebinding page's Host is a domain name); name the server's DNS names here to
+    reach it by them; ["*"]: any."""
     allowed_origins: list[str] = field(default_factory=list)
     """Browser origins ("https://app.example:8443") allowed to call the API (CORS) and to open
     WebSockets; ["*"] allows all. A request whose Origin header is not listed gets 403. Empty:

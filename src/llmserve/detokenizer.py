@@ -13,18 +13,9 @@ W-small-sized batch that is the difference between ~1 and ~6 ms of the event loo
 
 from __future__ import annotations
 
-import functools
-import re
 from typing import Any
 
 _WINDOW = 5  # tokens of left context the window keeps
-
-
-@functools.lru_cache(maxsize=256)
-def _stop_pattern(stop: tuple[str, ...]) -> re.Pattern:
-    """One pattern for all stop strings: a search finds the earliest, and at one position the one
-    listed first (a loop of str.find per stop string made each token cost their number)."""
-    return re.compile("|".join(map(re.escape, stop)))
 
 
 def rust_tokenizer(tokenizer: Any) -> Any | None:
@@ -45,7 +36,6 @@ class Detokenizer:
         self.read_offset = len(self.ids)
         self.skip_special = skip_special_tokens
         self.stop = stop
-        self._stop_re = _stop_pattern(tuple(stop)) if stop else None
         self.include_stop = include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
@@ -110,14 +100,20 @@ class Detokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
 
     def _find_stop(self, old_len: int) -> str | None:
-        # A stop string may start in text emitted earlier: look back far enough to catch it.
-        if self._stop_re is None:
+        # A match not found before ends in the new text, and may start in text emitted earlier:
+        # each stop string is looked for from its own length back (linear in the new text and the
+        # stop strings' length; one regex alternation of them all retried each string at every
+        # held-back position, quadratic in a long one).
+        best = None
+        for s in self.stop:
+            idx = self.text.find(s, max(0, old_len - len(s) + 1))
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
             return None
-        found = self._stop_re.search(self.text, max(0, old_len - self.hold))
-        if found is None:
-            return None
-        self.text = self.text[:found.end() if self.include_stop else found.start()]
-        return found.group()
+        idx, s = best
+        self.text = self.text[:idx + len(s) if self.include_stop else idx]
+        return s
 
     def visible_text(self, finished: bool) -> str:
         """Text safe to show: while running, the tail that could begin a stop string is held back."""

@@ -133,6 +133,7 @@ class RequestActor:
         self.requests: dict[str, _Request] = {}
         self.child_of: dict[str, tuple[_Request, int]] = {}
         self.ended: ShuttingDown | None = None
+        self._tokenizing: dict[str, Submit] = {}  # long prompts on a worker thread, not admitted yet
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -203,6 +204,7 @@ class RequestActor:
         tokens = 0
         for sub in subs:
             if isinstance(sub.prompt, str) and len(sub.prompt) > LONG_PROMPT_CHARS and self.tokenizer is not None:
+                self._tokenizing[sub.req_id] = sub
                 self._tasks.start_soon(self._submit_long, sub)
                 continue
             tokens += self._accept(sub, arrivals)
@@ -219,7 +221,11 @@ class RequestActor:
         try:
             encoded = await anyio.to_thread.run_sync(self._encode, sub)
         except Exception as exc:
-            sub.slot.put(exc)
+            encoded, error = None, exc
+        if self._tokenizing.pop(sub.req_id, None) is None:
+            return  # aborted meanwhile (its slot says so)
+        if encoded is None:
+            sub.slot.put(error)
             return
         arrivals: list[NewRequest] = []
         if self._accept(sub, arrivals, encoded):
@@ -259,6 +265,8 @@ class RequestActor:
                         for _ in range(p.n)],
                        prompt_logprobs=[None] if p.prompt_logprobs is not None else None, final_only=sub.final_only)
         self.requests[sub.req_id] = req
+        if not sub.final_only:
+            self._publish(req)  # taken in: a reader learns it before the first token (no 4xx will follow)
         now = time.monotonic()
         for i in range(p.n):
             child_id = sub.req_id if p.n == 1 else f"{sub.req_id}#{i}"
@@ -268,6 +276,9 @@ class RequestActor:
             arrivals.append(NewRequest(child_id, engine_ids, child_params, sub.priority, now, sub.req_id if p.n > 1 else None))
 
     async def _abort(self, req_id: str) -> None:
+        if (sub := self._tokenizing.pop(req_id, None)) is not None:  # never admitted: nothing runs yet
+            sub.slot.put(RequestFailed("aborted while its prompt was tokenized"))
+            return
         req = self.requests.get(req_id)
         if req is None:
             return
@@ -372,6 +383,9 @@ class RequestActor:
         for req in list(self.requests.values()):
             req.slot.put(error)
             self._forget(req)
+        for sub in self._tokenizing.values():
+            sub.slot.put(error)
+        self._tokenizing.clear()
 
     async def _end_all(self, error: ShuttingDown) -> None:
         self.ended = error

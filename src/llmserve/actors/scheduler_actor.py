@@ -120,8 +120,15 @@ class SchedulerActor:
     def _apply(self, msg: object) -> None:
         s = self.scheduler
         if isinstance(msg, NewRequests):
-            for new in msg.requests:
-                s.add(new)
+            failed = {}
+            for new in msg.requests:  # one at a time: one that cannot be taken in fails alone
+                try:
+                    s.add(new)
+                except Exception as exc:
+                    log.exception("scheduler: request not taken in", request_id=new.req_id)
+                    failed[new.req_id] = f"scheduling failed: {exc!r}"
+            if failed:
+                self.outputs.append(s.fail(failed))
             self.stalled, self.news = False, True
         elif isinstance(msg, FinishRequests):
             s.finish(msg.req_ids, RequestStatus.FINISHED_STOPPED if msg.reason == "stop"

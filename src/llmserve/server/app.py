@@ -12,11 +12,12 @@ import os
 from collections import Counter
 from functools import partial
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import anyio
 import structlog
-from quart import Quart, Response, request, websocket
+from quart import Quart, Response, has_request_context, request, websocket
 from werkzeug.exceptions import HTTPException
 
 from llmserve import __version__
@@ -42,11 +43,12 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
 def _sse(chunks: AsyncIterator[dict], metrics: Metrics) -> AsyncIterator[bytes]:
     async def body() -> AsyncIterator[bytes]:
         try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
+            async with aclosing(chunks):  # closed here, in this task, whenever the stream ends
+                async for chunk in chunks:
+                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
         except Exception as exc:  # failed after the stream began: report in-band, as OpenAI does
             if not isinstance(exc, APIError):
-                log.exception("stream failed", path=request.path)
+                log.exception("stream failed")  # (no request context left while a body streams)
                 exc = APIError("internal error", status=500, type="server_error")
             metrics.count_error(exc)
             yield f"data: {json.dumps(exc.body())}\n\n".encode()
@@ -56,12 +58,17 @@ def _sse(chunks: AsyncIterator[dict], metrics: Metrics) -> AsyncIterator[bytes]:
 
 async def _first(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
     """Pull the first chunk before answering, so errors found at admission still get a 4xx status."""
-    first = await anext(chunks)
+    try:
+        first = await anext(chunks)
+    except BaseException:
+        await chunks.aclose()
+        raise
 
     async def rest() -> AsyncIterator[dict]:
-        yield first
-        async for chunk in chunks:
-            yield chunk
+        async with aclosing(chunks):
+            yield first
+            async for chunk in chunks:
+                yield chunk
     return rest()
 
 
@@ -140,7 +147,7 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
 
     @app.errorhandler(Exception)
     async def on_error(exc: Exception):
-        log.exception("request failed", path=request.path)
+        log.exception("request failed", path=(request if has_request_context() else websocket).path)
         err = APIError("internal error", status=500, type="server_error")
         metrics.count_error(err)
         return _json(err.body(), 500)

@@ -46,6 +46,9 @@ async def serve(config: EngineConfig, *, stop: anyio.Event | None = None, handle
     hc.bind = [f"{config.server.host}:{config.server.port}"]
     hc.graceful_timeout = grace + FLUSH_S
     hc.websocket_max_message_size = config.server.max_body_bytes
+    # A burst of new connections (1,000 streams at once) overflowed Hypercorn's default listen
+    # queue of 100 when the loop was slow to accept: the kernel dropped some of them.
+    hc.backlog = 4096
     hc.accesslog = None
     hc.errorlog = "-"
 

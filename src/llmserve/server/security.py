@@ -6,7 +6,8 @@ WebSocket to it (WebSockets are not bound by CORS), or reach it under its own do
 DNS rebinding. So, besides the API key:
 
 - the Host header must name this server (server.allowed_hosts; by default the loopback names and
-  the bound address), which defeats DNS rebinding;
+  any IP address: a rebinding page's Host is its own domain name, never an address), which
+  defeats DNS rebinding;
 - a request carrying an Origin header (browsers send one with every cross-site request and every
   WebSocket) must come from an allowed origin (server.allowed_origins; none by default), which
   also decides CORS;
@@ -21,13 +22,13 @@ Realtime API); the server answers with the plain "llmserve".
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from collections.abc import Iterable, Mapping
 
 from llmserve.config import ServerConfig
 from llmserve.server.protocol import APIError
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-WILDCARD_ADDRESSES = frozenset({"", "0.0.0.0", "::"})
 WS_PROTOCOL = "llmserve"
 WS_KEY_PREFIX = "openai-insecure-api-key."
 OPEN_PATHS = ("/health", "/metrics")
@@ -41,6 +42,14 @@ def host_name(host: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 def _origin(value: str) -> str:
     return value.strip().lower().rstrip("/")
 
@@ -49,11 +58,9 @@ class Gate:
     def __init__(self, cfg: ServerConfig, api_key: str | None) -> None:
         self.api_key = api_key
         self.protect_health_metrics = cfg.protect_health_metrics
-        if "*" in cfg.allowed_hosts or (not cfg.allowed_hosts and cfg.host in WILDCARD_ADDRESSES):
-            self.hosts: frozenset[str] | None = None  # any
-        else:
-            names = cfg.allowed_hosts or [*LOOPBACK_NAMES, cfg.host]
-            self.hosts = frozenset(host_name(h) for h in names)
+        self.any_host = "*" in cfg.allowed_hosts
+        self.hosts = frozenset(host_name(h) for h in cfg.allowed_hosts or LOOPBACK_NAMES)
+        self.any_address = not cfg.allowed_hosts  # the default also serves any IP address
         self.any_origin = "*" in cfg.allowed_origins
         self.origins = frozenset(_origin(o) for o in cfg.allowed_origins if o != "*")
 
@@ -70,8 +77,8 @@ class Gate:
     def check_source(self, headers: Mapping[str, str]) -> None:
         """Host and Origin alone (a CORS preflight carries no credentials)."""
         host = headers.get("Host", "")
-        if self.hosts is not None and host and host_name(host) not in self.hosts:
-            raise APIError(f"Host {host!r} is not served here (server.allowed_hosts)", status=403,
+        if host and not self.host_allowed(host_name(host)):
+            raise APIError(f"Host {host!r} is not served here: add its name to server.allowed_hosts", status=403,
                            type="permission_error", code="host_not_allowed")
         origin = headers.get("Origin")
         if origin is not None and not self.origin_allowed(origin):
@@ -83,6 +90,9 @@ class Gate:
         if mimetype != "application/json":
             raise APIError(f"Content-Type must be application/json, got {mimetype or 'none'!r}", status=415,
                            code="unsupported_media_type")
+
+    def host_allowed(self, name: str) -> bool:
+        return self.any_host or name in self.hosts or (self.any_address and _is_address(name))
 
     def origin_allowed(self, origin: str) -> bool:
         return self.any_origin or _origin(origin) in self.origins

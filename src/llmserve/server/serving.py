@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import anyio
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from llmserve.actors.request_actor import ShuttingDown
+from llmserve.actors.request_actor import OutputSlot, ShuttingDown, Submit
 from llmserve.config import ServerConfig
 from llmserve.engine import Frontend
 from llmserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -37,6 +40,7 @@ _RENDER_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_ch
 @dataclass(slots=True)
 class _Sent:
     """How much of one choice a stream has sent."""
+    started: bool = False
     text: int = 0
     tokens: int = 0
     logprobs: int = 0
@@ -201,52 +205,64 @@ class OpenAIServing:
         self.queued += size
         job.queued = [job.params.n] * len(job.prompts)
 
-    def _unqueue(self, job: _Job, i: int) -> None:
-        if job.queued and job.queued[i]:
-            self.queued -= job.queued[i]
-            job.queued[i] = 0
+    def _unqueue(self, job: _Job, i: int, out: RequestOutput | None = None) -> None:
+        """Prompt i's sequences that have a first token (or ended) leave the queue; with no output,
+        all of them (the prompt is done with)."""
+        if not job.queued or not job.queued[i]:
+            return
+        left = 0 if out is None else sum(1 for c in out.outputs if not c.token_ids and c.finish_reason is None)
+        self.queued -= job.queued[i] - left
+        job.queued[i] = left
 
     async def outputs(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, cumulative output) as the engine produces them, all prompts concurrently."""
-        async def gen(i: int):
-            async for out in self.engine.generate(job.prompts[i], job.params, request_id=f"{job.id}-{i}",
-                                                  priority=job.body.priority,
-                                                  add_special_tokens=job.add_special_tokens, strict_length=True):
-                self._unqueue(job, i)
-                yield _prompt_only(out) if job.score_prompt else out
+        """(prompt index, cumulative output) as the engine produces them, all prompts at once.
 
-        timers = [self.metrics.timer() for _ in job.prompts]
+        The prompts go to the engine in one submission; each output slot reports its index when it
+        is filled, and one loop takes the outputs as they come (no task per prompt, so nothing is
+        left to close in another task when the reader goes). The first output comes once the engine
+        took every prompt in (each one's first output, empty, says so), so that a prompt it refuses
+        still fails the whole request before anything is sent. Leaving early aborts the prompts
+        that have not finished."""
+        filled_send, filled = anyio.create_memory_object_stream(math.inf)
+        subs = [Submit(f"{job.id}-{i}", prompt, job.params, OutputSlot(partial(filled_send.send_nowait, i)),
+                       job.body.priority, job.add_special_tokens, strict_length=True)
+                for i, prompt in enumerate(job.prompts)]
+        timers = [self.metrics.timer() for _ in subs]
+        finished = [False] * len(subs)
+        held: dict[int, RequestOutput] | None = {}  # the latest of each prompt until all are taken in
         try:
-            if len(job.prompts) == 1:
-                async for out in gen(0):
-                    timers[0].update(out)
-                    yield 0, out
-                return
-            send, recv = anyio.create_memory_object_stream(len(job.prompts))
-
-            async def pump(i: int, send) -> None:
-                async with send:
-                    async for out in gen(i):
-                        await send.send((i, out))
-
-            async with anyio.create_task_group() as tg:
-                for i in range(len(job.prompts)):
-                    tg.start_soon(pump, i, send.clone())
-                send.close()
-                async with recv:
-                    async for i, out in recv:
-                        timers[i].update(out)
-                        yield i, out
-        except Exception as exc:  # ExceptionGroup (several prompts) included
+            await self.engine.submit(subs)
+            while not all(finished):
+                i = await filled.receive()
+                if (out := subs[i].slot.take()) is None:
+                    continue  # taken already: a slot reports each put, and holds only the newest
+                finished[i] = out.finished
+                self._unqueue(job, i, out)
+                timers[i].update(out)
+                out = _prompt_only(out) if job.score_prompt else out
+                if held is not None:
+                    held[i] = out
+                    if len(held) < len(subs):
+                        continue
+                    ready, held = sorted(held.items()), None
+                else:
+                    ready = [(i, out)]
+                for item in ready:
+                    yield item
+        except Exception as exc:
             raise _api_error(exc) from None
-        finally:  # every prompt leaves the queue, also one whose task never started
-            for i in range(len(job.prompts)):
-                self._unqueue(job, i)
+        finally:  # (aborting one the engine already ended does nothing)
+            with anyio.CancelScope(shield=True):
+                for i, sub in enumerate(subs):
+                    self._unqueue(job, i)
+                    if not finished[i]:
+                        await self.engine.abort(sub.req_id)
 
     async def full_response(self, job: _Job) -> dict[str, Any]:
         finals: dict[int, RequestOutput] = {}
-        async for i, out in self.outputs(job):
-            finals[i] = out
+        async with aclosing(self.outputs(job)) as outs:
+            async for i, out in outs:
+                finals[i] = out
         choices = []
         for i in sorted(finals):
             out = finals[i]
@@ -260,36 +276,39 @@ class OpenAIServing:
     async def stream(self, job: _Job) -> AsyncIterator[dict[str, Any]]:
         """Chunk objects, in order; the last one carries usage when stream_options.include_usage."""
         finals: dict[int, RequestOutput] = {}
-        n = job.params.n
-        async for i, out in self.outputs(job):
-            if job.kind == "chat" and not finals:
-                # The role opens the stream only once the engine took the request: a request it
-                # refuses (a prompt too long) is then still answered with its 4xx status.
-                yield self._chunk(job, [{"index": k, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None} for k in range(n)])
-            finals[i] = out
-            choices = []
-            for c in out.outputs:
-                sent = job.sent.setdefault(i * n + c.index, _Sent())
-                if sent.done:
-                    continue
-                first = sent.tokens == 0 and sent.text == 0
-                new_text = c.text[sent.text:]
-                new_lps = (c.logprobs or [])[sent.logprobs:]
-                finish = c.finish_reason if c.finish_reason is not None else None
-                new_tokens = len(c.token_ids) > sent.tokens
-                if not (new_text or new_tokens or finish is not None or (first and job.echo)):
-                    continue
-                choices.append(self._choice(job, i, out, c, new_text, c.token_ids[sent.tokens:], new_lps, finish,
-                                            first=first, offset=sent.text))
-                sent.text, sent.tokens, sent.logprobs = len(c.text), len(c.token_ids), len(c.logprobs or [])
-                sent.done = finish is not None
-            if choices:
-                yield self._chunk(job, choices)
+        async with aclosing(self.outputs(job)) as outs:
+            async for i, out in outs:
+                if job.kind == "chat" and not finals:
+                    # The role opens the stream only once the engine took the request: a request it
+                    # refuses (a prompt too long) is then still answered with its 4xx status.
+                    yield self._chunk(job, [{"index": k, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None} for k in range(job.params.n)])
+                finals[i] = out
+                if choices := self._new_choices(job, i, out):
+                    yield self._chunk(job, choices)
         if job.body.include_usage_in_stream():
             chunk = self._chunk(job, [])
             chunk["usage"] = self._usage(finals.values())
             yield chunk
+
+    def _new_choices(self, job: _Job, i: int, out: RequestOutput) -> list[dict]:
+        """What prompt i's choices have to send since the last chunk."""
+        choices = []
+        for c in out.outputs:
+            sent = job.sent.setdefault(i * job.params.n + c.index, _Sent())
+            if sent.done:
+                continue
+            first = not sent.started
+            new_text = c.text[sent.text:]
+            new_lps = (c.logprobs or [])[sent.logprobs:]
+            finish = c.finish_reason
+            if not (new_text or len(c.token_ids) > sent.tokens or finish is not None or (first and job.echo)):
+                continue
+            choices.append(self._choice(job, i, out, c, new_text, c.token_ids[sent.tokens:], new_lps, finish,
+                                        first=first, offset=sent.text))
+            sent.started, sent.done = True, finish is not None
+            sent.text, sent.tokens, sent.logprobs = len(c.text), len(c.token_ids), len(c.logprobs or [])
+        return choices
 
     # ---- wire format ---------------------------------------------------------------------------
 

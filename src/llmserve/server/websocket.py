@@ -11,6 +11,7 @@ still running at the end of the grace period are ended with `cancelled`).
 from __future__ import annotations
 
 import json
+from contextlib import aclosing
 from typing import Any
 
 import anyio
@@ -118,8 +119,9 @@ class WebSocketSession:
                                    param="endpoint")
                 job.body.stream = True
                 serving.admit(job)
-                async for chunk in serving.stream(job):
-                    await self.send({"id": rid, "chunk": chunk})
+                async with aclosing(serving.stream(job)) as chunks:  # closed in this task, also when cancelled
+                    async for chunk in chunks:
+                        await self.send({"id": rid, "chunk": chunk})
                 return {"id": rid, "done": True}
             except APIError as exc:
                 if exc.code == "shutdown":  # ended by the server's shutdown
