@@ -37,8 +37,9 @@ LONG_PROMPT_CHARS = 1 << 14
 class OutputSlot:
     """Holds a request's newest RequestOutput (or error). Outputs are cumulative, so a slow reader
     skips intermediate ones instead of making the engine buffer them: memory stays bounded.
-    `notify`, if given, is called on each put (on the engine's loop): one reader can then serve
-    many slots (an offline batch) instead of a task per slot."""
+    `notify`, if given, is called when a put fills the slot after a take (on the engine's loop):
+    one reader can then serve many slots (an offline batch, a request's prompts) instead of a task
+    per slot, woken once however many outputs came since it last took one."""
 
     def __init__(self, notify: Callable[[], None] | None = None) -> None:
         self._value: RequestOutput | BaseException | None = None
@@ -48,10 +49,10 @@ class OutputSlot:
     def put(self, value: RequestOutput | BaseException) -> None:
         if isinstance(self._value, BaseException):
             return  # an error is the request's last word: no later output may hide it
-        self._value = value
+        was_empty, self._value = self._value is None, value
         if self._ready is not None:
             self._ready.set()
-        if self._notify is not None:
+        if self._notify is not None and was_empty:
             self._notify()
 
     async def get(self) -> RequestOutput:
