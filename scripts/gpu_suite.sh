@@ -17,6 +17,8 @@
 #          ab WORKLOAD: the working tree's llmserve and BASE's alternately, AB_RUNS (4) runs in all,
 #          the new side first (AB_FIRST=base: the base side), the same box and call: compare
 #          commits only this way, boxes of one kind differ by ~4%;
+#          ab-serve: W-serve at rate inf the same way, AB_RUNS (2) rounds, with the engine process
+#          and on one loop;
 #          script SCRIPT ARGS...: scripts/SCRIPT with the working tree's llmserve (--json into $OUT),
 #          e.g. `script gated_gemm_bench.py --ms 8192`;
 #          ab-script SCRIPT ARGS...: scripts/SCRIPT (the working tree's) against each side's
@@ -97,6 +99,22 @@ run)
                 --json "$OUT/$w-$side-$i.json" > "$OUT/$w-$side-$i.log" 2>&1
             echo "$side to $(date +%T):"; "$PY" scripts/bench_summary.py "$OUT/$w-$side-$i.json"
         done
+    elif [ "$bench" = ab-serve ]; then
+        # W-serve at rate inf, the working tree's server and BASE's alternately, AB_RUNS (2) rounds,
+        # each with its engine process (engine_process = true) and on one loop (false).
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-base .whl/base/*.whl
+        "$PY" -c 'from llmserve.bench.workloads import w_small; w_small().write_model_dir("/tmp/w-small-model")'
+        for i in $(seq 1 "${AB_RUNS:-2}"); do for proc in true false; do for side in new base; do
+            if [ $side = new ]; then site=/tmp/site; else site=/tmp/site-base:/tmp/site; fi
+            printf '[model]\nmodel = "/tmp/w-small-model"\nload_format = "dummy"\n[scheduler]\nlog_interval_s = 0\n[server]\nport = 8000\nmax_waiting_requests = 100000\nengine_process = %s\n' "$proc" > /tmp/w-serve.toml
+            PYTHONPATH=$site "$PY" -m llmserve.cli --config /tmp/w-serve.toml > "$OUT/w-serve-server-$side-$proc-$i.log" 2>&1 &
+            server=$!
+            for _ in $(seq 1 120); do curl -sf localhost:8000/health >/dev/null && break; sleep 1; done
+            echo "$side engine_process=$proc run $i:"
+            PYTHONPATH=$site "$PY" -m llmserve.cli bench serve --workload w-small --rate inf \
+                --json "$OUT/w-serve-$side-$proc-$i.json" | grep -E "output tok/s|tpot_ms|itl_ms"
+            kill -TERM $server; wait $server
+        done; done; done
     elif [ "$bench" = script ]; then
         script=$3; shift 3
         (cd scripts && PYTHONPATH=/tmp/site:. timeout 500 "$PY" "$script" "$@" --json "$OUT/${script%.py}.json") \
@@ -141,7 +159,7 @@ run)
     fi
     ;;
 *)
-    echo "usage: $0 prepare | run [w-small|w-large|w-serve|quant-1|quant-2|none | ab WORKLOAD | script SCRIPT ARGS... | ab-script SCRIPT ARGS...]" >&2
+    echo "usage: $0 prepare | run [w-small|w-large|w-serve|quant-1|quant-2|none | ab WORKLOAD | ab-serve | script SCRIPT ARGS... | ab-script SCRIPT ARGS...]" >&2
     exit 2
     ;;
 esac
