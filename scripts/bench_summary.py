@@ -4,13 +4,16 @@ the steps the device waited longest for).
     python scripts/bench_summary.py [-v] RESULT.json ...
 """
 
+import argparse
 import json
-import sys
 
 
-def main(argv: list[str]) -> None:
-    verbose = argv[:1] == ["-v"]
-    for path in argv[verbose:]:
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Summarise `llmserve bench throughput` results, two lines each.")
+    ap.add_argument("-v", "--verbose", action="store_true", help="also the steps the device waited longest for")
+    ap.add_argument("results", nargs="+", metavar="RESULT.json")
+    args = ap.parse_args()
+    for path in args.results:
         r = json.load(open(path))
         d = r["decode_steps"]
         held = (f" ({100 * r['roofline_sustained_fraction']:.1f}% at the sustained matmul rate)"
@@ -23,9 +26,9 @@ def main(argv: list[str]) -> None:
         print("   " + "; ".join(f"{b['steps']}: {b['count']} in {b['total_s']:.3f} s"
                                 + (f" (device {b['device_s']:.3f}, idle {b['idle_s']:.3f})" if "device_s" in b else "")
                                 + f" launch {b['launch_ms']:.1f} ms" for b in d["by_batch"]))
-        for row in d.get("most_idle", [])[:3] if verbose else []:
+        for row in d.get("most_idle", [])[:3] if args.verbose else []:
             print("    idle before", {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -51,7 +51,7 @@ def build_corpus(sources: Path, out: Path) -> None:
     print(f"{len(docs)} documents, {sum(map(len, docs)):,} characters -> {out}")
 
 
-def train(corpus: Path, out_dir: Path, steps: int, device: str, seed: int = 0) -> None:
+def train(corpus: Path, out_dir: Path, steps: int, device: str, batch: int = 64, seed: int = 0) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -88,7 +88,7 @@ def train(corpus: Path, out_dir: Path, steps: int, device: str, seed: int = 0) -
                          pad_token_id=fast.pad_token_id, initializer_range=0.02)
     model = LlamaForCausalLM(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    seq, batch, lr, warmup = 256, 64, 3e-3, 100
+    seq, lr, warmup = 256, 3e-3, 100
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
@@ -150,11 +150,12 @@ def main() -> None:
     t.add_argument("out_dir", type=Path)
     t.add_argument("--steps", type=int, default=3000)
     t.add_argument("--device", default="cuda")
+    t.add_argument("--batch", type=int, default=64, help="sequences of 256 tokens a step")
     args = ap.parse_args()
     if args.cmd == "corpus":
         build_corpus(args.sources, args.out)
     else:
-        train(args.corpus, args.out_dir, args.steps, args.device)
+        train(args.corpus, args.out_dir, args.steps, args.device, args.batch)
 
 
 if __name__ == "__main__":

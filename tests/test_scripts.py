@@ -1,0 +1,115 @@
+"""Every script kept in scripts/ runs, each in a process of its own as a user starts it, so that a
+refactor that breaks a script's imports or arguments fails here rather than on the GPU box.
+
+Scripts whose work needs a GPU (CUDA graphs, kernels at an 8B model's shapes) or a whole workload
+(tens of seconds on a CPU) show their --help: argparse runs after the module's top-level imports,
+so a renamed kernel or engine function still fails the test. The others do a tiny real run.
+"""
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+HELP_ONLY = [
+    "attention_bench.py", "decode_gemm_bench.py", "filtered_bench.py", "first_step_bench.py", "gated_gemm_bench.py",
+    "gc_bench.py", "int8_sweep.py", "sampler_bench.py", "sass_stats.py", "startup_bench.py",
+]
+RUN = ["bench_summary.py", "train_builtin_model.py"]
+HELPERS = ["graph_timing.py"]  # imported by the GPU benchmarks above, so their --help imports it too
+SHELL = ["gpu_suite.sh", "run.sh", "test.sh"]
+
+
+def start(name: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def succeeded(proc: subprocess.CompletedProcess) -> str:
+    """The process's stdout; fails the test with its stderr's tail if it exited non-zero."""
+    assert proc.returncode == 0, f"{proc.args[1]} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def run_script(name: str, *args: str, timeout: float = 60) -> str:
+    """stdout of `python scripts/NAME ARGS...`, which must exit 0."""
+    return succeeded(start(name, *args, timeout=timeout))
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, subprocess.CompletedProcess]:
+    """Every HELP_ONLY script's --help, as many at a time as there are CPUs: each spends ~2 s
+    importing torch and llmserve, which one after another would be most of this file's time."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        return dict(zip(HELP_ONLY, pool.map(lambda name: start(name, "--help"), HELP_ONLY)))
+
+
+def test_every_script_is_tested():
+    assert sorted(p.name for p in SCRIPTS.iterdir() if p.is_file()) == sorted(HELP_ONLY + RUN + HELPERS + SHELL)
+
+
+def test_the_gpu_suite_runs_only_scripts_that_exist():
+    # scripts/NAME.py, and the bare names given to `script` and `ab-script` (not tests/NAME.py)
+    named = set(re.findall(r"(?<![\w/.-])(?:scripts/)?([\w-]+\.py)\b", (SCRIPTS / "gpu_suite.sh").read_text()))
+    assert named, "gpu_suite.sh names no script: the pattern above needs updating"
+    assert {n for n in named if not (SCRIPTS / n).exists()} == set()
+
+
+@pytest.mark.parametrize("name", SHELL)
+def test_shell_script_parses(name):
+    subprocess.run(["bash", "-n", str(SCRIPTS / name)], check=True)
+
+
+@pytest.mark.parametrize("name", HELP_ONLY)
+def test_script_help(helps, name):
+    assert "usage:" in succeeded(helps[name])
+
+
+def test_bench_summary_prints_a_result(tmp_path):
+    result = {
+        "wall_s": 6.5, "output_tok_s": 19000.0, "roofline_fraction": 0.8, "roofline_sustained_fraction": 0.85,
+        "startup_s": 12.0, "stalls": {"gc": {"ms": 3.0}},
+        "decode_steps": {
+            "device_busy_s": 6.0, "device_busy_fraction": 0.99,
+            "by_batch": [{"steps": "129-256", "count": 100, "total_s": 3.8, "device_s": 3.7, "idle_s": 0.01,
+                          "launch_ms": 12.0}],
+            "most_idle": [{"step": 7, "idle_ms": 1.25}],
+        },
+    }
+    path = tmp_path / "w-small.json"
+    path.write_text(json.dumps(result))
+    out = run_script("bench_summary.py", "-v", str(path))
+    assert "w-small.json: 6.500 s, 19000 tok/s, 80.0% of roofline (85.0% at the sustained matmul rate)" in out
+    assert "129-256: 100 in 3.800 s" in out
+    assert "idle before" in out
+
+
+def test_train_builtin_model_on_a_tiny_corpus(tmp_path):
+    """Both steps as the built-in model's README runs them: reST sources -> corpus -> one training
+    step on the CPU with one sequence (every 50th document is held out, and needs a full window of
+    256 tokens)."""
+    rng = random.Random(0)
+    words = ("the module function returns a value object class method argument list string file path "
+             "error raises default keyword when called with each item").split()
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    for i in range(50):
+        prose = "\n\n".join(" ".join(rng.choice(words) for _ in range(50)) + "." for _ in range(6))
+        (sources / f"doc{i:02d}.txt").write_text(f"Title {i}\n========\n\n.. index:: x\n\n:func:`len` {prose}\n")
+    corpus, out_dir = tmp_path / "corpus.txt", tmp_path / "model"
+    assert "50 documents" in run_script("train_builtin_model.py", "corpus", str(sources), str(corpus))
+    assert ":func:" not in corpus.read_text() and ".. index::" not in corpus.read_text()
+
+    run_script("train_builtin_model.py", "train", str(corpus), str(out_dir), "--steps", "1", "--device", "cpu",
+               "--batch", "1", timeout=120)
+    training = json.loads((out_dir / "training.json").read_text())
+    assert training["steps"] == 1 and training["batch"] == 1 and len(training["log"]) == 1
+    assert (out_dir / "model.safetensors").exists() and (out_dir / "tokenizer.json").exists()
