@@ -51,3 +51,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def record_calls(obj, name: str) -> list[tuple]:
+    """Wrap obj.name (on the instance) so that each call's arguments are appended to the returned
+    list: tests count what the engine did without counters in its classes."""
+    calls, original = [], getattr(obj, name)
+
+    def recorded(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+    setattr(obj, name, recorded)
+    return calls

@@ -499,15 +499,15 @@ def test_a_request_that_fails_its_steps_fails_alone(checkpoint, monkeypatch, asy
     params = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=i) for i in range(6)]
     with LLM(checkpoint("llama"), device="cpu", log_interval_s=0, async_scheduling=async_scheduling) as llm:
         expected = run_together(llm, prompts, params)
-        runner = llm.engine.runner
-        original = runner._sampling_batch
+        sampling = llm.engine.runner.sampling
+        original = sampling.batch
 
         def poisoned(states, vocab):
             if any(s.params.seed == 13 for s in states):
                 raise IndexError("sampler index out of range")
             return original(states, vocab)
 
-        monkeypatch.setattr(runner, "_sampling_batch", poisoned)
+        monkeypatch.setattr(sampling, "batch", poisoned)
         bad = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=13)
         got = run_together(llm, prompts[:3] + [[9, 9, 9]] + prompts[3:], params[:3] + [bad] + params[3:])
         assert isinstance(got[3], RuntimeError) and "IndexError: sampler index out of range" in str(got[3])
@@ -553,8 +553,8 @@ def test_penalties_and_min_tokens_see_every_token_with_steps_in_flight(checkpoin
     for async_scheduling in (False, True):
         with LLM(checkpoint("llama"), device="cpu", log_interval_s=0, async_scheduling=async_scheduling) as llm:
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-            runner = llm.engine.runner
-            assert runner.host_sampled <= set(runner.seqs)  # forgotten with their requests' state
+            sampling = llm.engine.runner.sampling
+            assert sampling.host_sampled <= set(sampling.seqs)  # forgotten with their requests' state
     assert outs[0] == outs[1]
     assert outs[1][0].count(100) == 1 and len(outs[1][1]) == 7 and outs[1][1][-1] == 100
 

@@ -379,21 +379,21 @@ def _poisoned(state_or_params) -> bool:
 def fault(site: str, engine, monkeypatch) -> None:
     """Make the engine fail, at `site`, whatever touches the POISON request (and nothing else)."""
     if site == "sampler":
-        original = engine.runner._sampling_batch
+        original = engine.runner.sampling.batch
 
         def sampling_batch(states, vocab):
             if any(_poisoned(s) for s in states):
                 raise IndexError("index 151936 is out of bounds")
             return original(states, vocab)
-        monkeypatch.setattr(engine.runner, "_sampling_batch", sampling_batch)
+        monkeypatch.setattr(engine.runner.sampling, "batch", sampling_batch)
     elif site == "sampler, mid-stream":
-        original = engine.runner._sampling_batch
+        original = engine.runner.sampling.batch
 
         def sampling_batch(states, vocab):
             if any(_poisoned(s) and len(s.output_ids) >= 3 for s in states):
                 raise IndexError("index 151936 is out of bounds")
             return original(states, vocab)
-        monkeypatch.setattr(engine.runner, "_sampling_batch", sampling_batch)
+        monkeypatch.setattr(engine.runner.sampling, "batch", sampling_batch)
     elif site == "KV manager":
         original = engine.kv.admit
 

@@ -15,26 +15,26 @@ padding:
 
 A mixed step (prefill chunks, with or without decodes) of T tokens over S requests replays the
 graph of the smallest captured token count t >= T (every 512 up to max_num_batched_tokens, and
-128 and 256 below). Attention finds its work from query_start_loc on the device
-(kernels/paged_attention.py), so the graph holds for any S up to max_num_seqs:
+128 and 256 below: a step pads at most 511 tokens). Attention finds its work from
+query_start_loc on the device (kernels/paged_attention.py), so the graph holds for any S up to
+max_num_seqs:
 
     static buffer      this step                          padding
     input_ids, positions, slot_mapping   rows 0 .. T-1    rows T .. t-1: 0, 0, -1
     query_start_loc    entries 0 .. S                     entries S+1 .. max_num_seqs: T (empty queries)
     seq_lens, block_tables               rows 0 .. S-1    rows S .. : never read
 
-Without the mixed graphs an eager step of W-small's 8,192 tokens took longer to launch (~250 ops
-from Python, ~21 ms on the H100 box's CPU) than to run (~18 ms).
+A large mixed step launches ~250 operations from Python, which can take longer than it runs:
+replaying one graph takes one launch.
 
 All graphs share one memory pool. Each one is warmed up first (Triton compiles, cuBLAS loads its
 kernels), the warm-up's memory is returned, then they are captured largest first. A mixed graph
 copies its hidden states into one buffer shared by all token counts, so the pool holds one step's
-intermediates, not one set per graph. Inputs travel through pinned host buffers with one
-non-blocking copy each. Two sets alternate: with a step in flight, step N + 1 fills its buffers
-while N's copies may still be queued, and N + 2 (which reuses N's) is launched only after N has
-finished. The lm_head runs eagerly on the padded output (rows past the batch are ignored; a mixed
-step's sampled rows are padded to a captured batch size too), so cuBLAS meets one shape per
-captured size, all of them first at capture time.
+intermediates, not one set per graph. A replay's inputs reach the static buffers through the
+step's staging (model/step_inputs.py: a pinned ring, one non-blocking copy per array, stream
+ordered after the step before, which still reads them). The lm_head runs eagerly on the padded
+output (rows past the batch are ignored; a mixed step's sampled rows are padded to a captured batch
+size too), so cuBLAS meets one shape per captured size, all of them first at capture time.
 
 `emulate=True` runs the same padded buffers through the model eagerly instead of replaying
 (the padding logic on machines without CUDA: tests).
@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from llmserve.attention import AttentionMetadata
+from llmserve.model.step_inputs import StepInputs, Staging
 
 
 def graph_sizes(max_batch: int) -> list[int]:
@@ -55,17 +56,18 @@ def graph_sizes(max_batch: int) -> list[int]:
 
 
 def token_sizes(max_tokens: int) -> list[int]:
-    """Mixed-step token counts to capture: a step pads at most 511 tokens (W-small's last prefill
-    step, 4,881 tokens, runs as 5,120)."""
+    """Mixed-step token counts to capture."""
     sizes = [s for s in (128, 256) if s < max_tokens] + list(range(512, max_tokens, 512))
     return sorted(set(sizes + [max_tokens]))
 
 
 class StepGraphs:
-    def __init__(self, model, device: torch.device, max_batch: int, max_tokens: int, max_blocks_per_seq: int,
+    def __init__(self, model, staging: Staging, max_batch: int, max_tokens: int, max_blocks_per_seq: int,
                  emulate: bool = False) -> None:
         self.model = model
+        self.staging = staging
         self.emulate = emulate
+        device = staging.device
         self.sizes = graph_sizes(max_batch)
         self.token_sizes = token_sizes(max_tokens)
         self.max_batch, self.max_tokens = max_batch, max_tokens
@@ -80,16 +82,8 @@ class StepGraphs:
         self.decode_qsl = torch.arange(max_batch + 1, dtype=i32, device=device)
         self.mixed_qsl = torch.zeros(max_batch + 1, dtype=i32, device=device)
         self.hidden = None  # the mixed graphs' output rows, [max_tokens, hidden]
-        pin = device.type == "cuda"
-        # Pinned staging, two sets: [ids | positions | slots] as int64; [seq_lens | seq_order |
-        # query_start_loc] as int32; tables as int32.
-        self._staging = [(torch.zeros(3, rows, dtype=i64, pin_memory=pin),
-                          torch.zeros(3, max_batch + 1, dtype=i32, pin_memory=pin),
-                          torch.zeros(max_batch, max_blocks_per_seq, dtype=i32, pin_memory=pin)) for _ in range(2)]
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
-        self.replays = 0
-        self.mixed_replays = 0
 
     def _forward(self, kind: str, b: int) -> torch.Tensor:
         """The forward pass over the static buffers for `b` rows (decode) or tokens (mixed)."""
@@ -143,66 +137,59 @@ class StepGraphs:
     def fits_mixed(self, num_tokens: int, num_reqs: int) -> bool:
         return num_tokens <= self.max_tokens and num_reqs <= self.max_batch
 
-    def run(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-            block_tables: np.ndarray, from_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def run(self, inputs: StepInputs, from_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Replay for B decoding requests; returns hidden states [b, hidden] for the captured size
         b >= B (rows B.. are padding).
-        from_device: (rows, token ids) already on the device that overwrite those rows of token_ids."""
-        B = len(token_ids)
+        from_device: (rows, token ids) already on the device that overwrite those rows of the ids."""
+        B = inputs.num_reqs
         b = self.batch_size(B)
-        host64, host32, host_tables = self._stage(token_ids, positions, slots, b)
-        lens, order = host32[0].numpy(), host32[1].numpy()
-        lens[:B], lens[B:b] = seq_lens, 1
-        order[:B] = np.argsort(-seq_lens, kind="stable")
-        order[B:b] = np.arange(B, b)
-        width = block_tables.shape[1]
-        host_tables.numpy()[:B, :width] = block_tables
-        self._copy_tokens(host64, b, from_device)
-        self.seq_lens[:b].copy_(host32[0, :b], non_blocking=True)
-        self.seq_order[:b].copy_(host32[1, :b], non_blocking=True)
-        self.block_tables[:B, :width].copy_(host_tables[:B, :width], non_blocking=True)
+        self._copy_tokens(inputs, b, from_device)
+        lens_order = np.empty((2, b), dtype=np.int32)  # [seq_lens | seq_order], padded
+        lens_order[0, :B], lens_order[0, B:] = inputs.seq_lens, 1
+        lens_order[1, :B] = np.argsort(-inputs.seq_lens, kind="stable")
+        lens_order[1, B:] = np.arange(B, b)
+        staged = self.staging.stage(lens_order)
+        self.seq_lens[:b].copy_(staged[0], non_blocking=True)
+        self.seq_order[:b].copy_(staged[1], non_blocking=True)
+        self._copy_tables(inputs)
         return self._replay("decode", b)
 
-    def run_mixed(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, query_start_loc: np.ndarray,
-                  seq_lens: np.ndarray, block_tables: np.ndarray,
+    def run_mixed(self, inputs: StepInputs,
                   from_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Replay for a mixed step of T tokens over S requests; returns hidden states [t, hidden]
         for the captured token count t >= T (rows T.. are padding)."""
-        T, S = len(token_ids), len(seq_lens)
+        T, S = inputs.num_tokens, inputs.num_reqs
         t = next(s for s in self.token_sizes if s >= T)
-        host64, host32, host_tables = self._stage(token_ids, positions, slots, t)
-        lens, qsl = host32[0].numpy(), host32[2].numpy()
-        lens[:S] = seq_lens
-        qsl[:S + 1], qsl[S + 1:] = query_start_loc, T
-        width = block_tables.shape[1]
-        host_tables.numpy()[:S, :width] = block_tables
-        self._copy_tokens(host64, t, from_device)
-        self.seq_lens[:S].copy_(host32[0, :S], non_blocking=True)
-        self.mixed_qsl.copy_(host32[2], non_blocking=True)
-        self.block_tables[:S, :width].copy_(host_tables[:S, :width], non_blocking=True)
-        self.mixed_replays += 1
+        self._copy_tokens(inputs, t, from_device)
+        lens_qsl = np.empty(S + self.max_batch + 1, dtype=np.int32)  # [seq_lens | query_start_loc], padded
+        lens_qsl[:S] = inputs.seq_lens
+        lens_qsl[S:2 * S + 1], lens_qsl[2 * S + 1:] = inputs.query_start_loc, T
+        staged = self.staging.stage(lens_qsl)
+        self.seq_lens[:S].copy_(staged[:S], non_blocking=True)
+        self.mixed_qsl.copy_(staged[S:], non_blocking=True)
+        self._copy_tables(inputs)
         return self._replay("mixed", t)
 
-    def _stage(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, rows: int):
-        """This replay's pinned staging set with ids, positions and slots written (padding: 0, 0, -1)."""
-        n = len(token_ids)
-        staging = self._staging[self.replays % 2]
-        host = staging[0].numpy()
-        host[0, :n], host[1, :n], host[2, :n] = token_ids, positions, slots
-        host[:, n:rows] = 0
-        host[2, n:rows] = -1
-        return staging
-
-    def _copy_tokens(self, host64: torch.Tensor, rows: int,
+    def _copy_tokens(self, inputs: StepInputs, rows: int,
                      from_device: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        self.input_ids[:rows].copy_(host64[0, :rows], non_blocking=True)
+        """ids, positions and slots into the static buffers, padded to `rows` with 0, 0 and -1
+        (the KV write skips slot -1)."""
+        n = inputs.num_tokens
+        host = np.zeros((3, rows), dtype=np.int64)
+        host[0, :n], host[1, :n], host[2, :n] = inputs.token_ids, inputs.positions, inputs.slots
+        host[2, n:] = -1
+        staged = self.staging.stage(host)
+        self.input_ids[:rows].copy_(staged[0], non_blocking=True)
         if from_device is not None:
             self.input_ids[from_device[0]] = from_device[1]
-        self.positions[:rows].copy_(host64[1, :rows], non_blocking=True)
-        self.slot_mapping[:rows].copy_(host64[2, :rows], non_blocking=True)
+        self.positions[:rows].copy_(staged[1], non_blocking=True)
+        self.slot_mapping[:rows].copy_(staged[2], non_blocking=True)
+
+    def _copy_tables(self, inputs: StepInputs) -> None:
+        S, width = inputs.block_tables.shape
+        self.block_tables[:S, :width].copy_(self.staging.stage(inputs.block_tables), non_blocking=True)
 
     def _replay(self, kind: str, b: int) -> torch.Tensor:
-        self.replays += 1
         if self.emulate:
             with torch.inference_mode():
                 return self._forward(kind, b)

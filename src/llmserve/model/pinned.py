@@ -29,10 +29,15 @@ class PinnedRing:
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         """`array` on the device, its copy queued behind the stream's work (the host does not wait)."""
+        return self.stage(array).to(self.device, non_blocking=True)
+
+    def stage(self, array: np.ndarray) -> torch.Tensor:
+        """`array` in pinned memory, for one non-blocking copy to the device queued from it next
+        (a fresh tensor, or a static buffer's `copy_`)."""
         array = np.ascontiguousarray(array)
         n = array.nbytes
         if n > self.half // 4:  # rare and large: a pinned block of its own
-            return torch.from_numpy(array).pin_memory().to(self.device, non_blocking=True)
+            return torch.from_numpy(array).pin_memory()
         start = -(-self.pos // 16) * 16
         if start + n > self.half:
             self._switch()
@@ -40,8 +45,7 @@ class PinnedRing:
         self.pos = start + n
         offset = self.side * self.half + start
         self.host[offset:offset + n] = array.reshape(-1).view(np.uint8)
-        staged = self.buf[offset:offset + n].view(_TORCH_DTYPES[array.dtype]).view(array.shape)
-        return staged.to(self.device, non_blocking=True)
+        return self.buf[offset:offset + n].view(_TORCH_DTYPES[array.dtype]).view(array.shape)
 
     def _switch(self) -> None:
         event = torch.cuda.Event()

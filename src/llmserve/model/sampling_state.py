@@ -1,0 +1,133 @@
+"""Per-request sampling state on the executor's side, and the step's SamplingBatch built from it.
+
+Each request the executor runs has a SeqState: its parameters, prompt and output tokens (as far as
+the host knows them; `in_flight` counts tokens sampled by a launched step, not yet back) and its
+logit_bias as arrays. A step's batch gathers the rows that sample into device tensors (model/
+sampler.py says what each one does), with no blocking copy: it would wait for the forward pass
+queued before it. Here is where per-request constraints on the next token plug in.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmserve.kernels.sampling import row_keys
+from llmserve.messages import NewSequence
+from llmserve.model.sampler import Penalties, SamplingBatch
+from llmserve.model.step_inputs import Staging
+from llmserve.sampling_params import SamplingParams
+
+
+def penalized(p: SamplingParams) -> bool:
+    """Sampling that counts the request's own tokens (repetition, presence, frequency penalties)."""
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
+@dataclass(slots=True)
+class SeqState:
+    params: SamplingParams
+    prompt_ids: array  # int64
+    output_ids: list[int]
+    in_flight: int = 0  # tokens sampled by a launched step, not yet appended to output_ids
+    bias: tuple[np.ndarray, np.ndarray] | None = None  # logit_bias as (int64 token ids, float32 values)
+
+    @classmethod
+    def of(cls, new: NewSequence) -> SeqState:
+        bias = new.params.logit_bias
+        arrays = None if not bias else (np.fromiter(bias.keys(), np.int64, len(bias)),
+                                        np.fromiter(bias.values(), np.float32, len(bias)))
+        return cls(new.params, new.prompt_token_ids, list(new.output_token_ids), bias=arrays)
+
+    def reads_own_tokens(self) -> bool:
+        """Its next draw depends on its last token on the host: penalties count the output, and
+        min_tokens bans stop tokens until it is reached."""
+        return penalized(self.params) or len(self.output_ids) < self.params.min_tokens
+
+
+class SamplingState:
+    """The SeqStates of the requests the executor runs, by request id."""
+
+    def __init__(self, eos_token_ids: list[int], staging: Staging) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.staging = staging
+        self.seqs: dict[str, SeqState] = {}
+        self.host_sampled: set[str] = set()
+        """Requests whose sampling may read their tokens on the host (penalties, min_tokens)."""
+
+    def add(self, req_id: str, new: NewSequence) -> None:
+        """A request that (re)enters the running set: its state is built anew from the plan."""
+        self.seqs[req_id] = state = SeqState.of(new)
+        if penalized(state.params) or state.params.min_tokens > 0:
+            self.host_sampled.add(req_id)
+
+    def drop(self, req_id: str) -> None:
+        self.seqs.pop(req_id, None)
+        self.host_sampled.discard(req_id)
+
+    def clear(self) -> None:
+        self.seqs.clear()
+        self.host_sampled.clear()
+
+    def needs_host_tokens(self, req_ids: list[str], in_flight: dict[str, int]) -> bool:
+        """Whether a request of `req_ids` with a token in flight (`in_flight`: its row) samples
+        with that token on the host: the step in flight must finish first."""
+        if not self.host_sampled:  # the common case: no such request at all
+            return False
+        planned = set(req_ids)
+        return any(r in planned and r in in_flight and self.seqs[r].reads_own_tokens() for r in self.host_sampled)
+
+    def batch(self, states: list[SeqState], vocab: int) -> SamplingBatch:
+        """The sampling parameters of `states` (one row each) as device tensors."""
+        to_device = self.staging.to_device
+        params = [s.params for s in states]
+        t = lambda xs, dtype: to_device(np.array(xs, dtype=dtype))  # noqa: E731
+        batch = SamplingBatch(
+            temperature=t([p.temperature for p in params], np.float32),
+            top_k=t([min(p.top_k or vocab, vocab) for p in params], np.int64),
+            top_p=t([p.top_p for p in params], np.float32),
+            min_p=t([p.min_p for p in params], np.float32),
+            keys=to_device(row_keys(np.array([p.seed for p in params], dtype=np.int64),
+                                    np.array([len(s.output_ids) + s.in_flight for s in states], dtype=np.int64))),
+            all_greedy=all(p.temperature == 0 for p in params),
+            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        )
+        filtered = [i for i, p in enumerate(params) if p.temperature > 0 and (p.top_k or p.top_p < 1.0 or p.min_p > 0)]
+        if filtered:
+            batch.filtered_rows = t(filtered, np.int64)
+            batch.all_filtered = len(filtered) == len(params)
+        if any(penalized(p) for p in params):
+            scatter = lambda rows, dtype, count: _scatter_rows(rows, vocab, dtype, count, self.staging)  # noqa: E731
+            batch.penalties = Penalties(
+                output_counts=scatter([s.output_ids for s in states], torch.float32, True),
+                prompt_mask=scatter([s.prompt_ids for s in states], torch.bool, False),
+                repetition=t([p.repetition_penalty for p in params], np.float32),
+                presence=t([p.presence_penalty for p in params], np.float32),
+                frequency=t([p.frequency_penalty for p in params], np.float32),
+            )
+        biased = [(i, s.bias) for i, s in enumerate(states) if s.bias is not None]
+        if biased:
+            rows = np.repeat(np.array([i for i, _ in biased], dtype=np.int64), [len(b[0]) for _, b in biased])
+            batch.bias = (to_device(rows), to_device(np.concatenate([b[0] for _, b in biased])),
+                          to_device(np.concatenate([b[1] for _, b in biased])))
+        banned = [(i, tok) for i, s in enumerate(states) if len(s.output_ids) < s.params.min_tokens
+                  for tok in (s.params.stop_token_ids + ([] if s.params.ignore_eos else self.eos_token_ids))]
+        if banned:
+            rows, toks = zip(*banned)
+            batch.banned = (t(rows, np.int64), t(toks, np.int64))
+        return batch
+
+
+def _scatter_rows(rows: list, vocab: int, dtype: torch.dtype, count: bool, staging: Staging) -> torch.Tensor:
+    """[len(rows), vocab] tensor: per-row token counts (count=True) or presence."""
+    out = torch.zeros(len(rows), vocab, dtype=dtype, device=staging.device)
+    lens = np.array([len(r) for r in rows])
+    if lens.sum() == 0:
+        return out
+    row_idx = staging.to_device(np.repeat(np.arange(len(rows)), lens))
+    tok_idx = staging.to_device(np.concatenate([np.asarray(r, dtype=np.int64) for r in rows]))
+    ones = torch.ones(len(tok_idx), dtype=dtype, device=staging.device)
+    return out.index_put_((row_idx, tok_idx), ones, accumulate=count)
