@@ -69,15 +69,11 @@ def test_llmserve_select_backend_picks_per_device_and_later_plugins_win():
         plugins.select_backend(torch.device("meta"), EngineConfig())
 
 
-def test_llmserve_register_quantization_methods_and_llmserve_register_decoding_strategies():
+def test_llmserve_register_quantization_methods():
     class Reg:
         @hookimpl
         def llmserve_register_quantization_methods(self, register):
             register("toy-int8", object())
-
-        @hookimpl
-        def llmserve_register_decoding_strategies(self, register):
-            register("toy-spec", object())
 
     class Clash:
         @hookimpl
@@ -90,7 +86,6 @@ def test_llmserve_register_quantization_methods_and_llmserve_register_decoding_s
     try:
         plugins = Plugins()
         assert "toy-int8" in plugins.quantization_methods()
-        assert "toy-spec" in plugins.decoding_strategies()
         pm.register(clash, name="clash")
         with pytest.raises(RuntimeError, match="'toy-int8' registered by both"):
             plugins.quantization_methods()
@@ -204,8 +199,7 @@ def test_third_party_package_is_discovered_selectable_and_runs(example_installed
     rows = {r["name"]: r for r in map(json.loads, listing.stdout.splitlines())}
     assert rows["int4_example"] == {
         "name": "int4_example", "source": "llmserve-int4-example 0.1.0", "status": "loaded",
-        "hooks": ["llmserve_register_quantization_methods"], "quantization_methods": ["int4-rtn"],
-        "decoding_strategies": []}
+        "hooks": ["llmserve_register_quantization_methods"], "quantization_methods": ["int4-rtn"]}
     generate = run_with(example_installed, f"""
 import json, torch
 from llmserve import LLM, SamplingParams

@@ -46,16 +46,3 @@ def llmserve_register_quantization_methods(register: Callable[[str, Any], None])
 
     :param register: callback taking the method's name and its implementation object.
     """
-
-
-# ---- Decoding strategies ----------------------------------------------------------------------
-
-@hookspec
-def llmserve_register_decoding_strategies(register: Callable[[str, Any], None]) -> None:
-    """Register decoding strategies (speculative decoding, structured output...) by calling
-    ``register(name, strategy)``.
-
-    Called for every plugin (not firstresult); a name registered twice is a start-up error.
-
-    :param register: callback taking the strategy's name and its implementation object.
-    """

@@ -19,7 +19,7 @@ so one method can quantize at load and another read a pre-quantized checkpoint.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +28,18 @@ from torch import nn
 from llmserve.kernels.matmul import dense_matmul, gated_matmul, gated_takes
 from llmserve.kernels.matmul import takes as decode_matmul_takes
 
-if TYPE_CHECKING:
-    from llmserve.model.layers import Linear
+
+class Linear(Protocol):
+    """What a method sees of a linear layer (model/layers.py's Linear, an nn.Module): its shape,
+    its merged shards' rows and its bias; the method registers its own parameters on it."""
+    in_features: int
+    out_features: int
+    dtype: torch.dtype
+    shard_offsets: dict[object, tuple[int, int]]
+    """shard id -> (first output row, rows), for a merged layer (q/k/v, gate/up)."""
+    bias: torch.Tensor | None
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None: ...
 
 
 def empty_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -37,7 +47,7 @@ def empty_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-def shard_rows(layer: "Linear", param: torch.Tensor, shard: object) -> torch.Tensor:
+def shard_rows(layer: Linear, param: torch.Tensor, shard: object) -> torch.Tensor:
     """The rows of `param` (dim 0 = output features) that belong to `shard`; all of it for None."""
     if shard is None:
         return param
@@ -61,35 +71,35 @@ class QuantizationMethod:
     def check_device(self, device: torch.device) -> None:
         """Raise ValueError naming the method and the requirement if `device` cannot run it."""
 
-    def create_weights(self, layer: "Linear") -> None:
+    def create_weights(self, layer: Linear) -> None:
         """Register the layer's parameters; layer.in_features/out_features/shard_offsets are set."""
         layer.weight = empty_param(layer.out_features, layer.in_features)
 
-    def checkpoint_leaves(self, layer: "Linear") -> list[str]:
+    def checkpoint_leaves(self, layer: Linear) -> list[str]:
         """Tensor names (last part) a checkpoint must provide for this layer, bias excluded."""
         return ["weight"]
 
-    def load(self, layer: "Linear", leaf: str, tensor: torch.Tensor, shard: object = None) -> bool:
+    def load(self, layer: Linear, leaf: str, tensor: torch.Tensor, shard: object = None) -> bool:
         """Copy one checkpoint tensor into the layer; False if this method has no use for `leaf`."""
         if leaf != "weight":
             return False
         copy_checked(shard_rows(layer, layer.weight, shard), tensor, f"weight{'' if shard is None else f'[{shard}]'}")
         return True
 
-    def finish_loading(self, layer: "Linear") -> None:
+    def finish_loading(self, layer: Linear) -> None:
         """Called once after every tensor of the layer is loaded (or dummy-filled)."""
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features] in x.dtype, bias included."""
         return F.linear(x, layer.weight, layer.bias)
 
-    def apply_gated(self, layer: "Linear", x: torch.Tensor, silu_and_mul) -> torch.Tensor:
+    def apply_gated(self, layer: Linear, x: torch.Tensor, silu_and_mul) -> torch.Tensor:
         """An MLP's merged gate_up layer (two equal shards, gate first): x [T, in_features] ->
         silu(x W_gate^T) * (x W_up^T) [T, out_features / 2]. `silu_and_mul` is the backend's kernel
         for [gate | up] rows; a method may fuse it into its matmul instead."""
         return silu_and_mul(self.apply(layer, x))
 
-    def weight_bytes(self, layer: "Linear") -> int:
+    def weight_bytes(self, layer: Linear) -> int:
         return sum(p.numel() * p.element_size() for p in layer.parameters())
 
 
@@ -101,12 +111,12 @@ class Unquantized(QuantizationMethod):
     def __init__(self, checkpoint_config: dict[str, Any] | None = None) -> None:
         pass
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if decode_matmul_takes(x, layer.weight):
             return dense_matmul(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
-    def apply_gated(self, layer: "Linear", x: torch.Tensor, silu_and_mul) -> torch.Tensor:
+    def apply_gated(self, layer: Linear, x: torch.Tensor, silu_and_mul) -> torch.Tensor:
         if layer.bias is None and decode_matmul_takes(x, layer.weight):
             return dense_matmul(x, layer.weight, gated=True)
         if layer.bias is None and gated_takes(x, layer.weight):
@@ -129,7 +139,7 @@ class QuantizeAtLoad(QuantizationMethod):
             raise ValueError(f"model.quantization {self.name!r} quantizes a full-precision checkpoint at load, but "
                              f"this checkpoint is already quantized ({checkpoint_config.get('quant_method')!r})")
 
-    def create_weights(self, layer: "Linear") -> None:
+    def create_weights(self, layer: Linear) -> None:
         layer.weight = empty_param(layer.out_features, layer.in_features, dtype=self.weight_dtype)
         layer.weight_scale = empty_param(layer.out_features, dtype=torch.float32)
 
@@ -137,7 +147,7 @@ class QuantizeAtLoad(QuantizationMethod):
         """w [rows, in] (any float dtype) -> (quantized [rows, in] of weight_dtype, float32 scales [rows])."""
         raise NotImplementedError
 
-    def load(self, layer: "Linear", leaf: str, tensor: torch.Tensor, shard: object = None) -> bool:
+    def load(self, layer: Linear, leaf: str, tensor: torch.Tensor, shard: object = None) -> bool:
         if leaf != "weight":
             return False
         rows = shard_rows(layer, layer.weight, shard)
