@@ -8,6 +8,12 @@ MAX_LOGPROBS = 20
 MAX_N = 128
 MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 """The fields a checkpoint's generation_config.json may default for requests that leave them unset."""
+REQUEST_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "logit_bias", "stop", "stop_token_ids", "include_stop_str_in_output",
+                  "ignore_eos", "min_tokens", "skip_special_tokens")
+"""The fields an HTTP request sets under their own names, with these defaults and types (the
+server's request bodies are derived from them). max_tokens, logprobs and prompt_logprobs are
+each endpoint's own (named, defaulted or derived differently)."""
 GREEDY_BELOW = 1e-5
 """Temperatures under this sample greedily: dividing logits by less overflows float32."""
 _FLOAT32_TINY = 2.0 ** -126

@@ -4,13 +4,15 @@ taken strictly as their type ("stream": "yes" is not a boolean, 2.0 is not a tok
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, create_model
 
-from llmserve.sampling_params import MAX_LOGPROBS, MODEL_DEFAULT_FIELDS, SamplingParams
+from llmserve.sampling_params import MAX_LOGPROBS, REQUEST_FIELDS, SamplingParams
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -124,44 +126,37 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
-    """Fields shared by both endpoints, including the engine's extras beyond OpenAI's."""
+def _request_field(f: dataclasses.Field, hints: dict[str, Any]) -> tuple[Any, Any]:
+    """(type, default) of a SamplingParams field as an HTTP body takes it: JSON object keys are
+    strings, so logit_bias is keyed by the token id's digits."""
+    kind = dict[str, float] | None if f.name == "logit_bias" else hints[f.name]
+    if f.default_factory is not dataclasses.MISSING:
+        return kind, Field(default_factory=f.default_factory)
+    return kind, f.default
+
+
+_hints = typing.get_type_hints(SamplingParams)
+_SamplingParamsFields = create_model(
+    "_SamplingParamsFields", __base__=_Request,
+    **{f.name: _request_field(f, _hints) for f in dataclasses.fields(SamplingParams) if f.name in REQUEST_FIELDS})
+
+
+class _SamplingFields(_SamplingParamsFields):
+    """Fields shared by both endpoints: SamplingParams' REQUEST_FIELDS (the engine's extras beyond
+    OpenAI's among them) and the request's own."""
     model: str | None = None
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # llmserve extras
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    ignore_eos: bool = False
     priority: int = 0
-    stop_token_ids: list[int] = Field(default_factory=list)
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
         """`defaults` (the model's, e.g. from its generation_config.json) replace the fields this
         request did not set; a field it set, even to the OpenAI default, stays as sent."""
-        sampling = {key: getattr(self, key) for key in MODEL_DEFAULT_FIELDS}
-        sampling.update((key, value) for key, value in (defaults or {}).items() if key not in self.model_fields_set)
-        return SamplingParams(
-            n=self.n, **sampling,
-            seed=self.seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            logit_bias=self.logit_bias, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
-            ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
+        fields = {key: getattr(self, key) for key in REQUEST_FIELDS}
+        fields.update((key, value) for key, value in (defaults or {}).items() if key not in self.model_fields_set)
+        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
