@@ -4,17 +4,16 @@ with w = [w_gate; w_up] (the merged gate_up weight, [2N, K]).
 
 cuBLAS is the GEMM for prefill, but for the gate_up projection: there gated_matmul (end of this
 file) multiplies through TMA descriptors in a persistent grid and applies SiLU·mul to the finished
-tiles, within 2-3% of cuBLAS's GEMM alone at W-large's 8,192 rows, so that the SiLU·mul kernel's
-pass over the [M, 2N] product is saved (`gated_takes`).
+tiles, about as fast as cuBLAS's GEMM alone at prefill sizes, so that the SiLU·mul kernel's pass
+over the [M, 2N] product is saved (`gated_takes`).
 
 At decode batches a GEMM is a short stream of its weight matrix, and what costs is the time around
 the stream: this kernel launches with PDL like the engine's other kernels, so its programs are
 placed while the kernel before it (RMSNorm, attention) drains instead of after, and the kernel
 after it is placed while it drains; the gated form also saves the SiLU·mul kernel and the round
 trip of the [M, 2N] gate_up output through memory. `takes(x, w)` says when it is the faster choice:
-up to DECODE_MAX_M rows and weights of up to 16 MB, on Hopper (W-small's layers on an H100, graphed
-after an RMSNorm: 1.0-1.6 µs faster than cuBLAS per GEMM and 2.7-3.1 µs gated up to 64 rows, 1 µs a
-layer at 128, behind from 160; BENCHMARKS.md).
+up to DECODE_MAX_M rows and weights of up to 16 MB, on Hopper (`scripts/decode_gemm_bench.py` on a
+small model's layers, graphed after an RMSNorm: ahead of cuBLAS up to 128 rows, behind above).
 
 Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K): program (n, m, k) owns a BLOCK_M x BLOCK_N
 output tile and the k-th slice of K. Gated, it multiplies the tile's gate rows and up rows (N
@@ -135,8 +134,8 @@ DECODE_MAX_WEIGHT_BYTES = 16 << 20  # larger matrices stream long enough for cuB
 
 def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether dense_matmul is the faster GEMM for x [M, K] @ w^T: a half-precision decode batch
-    and a weight matrix of a few microseconds' reading (W-small's 4-13 MB: 1-3 µs faster than
-    cuBLAS; an 8B model's 48-235 MB: up to 10 µs slower), on a GPU that launches with PDL (Hopper;
+    and a weight matrix of a few microseconds' reading (a small model's few MB; an 8B model's
+    hundreds of MB stream long enough for cuBLAS's tiles to win), on a GPU that launches with PDL (Hopper;
     the choice does not follow LLMSERVE_PDL, so that PDL on and off compute the same numbers)."""
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.shape[0] <= DECODE_MAX_M
             and w.numel() * w.element_size() <= DECODE_MAX_WEIGHT_BYTES and hopper(x.device))
@@ -195,8 +194,8 @@ def dense_matmul_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
 
 
 def _config(M: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the best of the H100 sweep at W-small's
-    decode batches (BENCHMARKS.md): narrow 32-column tiles up to 64 rows, then 64."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the best of a sweep on an H100 at a small
+    model's decode batches (`scripts/decode_gemm_bench.py`): narrow 32-column tiles up to 64 rows, then 64."""
     if M <= 16:
         return 16, 32, 128, 4, 4
     return (64, 32 if M <= 64 else 64, 128, 4, 4)
@@ -250,10 +249,8 @@ def gated_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
     half-precision batch above the decode kernel's rows whose output tiles fill the SMs at least
     twice, on Hopper, operands laid out as TMA takes them (contiguous rows of a multiple of 16 bytes
     from 16-byte aligned addresses).
-    `scripts/gated_gemm_bench.py` on an H100, µs against cuBLAS + SiLU·mul: W-large's layer at
-    1,024 / 2,048 / 8,192 rows 342 / 700 / 2,796 against 373 / 747 / 2,950; W-small's at 2,048 /
-    8,192 43 / 164 against 49 / 206; behind or level below two waves of tiles (W-small's at 1,024:
-    1.5 waves, 27.4 against 25.1; W-large's at 256: 1.7 waves, level)."""
+    `scripts/gated_gemm_bench.py`: ahead of cuBLAS + SiLU·mul from two waves of output tiles on,
+    behind or level below."""
     if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype and x.dim() == 2
             and x.shape[0] > DECODE_MAX_M and x.is_contiguous() and w.is_contiguous()
             and x.shape[1] * x.element_size() % 16 == 0 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0

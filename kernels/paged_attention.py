@@ -44,7 +44,7 @@ Decode steps (every query length 1) keep a program per sequence: grid (num_seqs,
 num_kv_heads), program (i, s, h) on sequence seq_order[i] when an order is given. Contexts differ
 by up to 10x in a batch, so the GPU's block scheduler, which starts programs in index order, ends
 the step on a few long sequences started last; longest first (the order the caller passes) keeps
-the SMs busy to the end (+2-3% on W-small's decode batches, BENCHMARKS.md).
+the SMs busy to the end.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def _attend(acc, m_i, l_i, q, q_pos, lo, hi, kv_end, qk_scale, d, d_ok,
     and be visible to every row: no compare or select per score. MASKED loads no key at or past
     kv_end and gives those keys no weight; CAUSAL weighs only keys at or before each row's position
     q_pos (a prompt's diagonal tiles: one or two, so a two-stage pipeline, which keeps the prefill
-    kernel at 150 registers and three programs an SM on an H100 with Triton 3.6; scripts/sass_stats.py)."""
+    kernel within the registers of three programs an SM; scripts/sass_stats.py)."""
     for start in tl.range(lo, hi, BLOCK_N, num_stages=2 if CAUSAL else None):
         k_pos = start + tl.arange(0, BLOCK_N)
         if MASKED:
@@ -222,9 +222,8 @@ MAX_SPLITS = 16
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     """Key slices per sequence for a decode step. A batch of fewer than four waves of programs
     (one per SM at a time) ends on a partly idle GPU: split each sequence at least in two, and
-    further until there are 1.5 programs per SM. W-small's decode batches on an H100, graphed
-    (`attention_bench.py --splits`, BENCHMARKS.md): 2 slices 5-6% faster at 23-37 running, 2%
-    at 48, equal at 59-65; 4 slices at 7 running 12% over 8."""
+    further until there are 1.5 programs per SM (chosen with `attention_bench.py --splits` on a
+    small model's decode batches, graphed)."""
     sms, programs = sm_count(device), num_seqs * num_kv_heads  # one "SM" off the GPU: no split
     if programs >= 4 * sms or sms == 1:
         return 1
@@ -237,15 +236,15 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int
 # (BLOCK_N, num_warps, num_stages) below: chosen with scripts/attention_bench.py (BENCHMARKS.md).
 def prefill_tiles(fp32: bool) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of a step with prompts: 64-key tiles against 64-row query
-    tiles, 2 programs an SM (`attention_bench.py --prefill` on an H100: 20% over 32-key tiles on
-    W-small's and W-large's heads); float32 (tests) keeps 32 keys, 64 would spill."""
+    tiles, 2 programs an SM (`attention_bench.py --prefill`: faster than 32-key tiles for small and
+    8B models' heads); float32 (tests) keeps 32 keys, 64 would spill."""
     return (32, 4, 3) if fp32 else (64, 4, 3)
 
 
 def decode_tiles(fp8: bool) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of a decode step, which streams the cache: wide key tiles
     keep more bytes in flight, most of all when few sequences leave SMs idle. 128 keys (with the
-    slices above, the best or within 1% at every W-small batch size on an H100; BENCHMARKS.md)."""
+    slices above, the best of `attention_bench.py`'s sweep at every decode batch size)."""
     return (128, 4, 4) if fp8 else (128, 4, 3)
 
 

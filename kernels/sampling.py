@@ -15,10 +15,10 @@ index. Kernel 2, grid (B,): program b weighs the slices, w_j = s_j * 2^(m_j - M)
 where u * sum(w) falls and walks only that slice, BLOCK at a time, to the token (a cumulative sum
 a tile). It reads at most one slice a row again, from L2 as a rule.
 
-This replaced a one-pass Gumbel-max kernel (argmax of y + Gumbel noise, a hash and two logarithms
-a logit), which was bound by that arithmetic: at W-small's 218 rows on an H100, 63.6 µs against
-32.4 µs now (2.0 TB/s of logits; `scripts/sampler_bench.py`, BENCHMARKS.md). Logits may be in
-the model's dtype: they are upcast to float32 as they are read, so the draw is the same.
+Two passes at the speed of reading the logits beat one pass bound by arithmetic (a Gumbel-max
+draw: argmax of y + Gumbel noise, a hash and two logarithms a logit; `scripts/sampler_bench.py`).
+Logits may be in the model's dtype: they are upcast to float32 as they are read, so the draw is
+the same.
 
 Rows with min_p, top_k or top_p (`sample_filtered_rows`) are drawn by rejection, with no sort.
 What the filters keep is the tokens of weight w >= min_p * max w that have fewer than top_k tokens
@@ -39,11 +39,10 @@ logit and key, then each of the first SPLIT_ROUNDS rounds is four launches: the 
 weight a slice; a program a row picks the slice where u * total falls and walks it to the
 candidate; the pivots' counts and weights a slice; a program a row sums them and judges. A row
 done skips the later launches at once; a row that needs more rounds finishes them in a program of
-its own (the same rounds, over the whole row). A program a row, as the first version ran every
-round, keeps too few bytes in flight (~1 TB/s a pass): at 256 rows of W-small's vocabulary on the
-H100 it took 0.34-0.77 ms a step (torch's sort: 9.3-10.2 ms), cut into slices 0.20-0.37 ms
-(`sampler_bench.py --filtered`, BENCHMARKS.md). A round whose rows are all done still costs its
-four launches, ~15 µs at 256 rows; the pivot-count pass still reads at under 1 TB/s.
+its own (the same rounds, over the whole row). A program a row for every round keeps too few
+bytes in flight to read a large vocabulary at memory speed, hence the slices (`sampler_bench.py
+--filtered`); all of it is far cheaper than sorting the rows. A round whose rows are all done still
+costs its four launches.
 
 `sample_rows_reference` and `sample_filtered_rows_reference` compute the same functions in torch
 (int64 arithmetic masked to 32 bits, sums in float64), for the CPU backend and as the kernels'

@@ -6,9 +6,9 @@ new piece is the difference between decoding a short window ending at the new to
 the same window without it, and it is held back while it ends in U+FFFD (an incomplete character).
 
 A fast (Rust) tokenizer does that in `tokenizers.decoders.DecodeStream`, started on the prompt's
-last tokens: one call a token (~3 µs on the CI machine, against ~22 µs for the two
-`PreTrainedTokenizer.decode` calls of the window method, which other tokenizers still use). On a
-W-small-sized batch that is the difference between ~1 and ~6 ms of the event loop a step.
+last tokens: one call a token, several times cheaper than the two `PreTrainedTokenizer.decode`
+calls of the window method, which other tokenizers still use; on a large batch detokenizing is
+most of the event loop's work a step.
 """
 
 from __future__ import annotations

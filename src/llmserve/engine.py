@@ -58,8 +58,8 @@ class EngineSnapshot:
 
 def freeze_heap() -> None:
     """Hide everything alive now (imported libraries, the model's modules, the tokenizer) from the
-    garbage collector: its full collections then scan per-request objects only. On W-small one
-    full collection paused the step loop for ~200 ms before."""
+    garbage collector: its full collections then scan per-request objects only, instead of pausing
+    the step loop to scan everything the engine holds."""
     gc.unfreeze()  # what an earlier engine froze and has since dropped can go now
     gc.collect()
     gc.freeze()

@@ -166,8 +166,8 @@ class RequestActor:
             ids = encoded if encoded is not None else self._encode(sub)
             return sub.prompt, ids, array("q", ids)
         ids = sub.prompt if type(sub.prompt) is list else list(sub.prompt)
-        # C-level passes (a per-token Python check cost ~0.1 ms a prompt: 256 of them delayed an
-        # offline batch's first step by ~30 ms); bools are ints to array() but not token ids.
+        # C-level passes (a Python check per token, times a batch's prompts, delays its first
+        # step); bools are ints to array() but not token ids.
         error = ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
         if not set(map(type, ids)) <= {int}:
             raise error
@@ -198,7 +198,7 @@ class RequestActor:
         hears of them two full steps' prompt tokens at a time (two: the step after the first one is
         planned at once, and must not find only the first one's leftovers), and of the rest at the
         end, so a large batch's first steps are planned and launched while the rest is admitted
-        (W-large's 1,000 prompts took 150-200 ms to admit before the first step could start).
+        (a batch of a thousand prompts takes a while to admit: its first step need not wait).
         After each message the loop sleeps for a moment: a worker thread waiting for the GIL (the
         executor's, to launch the step) gets it only when the loop blocks, not while it spins."""
         arrivals: list[NewRequest] = []

@@ -2,7 +2,7 @@
 
 A step sends a handful of small arrays (sampling parameters, row indices). `tensor.pin_memory()`
 per array asked PyTorch's pinned allocator for a block and the driver whether the source was
-pinned, ~0.1 ms of host time each on the H100 box: most of a small decode step's launch. Here each
+pinned, a host round trip per array: most of a small decode step's launch. Here each
 array is written into the next free bytes of a ring of pinned memory and copied from there without
 waiting for the device (non_blocking).
 
