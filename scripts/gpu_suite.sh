@@ -19,6 +19,8 @@
 #          commits only this way, boxes of one kind differ by ~4%;
 #          ab-serve: W-serve at rate inf the same way, AB_RUNS (2) rounds, with the engine process
 #          and on one loop;
+#          peers: W-small and W-large (PEER_WORKLOADS) with vLLM 0.24.0 as the peer in the same
+#          call (`SLIM=1 prepare` here, carry [".whl", ".peers"]);
 #          script SCRIPT ARGS...: scripts/SCRIPT with the working tree's llmserve (--json into $OUT),
 #          e.g. `script gated_gemm_bench.py --ms 8192`;
 #          ab-script SCRIPT ARGS...: scripts/SCRIPT (the working tree's) against each side's
@@ -38,6 +40,15 @@ prepare)
         priority==2.0.0 hpack==4.2.0 hyperframe==6.1.0 pydantic==2.14.3 pydantic_core==2.50.4 \
         annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0
     "$PY" -m pip wheel -q --no-deps -w .whl .
+    if [ -n "${SLIM:-}" ]; then  # for `run peers`: the tree, .whl and .peers must stay under 64 MiB
+        rm -f .whl/llmserve-*.whl
+        src=$(mktemp -d)
+        tar --exclude=./.git --exclude=./.venv --exclude=./.venv-ci --exclude=./.whl --exclude=./.peers \
+            --exclude=./build --exclude='./*.egg-info' --exclude='*/builtin_model/model.safetensors' -cf - . \
+            | tar -x -C "$src"
+        "$PY" -m pip wheel -q --no-deps -w .whl "$src"
+        rm -rf "$src"
+    fi
     if [ -n "${BASE:-}" ]; then
         base_src=$(mktemp -d)
         git archive "$BASE" | tar -x -C "$base_src"
@@ -115,6 +126,23 @@ run)
                 --json "$OUT/w-serve-$side-$proc-$i.json" | grep -E "output tok/s|tpot_ms|itl_ms"
             kill -TERM $server; wait $server
         done; done; done
+    elif [ "$bench" = peers ]; then
+        # Each workload (PEER_WORKLOADS) through our engine, then through vLLM 0.24.0 in a process of
+        # its own (llmserve.bench.vllm_peer), one call: carry [".whl", ".peers"] from `SLIM=1 prepare`
+        # (.peers/vllm/vsite.tar.xz: ../shared/peers/vllm/README.md says how it is built).
+        mkdir -p /tmp/vsite
+        xz -T0 -dc .peers/vllm/vsite.tar.xz | tar -x -C /tmp/vsite
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite \
+            .whl/pydantic-*.whl .whl/pydantic_core-*.whl .whl/annotated_types-*.whl \
+            .whl/typing_inspection-*.whl .whl/typing_extensions-*.whl .whl/sniffio-*.whl
+        export LLMSERVE_VLLM_SITE=/tmp/vsite
+        for w in ${PEER_WORKLOADS:-w-small w-large}; do
+            if [ "$w" = w-large ]; then t=300; else t=230; fi
+            timeout $t "$PY" -m llmserve.bench.throughput --workload "$w" --peer vllm --vllm-timeout $((t - 75)) \
+                ${BENCH_ARGS:-} --json "$OUT/$w-vllm.json" > "$OUT/$w-vllm.log" 2>&1
+            echo "$w: exit $?"; grep -E '^peer ' "$OUT/$w-vllm.log"
+            [ -f "$OUT/$w-vllm.json" ] && "$PY" scripts/bench_summary.py "$OUT/$w-vllm.json"
+        done
     elif [ "$bench" = script ]; then
         script=$3; shift 3
         (cd scripts && PYTHONPATH=/tmp/site:. timeout 500 "$PY" "$script" "$@" --json "$OUT/${script%.py}.json") \
@@ -159,7 +187,7 @@ run)
     fi
     ;;
 *)
-    echo "usage: $0 prepare | run [w-small|w-large|w-serve|quant-1|quant-2|none | ab WORKLOAD | ab-serve | script SCRIPT ARGS... | ab-script SCRIPT ARGS...]" >&2
+    echo "usage: $0 prepare | run [w-small|w-large|w-serve|quant-1|quant-2|none | ab WORKLOAD | ab-serve | peers | script SCRIPT ARGS... | ab-script SCRIPT ARGS...]" >&2
     exit 2
     ;;
 esac

@@ -2,6 +2,8 @@
 serving client against a real server."""
 
 import json
+import os
+import time
 
 from test_server import running_server
 
@@ -192,3 +194,217 @@ def test_synthetic_tokenizer_covers_the_vocabulary_and_the_engine_detokenizes_wi
     for o in outs:
         assert len(o.outputs[0].token_ids) == 24
         assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids) != ""
+
+
+# ---- peers: the workload handed to vLLM in a process of its own ---------------------------------
+
+FAKE_VLLM = '''
+"""A stand-in for vLLM's offline API: records what it was given to $FAKE_VLLM_LOG (one JSON line a call)."""
+import json, os, subprocess, sys, time
+from types import SimpleNamespace
+
+__version__ = "0.0-fake"
+
+
+def _log(**record):
+    with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+        f.write(json.dumps(record) + "\\n")
+
+
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+
+
+class LLM:
+    def __init__(self, model, **settings):
+        if os.environ.get("FAKE_VLLM_SLEEP"):  # a start-up that hangs, its engine-core process beside it
+            core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            _log(call="engine_core", pid=core.pid)
+            time.sleep(float(os.environ["FAKE_VLLM_SLEEP"]))
+        with open(os.path.join(model, "config.json")) as f:
+            config = json.load(f)
+        _log(call="init", config=config, settings=settings, pythonpath=os.environ.get("PYTHONPATH", ""),
+             host_ip=os.environ.get("VLLM_HOST_IP"), llmserve_imported="llmserve" in sys.modules)
+
+    def reset_prefix_cache(self):
+        _log(call="reset_prefix_cache")
+        return True
+
+    def generate(self, prompts, params, use_tqdm=True):
+        if os.environ.get("FAKE_VLLM_FAIL"):
+            raise RuntimeError(os.environ["FAKE_VLLM_FAIL"])
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        _log(call="generate", prompts=[p["prompt_token_ids"] for p in prompts], params=[q.kw for q in params])
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7] * q.kw["max_tokens"])], num_cached_tokens=0)
+                for q in params]
+'''
+
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "vocab_size": 300, "tie_word_embeddings": False, "rope_theta": 10000.0,
+              "rms_norm_eps": 1e-5, "max_position_embeddings": 256, "torch_dtype": "float32",
+              "eos_token_id": 2, "bos_token_id": 1}
+
+
+def make_tiny_workload():
+    from llmserve import SamplingParams
+    from llmserve.bench.workloads import Workload
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=5),
+              SamplingParams(temperature=1.0, top_p=0.9, top_k=20, ignore_eos=True, max_tokens=3, seed=11),
+              SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4)]
+    return Workload("tiny", TINY_LLAMA, [[5, 6, 7, 8], [9] * 12, [3, 4]], params)
+
+
+def make_fake_vllm_site(tmp_path, monkeypatch):
+    site = tmp_path / "vsite"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    log = tmp_path / "fake_vllm.jsonl"
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    return str(site), log
+
+
+def fake_vllm_calls(log):
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_workloads_round_trip_through_json():
+    """What the peer process reads is the workload itself: every prompt, every request's sampling
+    (the fields that set the work always written, any other only off its default)."""
+    from dataclasses import replace
+
+    from llmserve.bench.workloads import ALWAYS_WRITTEN, Workload
+    for w in (w_small(), replace(make_tiny_workload(), bound="compute")):
+        back = Workload.from_dict(json.loads(json.dumps(w.to_dict())))
+        assert back == w
+    data = make_tiny_workload().to_dict()
+    assert [sorted(p) for p in data["params"]] == [sorted(ALWAYS_WRITTEN), sorted(ALWAYS_WRITTEN + ("seed",)),
+                                                   sorted(ALWAYS_WRITTEN)]
+    assert data["params"][1] == {"temperature": 1.0, "top_p": 0.9, "top_k": 20, "max_tokens": 3,
+                                 "ignore_eos": True, "seed": 11}
+
+
+def test_bench_throughput_command_line_names_its_peers(tmp_path, monkeypatch):
+    import pytest
+
+    from llmserve.bench.throughput import parse_args
+    from llmserve.bench.vllm_peer import SITE_ENV
+    site = tmp_path / "vsite"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    monkeypatch.delenv(SITE_ENV, raising=False)
+    assert parse_args([]).peers == ()
+    assert parse_args(["--peer", "hf"]).peers == ("hf",)
+    args = parse_args(["--peer", "vllm,hf", "--vllm-site", str(site), "--vllm-timeout", "60"])
+    assert (args.peers, args.vllm_site, args.vllm_timeout) == (("hf", "vllm"), str(site), 60.0)
+    assert parse_args(["--peer", "vllm", "--peer", "hf", "--peer", "vllm", "--vllm-site", str(site)]).peers == \
+        ("hf", "vllm")
+    monkeypatch.setenv(SITE_ENV, str(site))
+    assert parse_args(["--peer", "vllm"]).vllm_site == str(site)
+    for bad in (["--peer", "sglang"], ["--peer", ","], ["--peer", "vllm", "--vllm-site", str(tmp_path)]):
+        with pytest.raises(SystemExit):  # an unknown peer; a site without vllm: refused before any run
+            parse_args(bad)
+
+
+def test_vllm_peer_runs_the_workload_in_its_own_process(tmp_path, monkeypatch):
+    """The peer process imports vllm from the site (never llmserve), builds one LLM on dummy weights
+    of the workload's model config, warms up with the first request's sampling, resets the prefix
+    cache, then generates every prompt with its own sampling; its timing comes back."""
+    from llmserve.bench.vllm_peer import llm_settings, run_vllm_peer
+    site, log = make_fake_vllm_site(tmp_path, monkeypatch)
+    w = make_tiny_workload()
+    settings = llm_settings(max_num_seqs=4, max_num_batched_tokens=64)
+    result = run_vllm_peer(w, site=site, settings=settings, timeout_s=60, workdir=str(tmp_path))
+    assert result["vllm_version"] == "0.0-fake" and result["workload"] == "tiny" and result["requests"] == 3
+    assert result["output_tokens"] == result["expected_output_tokens"] == w.output_tokens == 12
+    assert result["wall_s"] > 0 and result["output_tok_s"] == 12 / result["wall_s"]
+    assert result["startup_s"] >= 0 and result["import_s"] >= 0 and result["settings"] == settings
+    init, warmup, reset, timed = fake_vllm_calls(log)
+    assert init["call"] == "init" and init["config"] == w.model_config and init["settings"] == settings
+    assert init["pythonpath"].split(os.pathsep)[0] == site and init["host_ip"] == "127.0.0.1"
+    assert not init["llmserve_imported"]
+    assert warmup["call"] == "generate" and warmup["prompts"] == [[1, 2, 3, 4]]
+    assert warmup["params"][0]["max_tokens"] == 8 and warmup["params"][0]["temperature"] == 0.6
+    assert reset["call"] == "reset_prefix_cache"
+    assert timed["prompts"] == w.prompts
+    assert [(p["temperature"], p["top_p"], p["top_k"], p["max_tokens"], p["ignore_eos"], p.get("seed"),
+             p["detokenize"]) for p in timed["params"]] == [(0.6, 1.0, 0, 5, True, None, False),
+                                                            (1.0, 0.9, 20, 3, True, 11, False),
+                                                            (0.0, 1.0, 0, 4, True, None, False)]
+    assert not list(tmp_path.glob("llmserve-vllm-*"))  # its working folder is gone
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie nobody reaped is gone too
+    except FileNotFoundError:
+        return False
+
+
+def test_vllm_peer_failures_and_timeouts_raise_with_its_last_lines(tmp_path, monkeypatch):
+    """A failing peer raises with its last lines; a hanging one is killed after its timeout, with
+    the engine-core process it started (which would otherwise keep the GPU)."""
+    import pytest
+
+    from llmserve.bench.vllm_peer import VllmPeerError, llm_settings, run_vllm_peer
+    site, log = make_fake_vllm_site(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "CUDA out of memory (fake)")
+    with pytest.raises(VllmPeerError, match=r"(?s)exited with 1.*CUDA out of memory \(fake\)"):
+        run_vllm_peer(make_tiny_workload(), site=site, settings=llm_settings(4, 64), timeout_s=60)
+    monkeypatch.delenv("FAKE_VLLM_FAIL")
+    monkeypatch.setenv("FAKE_VLLM_SLEEP", "30")
+    start = time.perf_counter()
+    with pytest.raises(VllmPeerError, match="timed out after 1 s"):
+        run_vllm_peer(make_tiny_workload(), site=site, settings=llm_settings(4, 64), timeout_s=1)
+    assert time.perf_counter() - start < 10
+    (core,) = [c["pid"] for c in fake_vllm_calls(log) if c["call"] == "engine_core"]
+    assert not process_alive(core)
+
+
+def test_vllm_peer_goes_with_us_when_an_outer_timeout_ends_us(tmp_path, monkeypatch):
+    """gpu_suite.sh runs the benchmark under `timeout`: its SIGTERM to us ends the peer's session too."""
+    import signal
+    import subprocess
+    import sys
+
+    site, log = make_fake_vllm_site(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAKE_VLLM_SLEEP", "30")
+    code = ("import json, sys\n"
+            "from llmserve.bench.vllm_peer import llm_settings, run_vllm_peer\n"
+            "from llmserve.bench.workloads import Workload\n"
+            "run_vllm_peer(Workload.from_dict(json.loads(sys.argv[1])), site=sys.argv[2],"
+            " settings=llm_settings(4, 64), timeout_s=60)\n")
+    bench = subprocess.Popen([sys.executable, "-c", code, json.dumps(make_tiny_workload().to_dict()), site],
+                             stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not (log.exists() and "engine_core" in log.read_text()):
+        assert time.monotonic() < deadline and bench.poll() is None
+        time.sleep(0.05)
+    (core,) = [c["pid"] for c in fake_vllm_calls(log) if c["call"] == "engine_core"]
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=20) == 128 + signal.SIGTERM
+    assert not process_alive(core)
+
+
+def test_bench_throughput_reports_the_vllm_peer_beside_our_engine(tmp_path, monkeypatch, capsys):
+    """`bench throughput --peer vllm` end to end on the CPU: our engine on a tiny workload, then the
+    (fake) peer on the same one; both figures and their ratio in the JSON and the printed lines."""
+    from llmserve.bench import throughput
+    from llmserve.bench.workloads import WORKLOADS
+    site, log = make_fake_vllm_site(tmp_path, monkeypatch)
+    monkeypatch.setitem(WORKLOADS, "tiny", make_tiny_workload)
+    out = tmp_path / "result.json"
+    throughput.main(["--workload", "tiny", "--peer", "vllm", "--vllm-site", site, "--max-num-seqs", "4",
+                     "--max-num-batched-tokens", "64", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["output_tokens"] == 12
+    peer = result["peers"]["vllm"]
+    assert peer["peer"] == "vllm" and peer["output_tokens"] == 12 and peer["llmserve_wall_s"] == result["wall_s"]
+    assert peer["llmserve_startup_s"] == result["startup_s"] and peer["startup_s"] >= 0
+    assert peer["speedup"] == result["output_tok_s"] / peer["output_tok_s"]
+    assert peer["settings"]["max_num_seqs"] == 4 and peer["settings"]["max_num_batched_tokens"] == 64
+    assert fake_vllm_calls(log)[-1]["prompts"] == make_tiny_workload().prompts
+    err = capsys.readouterr().err
+    assert "peer vllm:" in err and "llmserve/vllm" in err and "[vllm] RESULT" in err

@@ -1,17 +1,24 @@
 """Offline throughput of a workload through LLM.generate, with its roofline.
 
-    python -m llmserve.bench.throughput --workload w-small [--json out.json] [engine options]
+    python -m llmserve.bench.throughput --workload w-small [--peer hf,vllm] [--json out.json] [engine options]
 
 Roofline, as WORKLOADS.md computes it (all requests assumed running at once): each decode step
 reads the weights once plus the KV cache of every request still running; a token costs 2 * params
 FLOPs plus its attention. A bandwidth-bound workload (W-small) takes its prompts' FLOPs, then its
 decode steps' reads; a compute-bound one (W-large) takes every token's FLOPs, its decode reads
 beneath them. The device's copy bandwidth and bf16 matmul rate are measured in the same run.
+
+Peers, run after our engine has finished and given its memory back, compared in the same run:
+hf (transformers `generate` in this process, on the first --peer-requests requests) and vllm (the
+whole workload through vLLM's offline LLM in a process of its own: vllm_peer.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
+import sys
 import tempfile
 import time
 
@@ -20,6 +27,7 @@ import torch
 
 from llmserve.bench.report import report
 from llmserve.bench.stalls import watch_stalls
+from llmserve.bench.vllm_peer import SITE_ENV, VllmPeerError, find_vllm, llm_settings, run_vllm_peer
 from llmserve.bench.workloads import WORKLOADS, Workload
 from llmserve.model.spec import ModelSpec
 
@@ -129,8 +137,14 @@ def peer_hf(w: Workload, num_requests: int, batch_size: int) -> dict:
             "output_tok_s": tokens / wall}
 
 
-def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, profile: str | None = None,
-        detokenize: bool = False, **engine_kwargs) -> dict:
+PEERS = ("hf", "vllm")
+
+
+def run(workload: str, *, peers: tuple[str, ...] = (), peer_requests: int = 64, vllm_site: str | None = None,
+        vllm_timeout_s: float = 900.0, profile: str | None = None, detokenize: bool = False,
+        **engine_kwargs) -> dict:
+    """Our engine on `workload`, then each of `peers` (PEERS) on it; result["peers"][name] holds a
+    peer's figures beside ours ("speedup": our output tok/s over the peer's on the same requests)."""
     from llmserve import LLM, SamplingParams
     w = WORKLOADS[workload]()
     device = measure_device(sustained=w.bound == "compute") if torch.cuda.is_available() else {"device": "cpu"}
@@ -142,7 +156,6 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - start, outs, start
 
-    peer_result = None
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         with watch_stalls() as startup_stalls:  # the Triton kernels compiled (or read from disk) at start-up
@@ -177,18 +190,23 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
         for row in step_summary["slowest"] + step_summary["most_idle"]:  # the collections inside each step's period
             lo, hi = timing.records[row["step"] - 1].end, timing.records[row["step"]].end
             row["gc_ms"] = sum(ms for t, ms in pauses if lo <= t < hi)
-        if peer == "hf":
+        if "hf" in peers:
             # The same subset through our engine, for a like-for-like ratio measured in this run.
             sub_wall, _, _ = timed_generate(llm, w.prompts[:peer_requests], w.params[:peer_requests])
         preemptions = llm.engine.scheduler.num_preemptions
         leaked = llm.engine.kv.pool.num_blocks - llm.engine.kv.num_free_blocks()
         llm.shutdown()
-    if peer == "hf":
+        llm = None
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    peer_results = {}
+    if "hf" in peers:
         hf = peer_hf(w, peer_requests, batch_size=peer_requests)
         ours = hf["output_tokens"] / sub_wall
-        peer_result = {"peer": "hf-transformers-generate", **hf, "llmserve_wall_s": sub_wall,
-                       "llmserve_output_tok_s": ours, "speedup": ours / hf["output_tok_s"]}
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        peer_results["hf"] = {"peer": "hf-transformers-generate", **hf, "llmserve_wall_s": sub_wall,
+                              "llmserve_output_tok_s": ours, "speedup": ours / hf["output_tok_s"]}
+    if "vllm" in peers:
+        peer_results["vllm"] = vllm_peer(w, vllm_site, vllm_timeout_s, engine_kwargs, wall=wall,
+                                         generated=generated, startup=startup)
     result = {"workload": workload, **device, "startup_s": startup,
               "startup": startup_info,
               "wall_s": wall, "prompt_tokens": w.prompt_tokens,
@@ -209,9 +227,45 @@ def run(workload: str, *, peer: str | None = None, peer_requests: int = 64, prof
         if "bf16_flop_per_s_sustained" in device and quant != "fp8":
             held = roofline_seconds(w, spec, bw, device["bf16_flop_per_s_sustained"], **shape)["roofline_s"]
             result.update(roofline_sustained_s=held, roofline_sustained_fraction=held / wall)
-    if peer_result is not None:
-        result["peer"] = peer_result
+    if peer_results:
+        result["peers"] = peer_results
     return result
+
+
+def vllm_peer(w: Workload, site: str | None, timeout_s: float, engine_kwargs: dict, *, wall: float,
+              generated: int, startup: float) -> dict:
+    """vLLM on the whole workload in its own process, beside our figures for it (wall, output
+    tokens, start-up s). A failed peer is recorded ({"error": ...}), not raised: our run stands."""
+    gc.collect()
+    free = None
+    if torch.cuda.is_available():  # what the peer finds free: vLLM asks for gpu_memory_utilization of the total
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info()[0]
+    settings = llm_settings(engine_kwargs.get("max_num_seqs", 256), engine_kwargs.get("max_num_batched_tokens", 8192))
+    try:
+        peer = run_vllm_peer(w, site=site, settings=settings, timeout_s=timeout_s)
+    except VllmPeerError as exc:
+        return {"peer": "vllm", "error": str(exc), "free_bytes_at_start": free}
+    ours = generated / wall
+    return {"peer": "vllm", **peer, "free_bytes_at_start": free, "llmserve_wall_s": wall,
+            "llmserve_output_tok_s": ours, "llmserve_startup_s": startup, "speedup": ours / peer["output_tok_s"]}
+
+
+def peer_lines(result: dict) -> list[str]:
+    """One line per peer: its figures and ours on the same requests."""
+    lines = []
+    for name, p in result.get("peers", {}).items():
+        if "error" in p:
+            lines.append(f"peer {name}: FAILED: {p['error'].splitlines()[0]}")
+            continue
+        line = (f"peer {name}: {p['wall_s']:.2f} s, {p['output_tok_s']:,.0f} output tok/s on {p['requests']} requests; "
+                f"llmserve {p['llmserve_wall_s']:.2f} s, {p['llmserve_output_tok_s']:,.0f} tok/s: "
+                f"llmserve/{name} {p['speedup']:.2f}x")
+        if "startup_s" in p:
+            line += (f"; start-up {p['startup_s']:.1f} s (+{p['import_s']:.1f} s import) vs "
+                     f"llmserve {p['llmserve_startup_s']:.1f} s")
+        lines.append(line)
+    return lines
 
 
 def startup_summary(phases: dict[str, float], kernels: list[dict] | None) -> dict:
@@ -232,7 +286,16 @@ def _allocator_counts() -> dict:
     return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
 
 
-def main(argv: list[str] | None = None) -> None:
+def _peer_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PEERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"peers are {', '.join(PEERS)} (comma-separated), got {text!r}")
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; args.peers is the peers named (in PEERS order, each once)."""
     ap = argparse.ArgumentParser(prog="llmserve bench throughput", description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="w-small")
     ap.add_argument("--json", help="write the result here")
@@ -240,8 +303,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--no-reserve-growth", dest="reserve_growth", action="store_false",
                     help="scheduler.reserve_growth = false: admit whatever fits the KV cache now")
-    ap.add_argument("--peer", choices=["hf"], help="also run transformers generate on a subset, same run")
-    ap.add_argument("--peer-requests", type=int, default=64, help="size of the peer's subset (its first requests)")
+    ap.add_argument("--peer", type=_peer_list, action="append", default=[], metavar="hf,vllm",
+                    help="also run a peer on the same workload in this run (comma-separated or repeated): "
+                         "hf (transformers generate, a subset, in this process), vllm (the whole workload, "
+                         "offline LLM, in a subprocess)")
+    ap.add_argument("--peer-requests", type=int, default=64, help="size of the hf peer's subset (its first requests)")
+    ap.add_argument("--vllm-site", default=os.environ.get(SITE_ENV),
+                    help=f"folder vLLM is installed in (an unpacked vsite.tar.xz), put first on the peer's "
+                         f"PYTHONPATH; default ${SITE_ENV}, else this interpreter's vllm")
+    ap.add_argument("--vllm-timeout", type=float, default=900.0, help="seconds the vllm peer may take in all")
     ap.add_argument("--profile", metavar="PREFIX", help="torch profiler over prefill, steady decode and tail steps: PREFIX-stepN.txt, .trace.json")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this run (seconds)")
@@ -251,14 +321,30 @@ def main(argv: list[str] | None = None) -> None:
                     help="a tokenizer covering the model's vocabulary in its directory: outputs become text, "
                          "as with a real checkpoint (WORKLOADS.md's runs have none)")
     args = ap.parse_args(argv)
+    named = {n for group in args.peer for n in group}
+    args.peers = tuple(n for n in PEERS if n in named)
+    if "vllm" in args.peers:
+        try:  # before our engine's minutes, not after them
+            find_vllm(args.vllm_site)
+        except VllmPeerError as exc:
+            ap.error(str(exc))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.switch_interval:
-        import sys
         sys.setswitchinterval(args.switch_interval)
-    result = run(args.workload, peer=args.peer, peer_requests=args.peer_requests, profile=args.profile,
+    result = run(args.workload, peers=args.peers, peer_requests=args.peer_requests, vllm_site=args.vllm_site,
+                 vllm_timeout_s=args.vllm_timeout, profile=args.profile,
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  reserve_growth=args.reserve_growth, enforce_eager=args.enforce_eager, log_interval_s=10.0,
                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, detokenize=args.detokenize)
     report(result, args.json)
+    for line in peer_lines(result):
+        print(line, file=sys.stderr)
+    if any("error" in p for p in result.get("peers", {}).values()):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from llmserve.sampling_params import SamplingParams
@@ -24,6 +24,9 @@ LLAMA31_8B = {
                      "original_max_position_embeddings": 8192},
     "max_position_embeddings": 131072, "torch_dtype": "bfloat16", "eos_token_id": 128001, "bos_token_id": 128000,
 }
+
+ALWAYS_WRITTEN = ("temperature", "top_p", "top_k", "max_tokens", "ignore_eos")
+"""Sampling fields a serialized workload states even at their defaults: engines' defaults differ."""
 
 
 @dataclass(slots=True)
@@ -60,6 +63,22 @@ class Workload:
         eos = "<|endoftext|>"
         tok = synthetic_tokenizer(self.model_config["vocab_size"], eos)
         PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos).save_pretrained(str(path))
+
+    def to_dict(self) -> dict:
+        """The workload as plain JSON-ready data, for a peer engine in another process: each request's
+        sampling as the fields that set the work (always) plus any other field off its default, under
+        SamplingParams' names (vLLM's are the same)."""
+        default = SamplingParams()
+        names = [f.name for f in fields(SamplingParams)]
+        params = [{k: getattr(p, k) for k in names if k in ALWAYS_WRITTEN or getattr(p, k) != getattr(default, k)}
+                  for p in self.params]
+        return {"name": self.name, "model_config": self.model_config, "prompts": self.prompts, "params": params,
+                "bound": self.bound}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Workload:
+        return cls(data["name"], data["model_config"], [list(p) for p in data["prompts"]],
+                   [SamplingParams(**p) for p in data["params"]], data.get("bound", "bandwidth"))
 
 
 def synthetic_tokenizer(vocab_size: int, eos: str, seed: int = 0):
