@@ -5,7 +5,7 @@
 #       -> .whl/: llmserve itself plus the packages the GPU box lacks (structlog, trio and its needs);
 #          with BASE, also .whl/base/: llmserve at that revision, for `run ab`
 #   on the GPU box (device tool, carry [".whl"]):
-#       bash scripts/gpu_suite.sh run [w-small|w-large|w-serve|quant-1|quant-2|none|script ...|ab ...|ab-script ...]
+#       bash scripts/gpu_suite.sh run [w-small|w-large|w-serve|quant-1|quant-2|figures|peers|none|script ...|ab ...|ab-script ...]
 #       -> installs .whl into /tmp/site, runs the GPU and kernel tests (SKIP_TESTS=1: not), then the
 #          benchmark (BENCH_ARGS replaces "--peer hf"; PROFILE=1 adds profiler windows; COLD=1: an
 #          empty Triton cache, as on a fresh machine)
@@ -19,6 +19,8 @@
 #          commits only this way, boxes of one kind differ by ~4%;
 #          ab-serve: W-serve at rate inf the same way, AB_RUNS (2) rounds, with the engine process
 #          and on one loop;
+#          figures: decode-b1 bf16 and int8, W-small with an FP8 cache and W-large fp8 beside bf16,
+#          the server's start-up (BENCHMARKS.md's figures without a peer);
 #          peers: W-small and W-large (PEER_WORKLOADS) with vLLM 0.24.0 as the peer in the same
 #          call (`SLIM=1 prepare` here, carry [".whl", ".peers"]);
 #          script SCRIPT ARGS...: scripts/SCRIPT with the working tree's llmserve (--json into $OUT),
@@ -143,6 +145,17 @@ run)
             echo "$w: exit $?"; grep -E '^peer ' "$OUT/$w-vllm.log"
             [ -f "$OUT/$w-vllm.json" ] && "$PY" scripts/bench_summary.py "$OUT/$w-vllm.json"
         done
+    elif [ "$bench" = figures ]; then
+        # BENCHMARKS.md's figures that have no peer: decode-b1 bf16 and int8, the quantized variants
+        # beside bf16 in the same call, the server's start-up (a cold run, then a warm one).
+        for run in decode-b1:none decode-b1:int8 w-small:none w-small:fp8kv w-large:none w-large:fp8; do
+            w=${run%%:*} v=${run#*:}
+            args=(--workload "$w" --json "$OUT/$w-$v.json")
+            case $v in fp8kv) args+=(--kv-cache-dtype fp8);; int8|fp8) args+=(--quantization "$v");; esac
+            timeout 150 "$PY" -m llmserve.bench.throughput "${args[@]}" > "$OUT/$w-$v.log" 2>&1
+            echo "$w $v: exit $?"; "$PY" scripts/bench_summary.py "$OUT/$w-$v.json"
+        done
+        timeout 150 "$PY" scripts/startup_bench.py --runs 2 --cold --json "$OUT/startup.json" 2>&1 | tail -4
     elif [ "$bench" = script ]; then
         script=$3; shift 3
         (cd scripts && PYTHONPATH=/tmp/site:. timeout 500 "$PY" "$script" "$@" --json "$OUT/${script%.py}.json") \
@@ -187,7 +200,7 @@ run)
     fi
     ;;
 *)
-    echo "usage: $0 prepare | run [w-small|w-large|w-serve|quant-1|quant-2|none | ab WORKLOAD | ab-serve | peers | script SCRIPT ARGS... | ab-script SCRIPT ARGS...]" >&2
+    echo "usage: $0 prepare | run [w-small|w-large|w-serve|quant-1|quant-2|figures|none | ab WORKLOAD | ab-serve | peers | script SCRIPT ARGS... | ab-script SCRIPT ARGS...]" >&2
     exit 2
     ;;
 esac
