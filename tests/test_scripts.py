@@ -23,7 +23,7 @@ HELP_ONLY = [
     "attention_bench.py", "decode_gemm_bench.py", "filtered_bench.py", "first_step_bench.py", "gated_gemm_bench.py",
     "gc_bench.py", "int8_sweep.py", "sampler_bench.py", "sass_stats.py", "startup_bench.py",
 ]
-RUN = ["bench_summary.py", "train_builtin_model.py"]
+RUN = ["bench_page.py", "bench_summary.py", "train_builtin_model.py"]
 HELPERS = ["graph_timing.py"]  # imported by the GPU benchmarks above, so their --help imports it too
 SHELL = ["gpu_suite.sh", "run.sh", "test.sh"]
 
@@ -90,6 +90,48 @@ def test_bench_summary_prints_a_result(tmp_path):
     assert "w-small.json: 6.500 s, 19000 tok/s, 80.0% of roofline (85.0% at the sustained matmul rate)" in out
     assert "129-256: 100 in 3.800 s" in out
     assert "idle before" in out
+
+
+def test_benchmarks_page_is_rendered_from_its_result_files():
+    assert "is current" in run_script("bench_page.py", "--check")
+
+
+def test_bench_page_takes_each_figure_from_its_newest_run(tmp_path):
+    def offline(wall: float, **extra) -> dict:
+        return {"wall_s": wall, "output_tok_s": 1000 / wall, "roofline_s": 5.0, "roofline_fraction": 5.0 / wall, **extra}
+
+    def add_run(name: str, time: str, files: dict, figures: str) -> None:
+        (tmp_path / "results" / name).mkdir(parents=True)
+        for file, data in files.items():
+            (tmp_path / "results" / name / file).write_text(json.dumps(data))
+        (tmp_path / "results" / name / "run.toml").write_text(
+            f'time = {time}\ndevice = "GPU"\ncommit = "abc{name[-1]}"\ncommand = "run {name}"\nwhat = "w"\n{figures}')
+
+    vllm = {"engine": "vllm", "vllm_version": "0.24.0", "wall_s": 7.5, "output_tok_s": 133.0, "speedup": 1.25}
+    add_run("run1", "2026-01-01T00:00:00Z", {"a.json": offline(8.0), "b.json": offline(9.0)},
+            '[[figure]]\nname = "W-small"\nfile = "a.json"\n[[figure]]\nname = "W-large"\nfile = "b.json"\n')
+    add_run("run2", "2026-01-02T00:00:00Z",
+            {"a.json": offline(6.0, peers={"vllm": vllm}), "q.json": offline(3.0), "serve.json": {
+                "rate": float("inf"), "output_throughput": 150.0, "requests": 4, "completed": 4,
+                **{k: {"median": 1.0, "p99": 2.0} for k in ("ttft_ms", "tpot_ms", "itl_ms")}}},
+            '[[figure]]\nname = "W-small"\nfile = "a.json"\n'
+            '[[figure]]\nname = "W-small, int8"\nfile = "q.json"\nbaseline = "a.json"\n'
+            '[[figure]]\nname = "W-serve"\nfile = "serve.json"\noffline = "a.json"\n')
+    page = tmp_path / "page.md"
+    page.write_text("# B\n\nintro\n\n<!-- figures: rendered by scripts/bench_page.py from benchmarks/results/; do not "
+                    "edit by hand -->\nstale\n<!-- end of figures -->\n\ntail\n")
+    args = ("--page", str(page), "--results", str(tmp_path / "results"))
+    assert "is not current" in start("bench_page.py", *args, "--check").stderr
+    run_script("bench_page.py", *args)
+    text = page.read_text()
+    rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| W-")}
+    assert "| 6.000 | 167 | 83.3% of 5.00 s | vLLM 0.24.0: 7.50 s, 133 tok/s; llmserve **1.25×** | [run2]" in rows["W-small"]
+    assert "| 9.000 |" in rows["W-large"] and "[run1]" in rows["W-large"]  # no newer run has it
+    assert "unquantized 6.00 s: **2.00×**" in rows["W-small, int8"]
+    assert "all at once: **90.0%** of the offline 167 tok/s" in rows["W-serve"]
+    assert text.index("[run2](benchmarks/results/run2/) | 2026-01-02 00:00 | GPU | abc2 | `run run2`") < text.index("[run1](benchmarks/results/run1/) | 2026-01-01")
+    assert "stale" not in text and text.startswith("# B\n\nintro") and text.endswith("tail\n")
+    assert "is current" in run_script("bench_page.py", *args, "--check")
 
 
 def test_train_builtin_model_on_a_tiny_corpus(tmp_path):

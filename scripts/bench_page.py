@@ -1,0 +1,180 @@
+"""BENCHMARKS.md's tables, rendered from the result files under benchmarks/results/.
+
+Each folder there is one device call: the JSON files the benchmarks wrote, and a run.toml that
+says when, where, at which commit and with which command they were measured, and which of them are
+the page's figures:
+
+    time = 2026-11-24T21:45:00Z
+    device = "NVIDIA H100 80GB HBM3"
+    commit = "25af406"
+    command = "SKIP_TESTS=1 bash scripts/gpu_suite.sh run peers"
+    what = "W-small and W-large with vLLM 0.24.0 in the same call"
+
+    [[figure]]
+    name = "W-small"                  # the row; the newest run that has a figure of this name wins
+    file = "w-small-vllm.json"
+    baseline = "w-small-none.json"    # optional: the same call's unmodified run, for a ratio
+    offline = "w-small.json"          # W-serve rows: the same call's offline run it is a fraction of
+
+A figure's kind follows from its file: `bench throughput` (offline), `bench serve`, the start-up
+benchmark's rows, or `bench quality`.
+
+    python scripts/bench_page.py [--check] [--page BENCHMARKS.md] [--results benchmarks/results]
+
+rewrites the part of the page between the two marker lines; --check only says whether it is current.
+"""
+
+import argparse
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN = "<!-- figures: rendered by scripts/bench_page.py from benchmarks/results/; do not edit by hand -->"
+END = "<!-- end of figures -->"
+
+
+def load_runs(results: Path) -> list[dict]:
+    """Every run folder's run.toml, with its figures' data loaded, oldest first."""
+    runs = []
+    for path in sorted(results.glob("*/run.toml")):
+        run = tomllib.loads(path.read_text())
+        run["id"] = path.parent.name
+        for fig in run.get("figure", []):
+            for key in ("file", "baseline", "offline"):
+                if key in fig:
+                    fig[key + "_data"] = json.loads((path.parent / fig[key]).read_text())
+        runs.append(run)
+    return sorted(runs, key=lambda r: r["time"])
+
+
+def kind(data) -> str:
+    if isinstance(data, list):
+        return "startup"
+    if "perplexity" in data:
+        return "quality"
+    return "serve" if "output_throughput" in data else "offline"
+
+
+def latest_figures(runs: list[dict]) -> dict[str, list[tuple[dict, dict]]]:
+    """Kind -> [(figure, its run)], one per figure name, from the newest run that has it, in the
+    order the names first appear."""
+    chosen: dict[str, tuple[dict, dict]] = {}
+    for run in runs:
+        for fig in run.get("figure", []):
+            chosen[fig["name"]] = (fig, run)
+    by_kind: dict[str, list] = {}
+    for fig, run in chosen.values():
+        by_kind.setdefault(kind(fig["file_data"]), []).append((fig, run))
+    return by_kind
+
+
+def link(run: dict) -> str:
+    return f"[{run['id']}](benchmarks/results/{run['id']}/)"
+
+
+def offline_rows(figs) -> list[str]:
+    rows = ["| figure | wall s | output tok/s | of roofline | compared in the same call | run |",
+            "|---|---|---|---|---|---|"]
+    for fig, run in figs:
+        d = fig["file_data"]
+        roof = f"{100 * d['roofline_fraction']:.1f}% of {d['roofline_s']:.2f} s"
+        if "roofline_sustained_fraction" in d:
+            roof += f" ({100 * d['roofline_sustained_fraction']:.1f}% at the sustained matmul rate)"
+        peers = []
+        for p in d.get("peers", {}).values():
+            if p.get("engine") == "vllm":
+                peers.append(f"vLLM {p['vllm_version']}: {p['wall_s']:.2f} s, {p['output_tok_s']:,.0f} tok/s; "
+                             f"llmserve **{p['speedup']:.2f}×**")
+            elif "speedup" in p:
+                peers.append(f"{p['peer']}: {p['output_tok_s']:,.0f} tok/s on {p['requests']} requests; "
+                             f"llmserve {p['speedup']:.1f}×")
+        if "baseline_data" in fig:
+            b = fig["baseline_data"]
+            peers.append(f"unquantized {b['wall_s']:.2f} s: **{b['wall_s'] / d['wall_s']:.2f}×**")
+        rows.append(f"| {fig['name']} | {d['wall_s']:.3f} | {d['output_tok_s']:,.0f} | {roof} | "
+                    f"{'; '.join(peers) or '—'} | {link(run)} |")
+    return rows
+
+
+def serve_rows(figs) -> list[str]:
+    def ms(stat: dict) -> str:
+        return f"{stat['median']:.1f} / {stat['p99']:.1f}"
+
+    rows = ["| figure | output tok/s | arrivals | TTFT ms (median / p99) | TPOT ms | ITL ms | completed | run |",
+            "|---|---|---|---|---|---|---|---|"]
+    for fig, run in figs:
+        d, off = fig["file_data"], fig["offline_data"]
+        # at rate inf the server's throughput is a fraction of the offline engine's in the same call
+        arrivals = (f"all at once: **{100 * d['output_throughput'] / off['output_tok_s']:.1f}%** of the offline "
+                    f"{off['output_tok_s']:,.0f} tok/s" if d["rate"] == float("inf")
+                    else f"Poisson, {d['rate']:.1f} requests/s")
+        rows.append(f"| {fig['name']} | {d['output_throughput']:,.0f} | {arrivals} | "
+                    f"{ms(d['ttft_ms'])} | {ms(d['tpot_ms'])} | {ms(d['itl_ms'])} | "
+                    f"{d['completed']} of {d['requests']} | {link(run)} |")
+    return rows
+
+
+def startup_rows(figs) -> list[str]:
+    rows = ["| figure | seconds to /health 200 | run |", "|---|---|---|"]
+    for fig, run in figs:
+        rows.append(f"| {fig['name']} | " + "; ".join(f"{r['ready_s']:.1f} ({'cold' if r['cold'] else 'warm'})"
+                                                       for r in fig["file_data"]) + f" | {link(run)} |")
+    return rows
+
+
+def quality_rows(figs) -> list[str]:
+    rows = ["| weights | built-in model's perplexity | W-small logits: cosine / top-1 agreement with bf16 | "
+            "W-large logits | run |", "|---|---|---|---|---|"]
+    for fig, run in figs:
+        d = fig["file_data"]
+        for method, p in d["perplexity"].items():
+            agree = [f"{d['logits'][w][method]['cosine']:.4f} / {100 * d['logits'][w][method]['top1_agreement']:.1f}%"
+                     if method in d["logits"][w] else "(the reference)" for w in ("w-small", "w-large")]
+            rows.append(f"| {'bf16' if method == 'none' else method} | {p['perplexity']:.2f} | {' | '.join(agree)} | "
+                        f"{link(run)} |")
+    return rows
+
+
+def render(runs: list[dict]) -> str:
+    figs = latest_figures(runs)
+    parts = []
+    for title, key, rows in (("Offline throughput", "offline", offline_rows), ("Serving", "serve", serve_rows),
+                             ("Start-up", "startup", startup_rows), ("Quantization quality", "quality", quality_rows)):
+        if key in figs:
+            parts.append(f"### {title}\n\n" + "\n".join(rows(figs[key])))
+    index = ["| run | time | device | commit | command | what |", "|---|---|---|---|---|---|"]
+    for run in reversed(runs):
+        index.append(f"| {link(run)} | {run['time']:%Y-%m-%d %H:%M} | {run['device']} | {run['commit']} | "
+                     f"`{run['command']}` | {run['what']} |")
+    parts.append("### Runs\n\nEvery folder under `benchmarks/results/`, newest first.\n\n" + "\n".join(index))
+    return "\n\n".join(parts)
+
+
+def replace_section(page: str, body: str) -> str:
+    head, sep, rest = page.partition(BEGIN)
+    if not sep or END not in rest:
+        raise SystemExit(f"the page lacks the marker lines {BEGIN!r} and {END!r}")
+    return f"{head}{BEGIN}\n\n{body}\n\n{END}{rest.split(END, 1)[1]}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Render BENCHMARKS.md's tables from benchmarks/results/.")
+    ap.add_argument("--page", type=Path, default=ROOT / "BENCHMARKS.md")
+    ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the page's tables differ from the files")
+    args = ap.parse_args()
+    page = args.page.read_text()
+    new = replace_section(page, render(load_runs(args.results)))
+    if args.check:
+        if new != page:
+            sys.exit(f"{args.page} is not current: run python scripts/bench_page.py")
+        print(f"{args.page} is current")
+    elif new != page:
+        args.page.write_text(new)
+        print(f"{args.page} rewritten")
+
+
+if __name__ == "__main__":
+    main()
