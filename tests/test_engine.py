@@ -139,6 +139,8 @@ def test_seeded_sampling_survives_preemption(checkpoint):
              reserve_growth=False, log_interval_s=0) as tight:
         got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
         assert tight.engine.scheduler.num_preemptions > 0
+        kv = tight.engine.kv  # what the preempted requests' tokens were kept in is gone with them
+        assert kv.parked == {} and kv.requests == {} and kv.num_free_blocks() == kv.pool.num_blocks
     assert got == expected
     # Admission that keeps room for the running requests' growth: the same pool, nothing preempted.
     with LLM(path, dtype="float32", device="cpu", block_size=4, num_blocks=20, max_model_len=64,

@@ -1,5 +1,5 @@
 from llmserve.core.kv_cache_manager import KVCacheManager
-from llmserve.messages import Admission, ScheduledRequest, StepProposal
+from llmserve.messages import PLACEHOLDER, Admission, ScheduledRequest, StepProposal
 from llmserve.sampling_params import SamplingParams
 
 
@@ -72,6 +72,30 @@ def test_preempts_lowest_priority_when_pool_runs_dry():
     assert fb.preempted == ["b"] and list(fb.scheduled) == ["a"]
     assert kv.requests["a"].block_ids.tolist() == [0, 1, 3]  # b's freed tail block went to a
     assert "b" not in kv.requests and plan.req_ids == ["a"]
+
+
+def test_a_preempted_request_is_readmitted_with_the_tokens_it_was_sent_before():
+    """Preempted while its token was in flight (a PLACEHOLDER last), it keeps its tokens here: its
+    re-admission carries only that token, which takes the placeholder's place."""
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    kv.process(StepProposal(0, [admit("a", range(4), 4, (0, 0.0, 0)), admit("b", range(10, 14), 4, (0, 1.0, 1))]))
+    _, fb = kv.process(StepProposal(1, [decode("a", 1, (0, 0.0, 0)), decode("b", PLACEHOLDER, (0, 1.0, 1))]))
+    assert fb.preempted == ["b"] and kv.parked["b"].tolist() == [10, 11, 12, 13, PLACEHOLDER]
+    kv.process(StepProposal(2, [], freed=["a"]))
+    readmit = ScheduledRequest("b", 5, [99], (0, 1.0, 1), Admission(4, SamplingParams(), False))
+    plan, fb = kv.process(StepProposal(3, [readmit]))
+    assert list(fb.scheduled) == ["b"] and "b" not in kv.parked
+    assert plan.token_ids.tolist() == [10, 11, 12, 13, 99] and plan.sample.tolist() == [True]
+    assert plan.new_sequences["b"].prompt_token_ids.tolist() == [10, 11, 12, 13]
+
+
+def test_a_parked_request_that_finishes_leaves_nothing_behind():
+    kv = KVCacheManager(num_blocks=3, block_size=2)
+    kv.process(StepProposal(0, [admit("a", range(4), 4, (0, 0.0, 0))]))
+    _, fb = kv.process(StepProposal(1, [decode("a", 1, (0, 0.0, 0)), admit("b", range(10, 16), 6, (0, 1.0, 1))]))
+    assert fb.not_admitted == ["b"] and kv.parked["b"].tolist() == list(range(10, 16))
+    kv.process(StepProposal(2, [], freed=["a", "b"]))
+    assert kv.parked == {} and kv.requests == {} and kv.num_free_blocks() == 3
 
 
 def test_new_request_that_does_not_fit_stays_waiting():

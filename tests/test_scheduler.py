@@ -21,7 +21,7 @@ def accept_all(s, proposal):
     for e in proposal.entries:
         req = s.requests[e.req_id]
         before = req.num_computed
-        sched[e.req_id] = (before, e.num_tokens, before + e.num_tokens == len(req.token_ids) + req.pending)
+        sched[e.req_id] = (before, e.num_tokens, before + e.num_tokens == req.num_tokens + req.pending)
     s.on_feedback(StepFeedback(proposal.step_id, sched, [], [], {}, 0.0, 0, 0))
 
 
@@ -77,7 +77,9 @@ def test_stop_conditions():
     assert s.schedule().freed == ["eos", "len", "stoptok"]
 
 
-def test_preempted_request_requeues_and_resends_all_tokens():
+def test_preempted_request_requeues_and_sends_no_token_twice():
+    """The KV manager keeps a preempted request's tokens: re-admitted, it computes all four again,
+    and is sent only what was sampled since its last proposal (nothing here)."""
     s = make_scheduler()
     add(s, "a", 3, 0.0)
     p = s.schedule()
@@ -88,7 +90,7 @@ def test_preempted_request_requeues_and_resends_all_tokens():
     assert s.requests["a"].status == RequestStatus.PREEMPTED and s.num_preemptions == 1
     p = s.schedule()
     [e] = p.entries
-    assert e.admitted is not None and list(e.new_token_ids) == [1, 2, 3, 42] and e.num_tokens == 4
+    assert e.admitted is not None and list(e.new_token_ids) == [] and e.num_tokens == 4
 
 
 def test_abort_removes_request_and_frees_next_step():

@@ -70,6 +70,9 @@ class KVCacheManager:
         self.budget_share = 1.0
         """Running mean of the share of their budget (up to RESERVE_HORIZON tokens) finished requests used."""
         self.requests: dict[str, KVRequest] = {}
+        self.parked: dict[str, array] = {}
+        """Tokens of requests that hold no blocks (preempted, or left waiting): the scheduler sends a
+        request's tokens once, and re-admitting it later sends only those sampled since."""
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens found in the cache
 
@@ -163,6 +166,7 @@ class KVCacheManager:
 
     def free(self, req_id: str) -> None:
         """A finished (or aborted) request's blocks back; what it used of its budget updates the mean."""
+        self.parked.pop(req_id, None)
         req = self.requests.pop(req_id, None)
         if req is None:
             return
@@ -175,8 +179,12 @@ class KVCacheManager:
     def _preempt(self, req: KVRequest, preempted: list[str]) -> None:
         """Take a request's blocks back; it recomputes later (its full blocks stay cached)."""
         self.pool.free(req.block_ids)
-        self.requests.pop(req.req_id, None)
+        self._park(req.req_id)
         preempted.append(req.req_id)
+
+    def _park(self, req_id: str) -> None:
+        """Keep the tokens of a request that gives up (or never got) its blocks."""
+        self.parked[req_id] = self.requests.pop(req_id).token_ids
 
     def _fit(self, req: KVRequest, num_tokens: int, *, admitting: bool, preempted: list[str],
              ahead: int | None = None) -> int | None:
@@ -242,7 +250,7 @@ class KVCacheManager:
                 continue
             if n == WAIT:  # an earlier new request waits for room: so do the ones after it
                 not_admitted.append(e.req_id)
-                del self.requests[e.req_id]
+                self._park(e.req_id)
                 waiting_for_room = True
                 continue
             if n is None:
@@ -252,7 +260,7 @@ class KVCacheManager:
                         continue
                     if rest.admitted is not None:
                         not_admitted.append(rest.req_id)
-                        del self.requests[rest.req_id]
+                        self._park(rest.req_id)
                     else:
                         self._preempt(self.requests[rest.req_id], preempted)
                 break
@@ -278,12 +286,20 @@ class KVCacheManager:
         return plan, feedback
 
     def _take_tokens(self, e: ScheduledRequest) -> None:
-        """A new entry becomes a KVRequest; a running one appends the tokens sampled since."""
+        """An admitted entry becomes a KVRequest (with its parked tokens if it had been admitted
+        before); a running one appends the tokens sampled since. A PLACEHOLDER last stands for the
+        token then in flight: the real one leads the next tokens sent."""
         adm = e.admitted
         if adm is not None:
+            tokens = self.parked.pop(e.req_id, None)
+            if tokens is None:
+                tokens = array("q")
+            elif tokens and tokens[-1] == PLACEHOLDER:
+                tokens.pop()
+            tokens.extend(e.new_token_ids)
             salt = adm.cache_salt
             budget = self.max_model_len if adm.params.max_tokens is None else adm.prompt_len + adm.params.max_tokens
-            self.requests[e.req_id] = KVRequest(e.req_id, array("q", e.new_token_ids), e.priority_key,
+            self.requests[e.req_id] = KVRequest(e.req_id, tokens, e.priority_key,
                                                 adm.use_prefix_cache,
                                                 _ROOT_HASH if salt is None else hash((_ROOT_HASH, salt)),
                                                 prompt_len=adm.prompt_len,
@@ -291,12 +307,13 @@ class KVCacheManager:
         else:
             req = self.requests[e.req_id]
             if req.token_ids[-1] == PLACEHOLDER:
-                req.token_ids.pop()  # resolved: the real token leads new_token_ids
+                req.token_ids.pop()
             req.token_ids.extend(e.new_token_ids)
             self._hash_full_blocks(req)
 
     def _fail(self, req_id: str, exc: Exception, failed: dict[str, str]) -> None:
         failed[req_id] = f"KV cache manager: {type(exc).__name__}: {exc}"
+        self.parked.pop(req_id, None)
         if (req := self.requests.pop(req_id, None)) is not None:
             self.pool.free(req.block_ids)
 

@@ -34,16 +34,18 @@ class RequestStatus(IntEnum):
 @dataclass(slots=True, eq=False)
 class Request:
     req_id: str
-    token_ids: array
-    """Prompt and sampled tokens (int64: one buffer the garbage collector does not scan)."""
+    num_tokens: int
+    """Prompt and sampled tokens known here."""
+    unsent: array
+    """Known tokens the KV manager has not been sent yet (int64: a buffer the garbage collector does
+    not scan): the prompt until the first proposal, then the tokens sampled since the last one. The
+    KV manager keeps every token it was sent, across preemption too, so none is sent twice."""
     prompt_len: int
     params: SamplingParams
     key: tuple[int, float, int]
     """Policy order: (priority, arrival, sequence number); smaller runs first."""
     status: RequestStatus = RequestStatus.WAITING
     num_computed: int = 0
-    num_sent: int = 0
-    """Known tokens the KV manager has been told about."""
     pending: int = 0
     """Tokens sampled by steps in flight, not yet known here."""
     num_cached_tokens: int = 0
@@ -54,7 +56,7 @@ class Request:
 
     @property
     def num_output(self) -> int:
-        return len(self.token_ids) - self.prompt_len
+        return self.num_tokens - self.prompt_len
 
 
 class Scheduler:
@@ -81,7 +83,8 @@ class Scheduler:
 
     def add(self, new: NewRequest) -> None:
         priority = new.priority if self.policy == "priority" else 0
-        req = Request(new.req_id, array("q", new.prompt_token_ids), len(new.prompt_token_ids), new.params,
+        prompt = array("q", new.prompt_token_ids)
+        req = Request(new.req_id, len(prompt), prompt, len(prompt), new.params,
                       (priority, new.arrival, next(self._seq)), group=new.group)
         self.requests[req.req_id] = req
         bisect.insort(self.waiting, req, key=lambda r: r.key)
@@ -126,10 +129,9 @@ class Scheduler:
                 if seats == 0 or req.pending:
                     continue
                 seats -= 1
-                req.num_sent = 0
             elif req.pending and self._is_last(req):
                 continue
-            n = min(len(req.token_ids) + req.pending - req.num_computed, budget)
+            n = min(req.num_tokens + req.pending - req.num_computed, budget)
             admission = None
             if admitting:
                 # Siblings of an n > 1 request share prompt blocks even with prefix caching off,
@@ -138,9 +140,9 @@ class Scheduler:
                 use_cache = shared and req.params.prompt_logprobs is None
                 salt = None if self.enable_prefix_caching else req.group
                 admission = Admission(req.prompt_len, req.params, use_cache, salt)
-            new_tokens = req.token_ids[req.num_sent:] + _PLACEHOLDER * req.pending
+            new_tokens = req.unsent + _PLACEHOLDER * req.pending
             entries.append(ScheduledRequest(req.req_id, n, new_tokens, req.key, admission))
-            req.num_sent = len(req.token_ids)
+            req.unsent = array("q")
             budget -= n
         freed, self._to_free = self._to_free, []
         return StepProposal(next(self._step), entries, freed)
@@ -149,7 +151,7 @@ class Scheduler:
         """The token in flight ends the request by length."""
         p = req.params
         return ((p.max_tokens is not None and req.num_output + req.pending >= p.max_tokens)
-                or len(req.token_ids) + req.pending >= self.max_model_len)
+                or req.num_tokens + req.pending >= self.max_model_len)
 
     def on_feedback(self, fb: StepFeedback) -> EngineOutputs:
         """Follow what the KV manager did with the proposal; the requests it failed end here."""
@@ -176,13 +178,8 @@ class Scheduler:
                 bisect.insort(self.waiting, req, key=lambda r: r.key)
             req.status = RequestStatus.PREEMPTED
             req.num_computed = 0
-            req.num_sent = 0
             req.num_preemptions += 1
             self.num_preemptions += 1
-        for req_id in fb.not_admitted:
-            req = self.requests.get(req_id)
-            if req is not None:
-                req.num_sent = 0
         return self.fail(fb.failed)
 
     def fail(self, errors: dict[str, str]) -> EngineOutputs:
@@ -202,7 +199,8 @@ class Scheduler:
             if req is None:
                 continue  # finished while the step ran: its token is discarded
             req.pending -= 1
-            req.token_ids.append(token)
+            req.num_tokens += 1
+            req.unsent.append(token)
             self.generation_tokens += 1
             update = SequenceUpdate(req_id, [token], num_cached_tokens=req.num_cached_tokens,
                                     queue_time_s=req.queue_time_s)
@@ -221,7 +219,7 @@ class Scheduler:
             status, update.finish_reason = RequestStatus.FINISHED_STOPPED, "stop"
         elif past_min and token in p.stop_token_ids:
             status, update.finish_reason, update.stop_reason = RequestStatus.FINISHED_STOPPED, "stop", token
-        elif (p.max_tokens is not None and req.num_output >= p.max_tokens) or len(req.token_ids) >= self.max_model_len:
+        elif (p.max_tokens is not None and req.num_output >= p.max_tokens) or req.num_tokens >= self.max_model_len:
             status, update.finish_reason = RequestStatus.FINISHED_LENGTH, "length"
         else:
             return
