@@ -115,10 +115,10 @@ run)
     elif [ "$bench" = ab-serve ]; then
         # W-serve at rate inf, the working tree's server and BASE's alternately, AB_RUNS (2) rounds,
         # each with its engine process (engine_process = true) and on one loop (false; AB_PROCS=true:
-        # the engine process only).
+        # the engine process only; AB_ORDER="base new": base first in each round).
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-base .whl/base/*.whl
         "$PY" -c 'from llmserve.bench.workloads import w_small; w_small().write_model_dir("/tmp/w-small-model")'
-        for i in $(seq 1 "${AB_RUNS:-2}"); do for proc in ${AB_PROCS:-true false}; do for side in new base; do
+        for i in $(seq 1 "${AB_RUNS:-2}"); do for proc in ${AB_PROCS:-true false}; do for side in ${AB_ORDER:-new base}; do
             if [ $side = new ]; then site=/tmp/site; else site=/tmp/site-base:/tmp/site; fi
             printf '[model]\nmodel = "/tmp/w-small-model"\nload_format = "dummy"\n[scheduler]\nlog_interval_s = 0\n[server]\nport = 8000\nmax_waiting_requests = 100000\nengine_process = %s\n' "$proc" > /tmp/w-serve.toml
             PYTHONPATH=$site "$PY" -m llmserve.cli --config /tmp/w-serve.toml > "$OUT/w-serve-server-$side-$proc-$i.log" 2>&1 &
