@@ -59,8 +59,9 @@ class ScheduledRequest:
     num_tokens: int
     """Tokens the scheduler wants computed this step; a prefix-cache hit may shrink it."""
     new_token_ids: array
-    """(int64) Tokens the KV manager has not seen yet: the whole sequence when admitted, else the sampled
-    ones since; replaces a trailing PLACEHOLDER the KV manager holds, and may end in a new one."""
+    """(int64) Tokens the KV manager has not been sent yet: the prompt in the request's first proposal,
+    then those sampled since (a re-admitted request's earlier tokens are kept there); replaces a
+    trailing PLACEHOLDER the KV manager holds, and may end in a new one."""
     priority_key: tuple[int, float, int]
     admitted: "Admission | None" = None
     """Set when the request (re)enters the running set this step."""
