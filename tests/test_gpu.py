@@ -201,3 +201,26 @@ def test_pinned_ring_copies_survive_wrapping_behind_a_busy_stream():
     torch.cuda.synchronize()
     assert all(np.array_equal(a, g.cpu().numpy()) for a, g in zip(sent, got))
     assert all(g.dtype == torch.from_numpy(a).dtype for a, g in zip(sent, got))
+
+
+def test_cuda_structured_outputs_validate_beside_unconstrained_requests(checkpoint):
+    """Masks applied on the device, in bf16 with CUDA graphs: every constrained output validates,
+    and the unconstrained requests of the same steps keep the tokens they have alone."""
+    import json
+
+    import jsonschema
+    from test_structured_outputs import SCHEMAS
+
+    from llmserve import StructuredOutputsParams
+
+    free = [SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True) for i in range(4)]
+    constrained = [SamplingParams(temperature=1.0, seed=s, max_tokens=80,
+                                  structured_outputs=StructuredOutputsParams(json=schema))
+                   for schema in SCHEMAS for s in range(2)]
+    with LLM(checkpoint("llama"), dtype="bfloat16", device="cuda", num_blocks=4096, log_interval_s=0) as llm:
+        alone = [o.outputs[0].token_ids for o in llm.generate(["a b c"] * 4, free, use_tqdm=False)]
+        outs = llm.generate(["a b c"] * 4 + ["d"] * len(constrained), free + constrained, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:4]] == alone
+    for out, p in zip(outs[4:], constrained):
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), p.structured_outputs.json)

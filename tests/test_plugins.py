@@ -95,6 +95,27 @@ def test_llmserve_register_quantization_methods():
             pm.unregister(clash)
 
 
+def test_llmserve_register_decoding_strategies():
+    class Reg:
+        @hookimpl
+        def llmserve_register_decoding_strategies(self, register):
+            register("toy", object())
+
+    pm = get_plugin_manager()
+    reg, clash = Reg(), Reg()
+    pm.register(reg, name="reg")
+    try:
+        plugins = Plugins()
+        assert {"toy", "structured_outputs"} <= set(plugins.decoding_strategies())
+        pm.register(clash, name="clash")
+        with pytest.raises(RuntimeError, match="'toy' registered by both"):
+            plugins.decoding_strategies()
+    finally:
+        for plugin in (reg, clash):
+            if pm.is_registered(plugin):
+                pm.unregister(plugin)
+
+
 def test_misspelled_hook_implementation_fails_loudly():
     pm = pluggy.PluginManager("llmserve")
     pm.add_hookspecs(hookspecs)
@@ -199,7 +220,8 @@ def test_third_party_package_is_discovered_selectable_and_runs(example_installed
     rows = {r["name"]: r for r in map(json.loads, listing.stdout.splitlines())}
     assert rows["int4_example"] == {
         "name": "int4_example", "source": "llmserve-int4-example 0.1.0", "status": "loaded",
-        "hooks": ["llmserve_register_quantization_methods"], "quantization_methods": ["int4-rtn"]}
+        "hooks": ["llmserve_register_decoding_strategies", "llmserve_register_quantization_methods"],
+        "quantization_methods": ["int4-rtn"], "decoding_strategies": ["allowed_token_ids"]}
     generate = run_with(example_installed, f"""
 import json, torch
 from llmserve import LLM, SamplingParams
@@ -214,6 +236,22 @@ with LLM({path!r}, device="cpu", quantization="int4-rtn", log_interval_s=0) as l
     result = json.loads(generate.stdout.splitlines()[-1])
     assert result["method"] == "int4-rtn" and result["qweight"] == "torch.uint8" and len(result["tokens"]) == 6
     assert result["shape"][1] == 32  # 64 input features, two 4-bit weights a byte
+    constrained = run_with(example_installed, f"""
+import json
+from llmserve import LLM, SamplingParams
+with LLM({path!r}, device="cpu", log_interval_s=0) as llm:
+    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, extra_args={{"allowed_token_ids": [5, 77, 300]}})
+              for s in range(4)]
+    print(json.dumps([o.outputs[0].token_ids for o in llm.generate(["The quick brown fox"] * 4, params, use_tqdm=False)]))
+    try:
+        llm.generate(["x"], SamplingParams(extra_args={{"allowed_token_ids": [-1]}}), use_tqdm=False)
+    except ValueError as exc:
+        print(exc)
+""")
+    assert constrained.returncode == 0, constrained.stderr
+    tokens = json.loads(constrained.stdout.splitlines()[-2])
+    assert all(set(t) <= {5, 77, 300} and t for t in tokens) and len({tuple(t) for t in tokens}) > 1
+    assert "extra_args.allowed_token_ids must be a non-empty list of token ids" in constrained.stdout.splitlines()[-1]
     blocked = run_with(example_installed, f"""
 from llmserve import LLM
 LLM({path!r}, device="cpu", quantization="int4-rtn")

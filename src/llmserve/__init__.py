@@ -3,8 +3,8 @@
 from llmserve.config import EngineConfig
 from llmserve.entrypoints.llm import LLM
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

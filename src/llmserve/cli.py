@@ -83,6 +83,7 @@ def _plugins(argv: list[str]) -> int:
             print(json.dumps(row))
             continue
         provides = [f"quantization: {', '.join(row['quantization_methods'])}"] if row["quantization_methods"] else []
+        provides += [f"decoding: {', '.join(row['decoding_strategies'])}"] if row["decoding_strategies"] else []
         provides += [f"hooks: {', '.join(row['hooks'])}"]
         print(f"{row['name']:<16} {row['status']:<22} {row['source'] or '-':<28} {'; '.join(provides)}")
     return 0

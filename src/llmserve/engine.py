@@ -181,6 +181,9 @@ class Frontend(abc.ABC):
             self._tokenizer.set_result(None)
         self._requests_in: ObjectSendStream | None = None
         self._stop: anyio.Event | None = None
+        self.strategies: dict[str, Any] = {}
+        """Decoding strategies (llmserve/decoding.py) the request actor prepares requests for: none
+        where the executor runs in another process (what they prepare does not cross it yet)."""
 
     @property
     def tokenizer(self) -> Any:
@@ -190,7 +193,7 @@ class Frontend(abc.ABC):
     def _request_actor(self, inbox: ObjectReceiveStream, to_scheduler: ObjectSendStream) -> RequestActor:
         return RequestActor(self.tokenizer, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
                             seed=self.config.model.seed, inbox=inbox, to_scheduler=to_scheduler,
-                            step_tokens=self.config.scheduler.max_num_batched_tokens)
+                            step_tokens=self.config.scheduler.max_num_batched_tokens, strategies=self.strategies)
 
     @abc.abstractmethod
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
@@ -309,8 +312,9 @@ class Engine(Frontend):
         self.dtype = resolve_dtype(m.dtype, self.spec, self.device)
         self.backend = self.plugins.select_backend(self.device, config)
         lap("config")
+        self.strategies = self.plugins.decoding_strategies()
         self.runner = ModelRunner(config, self.spec, self.backend, self.device, self.dtype, self.max_model_len,
-                                  self.quant)
+                                  self.quant, self.strategies)
         lap("weights")
         num_blocks = self.runner.determine_num_blocks()
         lap("profile_step")

@@ -46,3 +46,19 @@ def llmserve_register_quantization_methods(register: Callable[[str, Any], None])
 
     :param register: callback taking the method's name and its implementation object.
     """
+
+
+# ---- Decoding strategies ----------------------------------------------------------------------
+
+@hookspec
+def llmserve_register_decoding_strategies(register: Callable[[str, Any], None]) -> None:
+    """Register decoding strategies by calling ``register(name, strategy)``.
+
+    A strategy (the `llmserve.decoding.DecodingStrategy` protocol) constrains what the requests it
+    wants may sample next: it prepares each such request on the request side (on a worker thread:
+    a grammar's compilation) and keeps a `Constraint` per sample on the executor's side, which
+    fills the mask of tokens allowed next and accepts each token produced. Called for every plugin;
+    a name registered twice is a start-up error naming both plugins.
+
+    :param register: callback taking the strategy's name and its implementation object.
+    """

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +35,8 @@ class NewRequest:
     arrival: float = 0.0
     group: str | None = None
     """The parent request of one of n > 1 samples: siblings share prompt blocks."""
+    prepared: dict[str, Any] = field(default_factory=dict)
+    """Decoding strategy name -> what it prepared for this request (llmserve/decoding.py)."""
 
 
 @dataclass(slots=True)
@@ -74,6 +77,7 @@ class Admission:
     use_prefix_cache: bool
     cache_salt: str | None = None
     """Scopes prefix-cache sharing to requests with the same salt (siblings when caching is off)."""
+    prepared: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -94,6 +98,7 @@ class NewSequence:
     prompt_token_ids: array
     output_token_ids: array
     """int64, slices of the KV manager's copy."""
+    prepared: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

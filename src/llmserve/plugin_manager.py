@@ -34,6 +34,7 @@ DEFAULT_PLUGINS = {
     "cuda": "llmserve.plugins.cuda",
     "int8": "llmserve.plugins.int8",
     "fp8": "llmserve.plugins.fp8",
+    "structured_outputs": "llmserve.plugins.structured_outputs",
 }
 
 
@@ -132,16 +133,23 @@ class Plugins:
         """name -> factory(checkpoint_quantization_config) -> QuantizationMethod."""
         return {name: obj for name, (obj, _) in self._registry(self.pm.hook.llmserve_register_quantization_methods).items()}
 
+    def decoding_strategies(self) -> dict[str, Any]:
+        """name -> DecodingStrategy."""
+        return {name: obj for name, (obj, _) in self._registry(self.pm.hook.llmserve_register_decoding_strategies).items()}
+
     def describe(self) -> list[dict[str, Any]]:
         """One row per plugin, loaded or skipped: name, source, hooks, what it registers, status."""
         quant = self._registry(self.pm.hook.llmserve_register_quantization_methods)
+        decoding = self._registry(self.pm.hook.llmserve_register_decoding_strategies)
         sources = getattr(self.pm, "sources", {})
         rows = []
         for name, plugin in self.pm.list_name_plugin():
             hooks = sorted(h.name for h in self.pm.get_hookcallers(plugin) or [])
             rows.append({"name": name, "source": sources.get(name, "registered at run time"), "status": "loaded",
                          "hooks": hooks,
-                         "quantization_methods": sorted(m for m, (_, p) in quant.items() if p == name)})
+                         "quantization_methods": sorted(m for m, (_, p) in quant.items() if p == name),
+                         "decoding_strategies": sorted(d for d, (_, p) in decoding.items() if p == name)})
         for name, why in getattr(self.pm, "skipped", {}).items():
-            rows.append({"name": name, "source": "", "status": why, "hooks": [], "quantization_methods": []})
+            rows.append({"name": name, "source": "", "status": why, "hooks": [], "quantization_methods": [],
+                         "decoding_strategies": []})
         return rows

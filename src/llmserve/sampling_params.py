@@ -64,6 +64,38 @@ def _check_range(name: str, value: object, integer: bool = False) -> None:
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """Output constrained to a language: exactly one of the fields (vLLM's names). `json` is a JSON
+    schema (a dict or its text), `json_object` any JSON object, `regex` a regular expression,
+    `choice` one of the strings, `grammar` an EBNF (GBNF) grammar whose start rule is `root`."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            _fail("structured_outputs", "exactly one of json, regex, choice, grammar, json_object",
+                  given or "none of them")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            _fail("structured_outputs.json", "a JSON schema (an object or its text)", self.json)
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not (isinstance(getattr(self, name), str) and getattr(self, name)):
+                _fail(f"structured_outputs.{name}", "a non-empty string", getattr(self, name))
+        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            _fail("structured_outputs.choice", "a non-empty list of non-empty strings", self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None) \
+            if not self.json_object else "json_object"
+
+
+@dataclass(slots=True)
 class SamplingParams:
     n: int = 1
     """Independent samples of the same prompt; they share the prompt's KV blocks."""
@@ -90,6 +122,11 @@ class SamplingParams:
     """Top-k log-probabilities returned for each sampled token (plus the sampled one)."""
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, a regex, a choice or a grammar (decoding strategy
+    `structured_outputs`)."""
+    extra_args: dict | None = None
+    """Parameters for plugins: a third-party decoding strategy selects its requests by them."""
 
     def __post_init__(self) -> None:
         _check_range("n", self.n, integer=True)
@@ -137,6 +174,19 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_range(name, getattr(self, name), integer=True)
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            _fail("extra_args", "a mapping", self.extra_args)
+        if isinstance(self.structured_outputs, dict):
+            if unknown := set(self.structured_outputs) - {"json", "regex", "choice", "grammar", "json_object"}:
+                _fail("structured_outputs", "an object of json, regex, choice, grammar or json_object",
+                      sorted(unknown))
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                _fail("structured_outputs", "a StructuredOutputsParams", self.structured_outputs)
+            if self.ignore_eos:
+                _fail("ignore_eos", "false with structured_outputs (a complete output ends at its end)",
+                      self.ignore_eos)
 
     @property
     def greedy(self) -> bool:

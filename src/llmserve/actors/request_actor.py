@@ -123,8 +123,11 @@ class _Request:
 
 class RequestActor:
     def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, seed: int,
-                 inbox: ObjectReceiveStream, to_scheduler: ObjectSendStream, step_tokens: int) -> None:
+                 inbox: ObjectReceiveStream, to_scheduler: ObjectSendStream, step_tokens: int,
+                 strategies: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.strategies = strategies or {}
+        """Decoding strategies by name (llmserve/decoding.py): those a request wants prepare it."""
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.step_tokens = step_tokens  # the scheduler's token budget: a full step's prompt tokens
@@ -134,7 +137,7 @@ class RequestActor:
         self.requests: dict[str, _Request] = {}
         self.child_of: dict[str, tuple[_Request, int]] = {}
         self.ended: ShuttingDown | None = None
-        self._tokenizing: dict[str, Submit] = {}  # long prompts on a worker thread, not admitted yet
+        self._preparing: dict[str, Submit] = {}  # on a worker thread (long prompt, a grammar), not admitted yet
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -204,9 +207,11 @@ class RequestActor:
         arrivals: list[NewRequest] = []
         tokens = 0
         for sub in subs:
-            if isinstance(sub.prompt, str) and len(sub.prompt) > LONG_PROMPT_CHARS and self.tokenizer is not None:
-                self._tokenizing[sub.req_id] = sub
-                self._tasks.start_soon(self._submit_long, sub)
+            wanted = [name for name, strategy in self.strategies.items() if strategy.wants(sub.params)]
+            long = isinstance(sub.prompt, str) and len(sub.prompt) > LONG_PROMPT_CHARS and self.tokenizer is not None
+            if (wanted or long) and sub.req_id not in self.requests and sub.req_id not in self._preparing:
+                self._preparing[sub.req_id] = sub
+                self._tasks.start_soon(self._submit_prepared, sub, wanted, long)
                 continue
             tokens += self._accept(sub, arrivals)
             if tokens >= 2 * self.step_tokens:
@@ -216,38 +221,48 @@ class RequestActor:
         if arrivals:
             await self.to_scheduler.send(NewRequests(arrivals))
 
-    async def _submit_long(self, sub: Submit) -> None:
-        """A long text is tokenized on a worker thread (the tokenizer lets go of the interpreter
-        lock), so that the event loop and the other requests' outputs go on meanwhile."""
+    async def _submit_prepared(self, sub: Submit, wanted: list[str], long: bool) -> None:
+        """A long text is tokenized, and the decoding strategies the request wants prepare it
+        (compile its grammar), on a worker thread (both let go of the interpreter lock), so that
+        the event loop and the other requests' outputs go on meanwhile."""
+        def prepare() -> tuple[list[int] | None, dict[str, Any]]:
+            return (self._encode(sub) if long else None,
+                    {name: self.strategies[name].prepare(sub.params, self.tokenizer, self.vocab_size) for name in wanted})
         try:
-            encoded = await anyio.to_thread.run_sync(self._encode, sub)
+            encoded, prepared = await anyio.to_thread.run_sync(prepare)
         except Exception as exc:
-            encoded, error = None, exc
-        if self._tokenizing.pop(sub.req_id, None) is None:
+            encoded, prepared, error = None, None, exc
+        if self._preparing.pop(sub.req_id, None) is None:
             return  # aborted meanwhile (its slot says so)
-        if encoded is None:
+        if prepared is None:
+            if not isinstance(error, ValueError):
+                log.exception("request failed while prepared", request_id=sub.req_id, exc_info=error)
             sub.slot.put(error)
             return
         arrivals: list[NewRequest] = []
-        if self._accept(sub, arrivals, encoded):
+        if self._accept(sub, arrivals, encoded, prepared):
             await self.to_scheduler.send(NewRequests(arrivals))
 
     def _encode(self, sub: Submit) -> list[int]:
         return self.tokenizer.encode(sub.prompt, add_special_tokens=sub.add_special_tokens)
 
-    def _accept(self, sub: Submit, arrivals: list[NewRequest], encoded: list[int] | None = None) -> int:
+    def _accept(self, sub: Submit, arrivals: list[NewRequest], encoded: list[int] | None = None,
+                prepared: dict[str, Any] | None = None) -> int:
         """Admit one submission into `arrivals`; its prompt's length in tokens, or 0 when it is refused
         (its error then in its slot)."""
         if self.ended is not None:
             sub.slot.put(self.ended)
             return 0
-        if sub.req_id in self.requests:
+        if sub.req_id in self.requests or sub.req_id in self._preparing:
             sub.slot.put(ValueError(f"request_id {sub.req_id!r} is already in use"))
             return 0
         try:
             prompt, ids, engine_ids = self._tokenize(sub, encoded)
             self._validate(ids, sub.params, sub.strict_length)
-            self._admit(sub, prompt, ids, engine_ids, arrivals)
+            if sub.params.structured_outputs is not None and not prepared:
+                raise ValueError("structured_outputs: no decoding strategy of this engine serves it "
+                                 "(the structured_outputs plugin is blocked, or the engine runs in another process)")
+            self._admit(sub, prompt, ids, engine_ids, arrivals, prepared or {})
         except Exception as exc:  # this request's input broke something: it alone fails
             if not isinstance(exc, ValueError):
                 log.exception("request failed at admission", request_id=sub.req_id)
@@ -257,7 +272,7 @@ class RequestActor:
         return len(ids)
 
     def _admit(self, sub: Submit, prompt: str | None, ids: list[int], engine_ids: array,
-               arrivals: list[NewRequest]) -> None:
+               arrivals: list[NewRequest], prepared: dict[str, Any]) -> None:
         p = sub.params
         base_seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
         req = _Request(sub.req_id, prompt, ids, p, sub.slot,
@@ -274,11 +289,12 @@ class RequestActor:
             req.children.append(child_id)
             self.child_of[child_id] = (req, i)
             child_params = replace(p, n=1, seed=(base_seed + i) % 2**63)
-            arrivals.append(NewRequest(child_id, engine_ids, child_params, sub.priority, now, sub.req_id if p.n > 1 else None))
+            arrivals.append(NewRequest(child_id, engine_ids, child_params, sub.priority, now,
+                                       sub.req_id if p.n > 1 else None, prepared))
 
     async def _abort(self, req_id: str) -> None:
-        if (sub := self._tokenizing.pop(req_id, None)) is not None:  # never admitted: nothing runs yet
-            sub.slot.put(RequestFailed("aborted while its prompt was tokenized"))
+        if (sub := self._preparing.pop(req_id, None)) is not None:  # never admitted: nothing runs yet
+            sub.slot.put(RequestFailed("aborted while it was prepared (its prompt tokenized, its grammar compiled)"))
             return
         req = self.requests.get(req_id)
         if req is None:
@@ -384,9 +400,9 @@ class RequestActor:
         for req in list(self.requests.values()):
             req.slot.put(error)
             self._forget(req)
-        for sub in self._tokenizing.values():
+        for sub in self._preparing.values():
             sub.slot.put(error)
-        self._tokenizing.clear()
+        self._preparing.clear()
 
     async def _end_all(self, error: ShuttingDown) -> None:
         self.ended = error

@@ -337,7 +337,8 @@ class KVCacheManager:
             adm = e.admitted
             if adm is not None and e.req_id in self.requests:  # admitted and scheduled
                 tokens = self.requests[e.req_id].token_ids
-                new_sequences[e.req_id] = NewSequence(adm.params, tokens[:adm.prompt_len], tokens[adm.prompt_len:])
+                new_sequences[e.req_id] = NewSequence(adm.params, tokens[:adm.prompt_len], tokens[adm.prompt_len:],
+                                                      adm.prepared)
         return StepPlan(
             step_id=proposal.step_id,
             req_ids=[r.req_id for r in reqs],

@@ -53,6 +53,7 @@ class Request:
     queue_time_s: float | None = None
     group: str | None = None
     held_prompt_logprobs: list = field(default_factory=list)
+    prepared: dict = field(default_factory=dict)
 
     @property
     def num_output(self) -> int:
@@ -85,7 +86,7 @@ class Scheduler:
         priority = new.priority if self.policy == "priority" else 0
         prompt = array("q", new.prompt_token_ids)
         req = Request(new.req_id, len(prompt), prompt, len(prompt), new.params,
-                      (priority, new.arrival, next(self._seq)), group=new.group)
+                      (priority, new.arrival, next(self._seq)), group=new.group, prepared=new.prepared)
         self.requests[req.req_id] = req
         bisect.insort(self.waiting, req, key=lambda r: r.key)
 
@@ -139,7 +140,7 @@ class Scheduler:
                 shared = self.enable_prefix_caching or req.group is not None
                 use_cache = shared and req.params.prompt_logprobs is None
                 salt = None if self.enable_prefix_caching else req.group
-                admission = Admission(req.prompt_len, req.params, use_cache, salt)
+                admission = Admission(req.prompt_len, req.params, use_cache, salt, req.prepared)
             new_tokens = req.unsent + _PLACEHOLDER * req.pending
             entries.append(ScheduledRequest(req.req_id, n, new_tokens, req.key, admission))
             req.unsent = array("q")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import structlog
@@ -51,7 +52,8 @@ class InFlight:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, backend: AttentionBackend, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int, quant: QuantizationMethod | None = None) -> None:
+                 dtype: torch.dtype, max_model_len: int, quant: QuantizationMethod | None = None,
+                 strategies: dict[str, Any] | None = None) -> None:
         self.config, self.spec, self.backend, self.device, self.dtype = config, spec, backend, device, dtype
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
@@ -61,7 +63,7 @@ class ModelRunner:
         kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.kv = KVCacheLayout(spec, self.block_size, kv_dtype, device)
         self.staging = Staging(device)
-        self.sampling = SamplingState(list(spec.eos_token_ids), self.staging)
+        self.sampling = SamplingState(list(spec.eos_token_ids), self.staging, strategies)
         self.num_blocks = 0
         self.graphs: StepGraphs | None = None
         self.timing = StepTiming()
@@ -288,9 +290,13 @@ class ModelRunner:
             for i, lp in zip(want, to_token_logprobs([result.token_ids[i] for i in want], parts,
                                                      [flight.states[i].params.logprobs for i in want])):
                 result.logprobs[result.req_ids[i]] = lp
-        for state, token in zip(flight.states, result.token_ids):
-            state.output_ids.append(token)  # harmless for a request freed meanwhile: its state is gone
-            state.in_flight -= 1
+        for req_id, state, token in zip(result.req_ids, flight.states, result.token_ids):
+            try:  # harmless for a request freed meanwhile: its state is gone
+                state.accept(token)
+            except Exception as exc:  # a constraint that cannot take its own token: this request fails alone
+                log.exception("constraint failed", request_id=req_id)
+                result.failed[req_id] = f"{type(exc).__name__}: {exc}"
+                self.failed.add(req_id)
         return result
 
     def _fill_placeholders(self, plan: StepPlan, qsl: np.ndarray, previous: InFlight | None,

@@ -5,7 +5,8 @@ them, from the raw model output; the logits arrive in the model's dtype and are 
 for any of the steps below that change them, while the fused kernel upcasts as it reads):
 
     logit_bias -> min_tokens (stop ids masked) -> repetition penalty (prompt + output tokens)
-    -> presence / frequency penalties (output tokens) -> greedy rows: argmax
+    -> presence / frequency penalties (output tokens) -> constraints (tokens outside a decoding
+    strategy's mask masked) -> greedy rows: argmax
     -> random rows: a draw from softmax(logits / temperature), after min_p, top_k and top_p where asked
 
 Random draws come from a counter hash of (request seed, output index) (kernels/sampling.py): they
@@ -44,6 +45,9 @@ class SamplingBatch:
     penalties: "Penalties | None" = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, values
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, token ids masked by min_tokens
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Rows with constraints, and their packed masks (int32 [rows, ceil(V / 32)]: bit t % 32 of
+    word t // 32 set where token t may come next; llmserve/decoding.py)."""
     max_logprobs: int = -1  # most top-k logprobs any row wants; -1 for none
 
 
@@ -66,7 +70,8 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Everything before the choice of token: bias, min_tokens, penalties (float32 [B, V] where
     any applies; otherwise the logits as they are)."""
-    if batch.bias is not None or batch.banned is not None or batch.penalties is not None:
+    if (batch.bias is not None or batch.banned is not None or batch.penalties is not None
+            or batch.allowed is not None):
         logits = logits.float()
     if batch.bias is not None:
         rows, ids, vals = batch.bias
@@ -75,7 +80,16 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits.index_put(batch.banned, torch.full((), float("-inf"), device=logits.device))
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
+    if batch.allowed is not None:
+        rows, masks = batch.allowed
+        logits[rows] = logits[rows].masked_fill(~unpack_mask(masks, logits.shape[-1]), float("-inf"))
     return logits
+
+
+def unpack_mask(masks: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Packed int32 masks [R, W] -> bool [R, vocab]."""
+    bits = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32, device=masks.device)
+    return ((masks[:, :, None] & bits) != 0).reshape(masks.shape[0], -1)[:, :vocab]
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, draw_fn: DrawFn = sample_rows_reference,

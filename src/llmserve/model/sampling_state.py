@@ -10,11 +10,13 @@ queued before it. Here is where per-request constraints on the next token plug i
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
+from llmserve.decoding import Constraint, mask_width
 from llmserve.kernels.sampling import row_keys
 from llmserve.messages import NewSequence
 from llmserve.model.sampler import Penalties, SamplingBatch
@@ -34,34 +36,51 @@ class SeqState:
     output_ids: list[int]
     in_flight: int = 0  # tokens sampled by a launched step, not yet appended to output_ids
     bias: tuple[np.ndarray, np.ndarray] | None = None  # logit_bias as (int64 token ids, float32 values)
+    constraints: list[Constraint] = field(default_factory=list)
+    """The decoding strategies' constraints on what it samples next (llmserve/decoding.py)."""
 
     @classmethod
-    def of(cls, new: NewSequence) -> SeqState:
+    def of(cls, new: NewSequence, strategies: dict[str, Any]) -> SeqState:
         bias = new.params.logit_bias
         arrays = None if not bias else (np.fromiter(bias.keys(), np.int64, len(bias)),
                                         np.fromiter(bias.values(), np.float32, len(bias)))
-        return cls(new.params, new.prompt_token_ids, list(new.output_token_ids), bias=arrays)
+        state = cls(new.params, new.prompt_token_ids, list(new.output_token_ids), bias=arrays)
+        for name, prepared in new.prepared.items():
+            constraint = strategies[name].start(prepared)
+            for token in state.output_ids:  # a resumed request: its constraint catches up
+                constraint.accept(token)
+            state.constraints.append(constraint)
+        return state
+
+    def accept(self, token: int) -> None:
+        """A token it produced, now on the host."""
+        self.output_ids.append(token)
+        self.in_flight -= 1
+        for constraint in self.constraints:
+            constraint.accept(token)
 
     def reads_own_tokens(self) -> bool:
-        """Its next draw depends on its last token on the host: penalties count the output, and
-        min_tokens bans stop tokens until it is reached."""
-        return penalized(self.params) or len(self.output_ids) < self.params.min_tokens
+        """Its next draw depends on its last token on the host: penalties count the output,
+        min_tokens bans stop tokens until it is reached, a constraint's mask follows the output."""
+        return penalized(self.params) or len(self.output_ids) < self.params.min_tokens or bool(self.constraints)
 
 
 class SamplingState:
     """The SeqStates of the requests the executor runs, by request id."""
 
-    def __init__(self, eos_token_ids: list[int], staging: Staging) -> None:
+    def __init__(self, eos_token_ids: list[int], staging: Staging, strategies: dict[str, Any] | None = None) -> None:
         self.eos_token_ids = eos_token_ids
         self.staging = staging
+        self.strategies = strategies or {}
+        """Decoding strategies by name: a request's prepared ones start its constraints."""
         self.seqs: dict[str, SeqState] = {}
         self.host_sampled: set[str] = set()
         """Requests whose sampling may read their tokens on the host (penalties, min_tokens)."""
 
     def add(self, req_id: str, new: NewSequence) -> None:
         """A request that (re)enters the running set: its state is built anew from the plan."""
-        self.seqs[req_id] = state = SeqState.of(new)
-        if penalized(state.params) or state.params.min_tokens > 0:
+        self.seqs[req_id] = state = SeqState.of(new, self.strategies)
+        if penalized(state.params) or state.params.min_tokens > 0 or state.constraints:
             self.host_sampled.add(req_id)
 
     def drop(self, req_id: str) -> None:
@@ -118,7 +137,23 @@ class SamplingState:
         if banned:
             rows, toks = zip(*banned)
             batch.banned = (t(rows, np.int64), t(toks, np.int64))
+        constrained = [i for i, s in enumerate(states) if s.constraints]
+        if constrained:
+            batch.allowed = (t(constrained, np.int64), to_device(self._masks([states[i] for i in constrained], vocab)))
         return batch
+
+    @staticmethod
+    def _masks(states: list[SeqState], vocab: int) -> np.ndarray:
+        """int32 [len(states), words]: each row the tokens every constraint of its state allows next."""
+        masks = torch.full((len(states), mask_width(vocab)), -1, dtype=torch.int32)
+        scratch = torch.empty((1, masks.shape[1]), dtype=torch.int32)
+        for row, state in enumerate(states):
+            first, *rest = state.constraints
+            first.fill_mask(masks, row)
+            for constraint in rest:
+                constraint.fill_mask(scratch, 0)
+                masks[row] &= scratch[0]
+        return masks.numpy()
 
 
 def _scatter_rows(rows: list, vocab: int, dtype: torch.dtype, count: bool, staging: Staging) -> torch.Tensor:

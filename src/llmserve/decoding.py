@@ -1,0 +1,56 @@
+"""Decoding strategies: plugins that constrain what a request may sample next.
+
+A strategy is registered by name (hook `llmserve_register_decoding_strategies`) and lives on both
+sides of the engine:
+
+    request actor (has the tokenizer)                 executor (has the logits)
+    strategy.wants(params) ──yes──▶ strategy.prepare(params, tokenizer, vocab_size)
+                                    on a worker thread (grammar compilation is slow);
+                                    ValueError naming the field: the request's 400
+        the prepared object travels with the request (NewRequest → Admission → NewSequence)
+                                                      strategy.start(prepared) ─▶ Constraint
+                                                      each step the request samples in:
+                                                        constraint.fill_mask(bitmask, row)
+                                                        (after its last token was accepted)
+                                                      each token it produced:
+                                                        constraint.accept(token)
+
+The mask is packed: int32 words, bit t % 32 of word t // 32 set where token t may come next; the
+sampler sets every other token's logit to -inf. A request with a constraint reads its own last
+token on the host, so the executor finishes the step in flight before planning its next one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from llmserve.sampling_params import SamplingParams
+
+
+class Constraint(Protocol):
+    """One sample's state on the executor's side."""
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into row `row` of `bitmask` (int32 [rows, ceil(V / 32)], host)."""
+
+    def accept(self, token: int) -> None:
+        """Advance past a token the request produced (one the mask allowed)."""
+
+
+class DecodingStrategy(Protocol):
+    def wants(self, params: SamplingParams) -> bool:
+        """Whether requests with these parameters use this strategy."""
+
+    def prepare(self, params: SamplingParams, tokenizer: Any, vocab_size: int) -> Any:
+        """What the executor needs to start a request's constraints (e.g. a compiled grammar),
+        made on a worker thread; raises ValueError naming the bad field."""
+
+    def start(self, prepared: Any) -> Constraint:
+        """A fresh constraint for one sample, at the start of its output."""
+
+
+def mask_width(vocab_size: int) -> int:
+    """int32 words of a packed mask row."""
+    return -(-vocab_size // 32)

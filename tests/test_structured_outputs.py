@@ -1,0 +1,166 @@
+"""Structured outputs (the `structured_outputs` decoding strategy, through xgrammar) offline: every
+output parses and matches its schema, regex, choice or grammar, on a random-weight model, greedy and
+sampled; unconstrained neighbours are untouched; bad input names its field."""
+
+import json
+import re
+import time
+
+import anyio
+import jsonschema
+import pytest
+
+from llmserve import LLM, EngineConfig, SamplingParams
+from llmserve.engine import Engine
+from llmserve import StructuredOutputsParams as Structured
+
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                      "b": {"enum": ["x", "yy"]}, "c": {"type": "boolean"}},
+     "required": ["a", "b", "c"], "additionalProperties": False},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                      "tags": {"type": "array", "items": {"enum": ["p", "q"]}, "minItems": 1,
+                                               "maxItems": 3}},
+     "required": ["name", "tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": -5, "maximum": 5}, "y": {"type": "integer", "minimum": -5, "maximum": 5}},
+        "required": ["x", "y"], "additionalProperties": False}}, "required": ["point"], "additionalProperties": False},
+    {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[a-f0-9]{4}$"},
+                                      "kind": {"anyOf": [{"type": "boolean"}, {"enum": [1, 2, 3]}]}},
+     "required": ["id", "kind"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
+    {"enum": ["red", "green", "blue"]},
+]
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0) as llm:
+        yield llm
+
+
+def structured(temperature: float, seed: int = 0, max_tokens: int = 80, **kind) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
+                          structured_outputs=Structured(**kind))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_outputs_parse_and_validate(llm, temperature):
+    params = [structured(temperature, seed, json=schema) for schema in SCHEMAS for seed in range(3)]
+    outs = llm.generate(["the quick brown fox"] * len(params), params, use_tqdm=False)
+    for out, p in zip(outs, params):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion
+        jsonschema.validate(json.loads(completion.text), p.structured_outputs.json)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_regex_choice_and_grammar_outputs_match(llm, temperature):
+    regex, choices = r"[0-9]{3}-[a-c]+!", ["apple pie", "banana", "cherry"]
+    grammar = 'root ::= "(" item ("," item)* ")"\nitem ::= [a-z] | [0-9][0-9]?'
+    params = [structured(temperature, seed, regex=regex) for seed in range(3)]
+    params += [structured(temperature, seed, choice=choices) for seed in range(3)]
+    params += [structured(temperature, seed, grammar=grammar) for seed in range(3)]
+    outs = [o.outputs[0] for o in llm.generate(["hello"] * len(params), params, use_tqdm=False)]
+    assert all(o.finish_reason == "stop" for o in outs)
+    assert all(re.fullmatch(regex, o.text) for o in outs[:3])
+    assert all(o.text in choices for o in outs[3:6])
+    assert all(re.fullmatch(r"\((?:[a-z]|[0-9]{1,2})(?:,(?:[a-z]|[0-9]{1,2}))*\)", o.text) for o in outs[6:])
+
+
+def test_a_json_object_output_is_an_object(llm):
+    outs = llm.generate(["x"] * 4, [structured(0.7, seed, max_tokens=120, json_object=True) for seed in range(4)],
+                        use_tqdm=False)
+    done = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
+    assert done, "no output completed within max_tokens"
+    assert all(isinstance(json.loads(o.text), dict) for o in done)
+    assert all(o.outputs[0].text.startswith("{") for o in outs)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_unconstrained_requests_beside_constrained_ones_are_unchanged(checkpoint, async_scheduling):
+    free = [SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True) for i in range(3)]
+    prompts = ["one two", "three four five", "six"]
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0,
+             async_scheduling=async_scheduling) as llm:
+        alone = [o.outputs[0].token_ids for o in llm.generate(prompts, free, use_tqdm=False)]
+        mixed = llm.generate(prompts + ["seven"] * 2, free + [structured(1.0, 5, json=SCHEMAS[0]),
+                                                               structured(0.0, 0, regex=r"[a-z]{2,5}")],
+                             use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
+        jsonschema.validate(json.loads(mixed[3].outputs[0].text), SCHEMAS[0])
+        assert re.fullmatch(r"[a-z]{2,5}", mixed[4].outputs[0].text)
+
+
+def test_n_samples_and_preemption_keep_each_output_valid(checkpoint):
+    """Four samples of one request, in a pool small enough to preempt them: a resumed sample's
+    constraint catches up with the tokens it already has; outputs equal those of a roomy pool."""
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=60, structured_outputs=Structured(json=SCHEMAS[1]))
+    common = dict(dtype="float32", device="cpu", block_size=4, max_model_len=128, log_interval_s=0)
+    with LLM(checkpoint("llama"), **common) as roomy:
+        expected = [c.text for c in roomy.generate([prompt], params, use_tqdm=False)[0].outputs]
+    with LLM(checkpoint("llama"), num_blocks=36, reserve_growth=False, **common) as tight:
+        got = [c.text for c in tight.generate([prompt], params, use_tqdm=False)[0].outputs]
+        assert tight.engine.scheduler.num_preemptions > 0
+    assert got == expected
+    for text in got:
+        jsonschema.validate(json.loads(text), SCHEMAS[1])
+
+
+@pytest.mark.parametrize("kind, match", [
+    (dict(json={"type": "nope"}), r"structured_outputs\.json: .*nope"),
+    (dict(json="{not json"), r"structured_outputs\.json"),
+    (dict(regex="a("), r"structured_outputs\.regex: .*parenthesis"),
+    (dict(grammar="root ::= undefined_rule"), r"structured_outputs\.grammar"),
+])
+def test_a_bad_schema_regex_or_grammar_fails_its_request_alone(llm, kind, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["x"], SamplingParams(structured_outputs=Structured(**kind)), use_tqdm=False)
+    assert len(llm.generate(["x"], structured(0.0, regex="[0-9]{2}"), use_tqdm=False)[0].outputs[0].text) == 2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(structured_outputs={}), "exactly one of"),
+    (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "exactly one of"),
+    (dict(structured_outputs={"choice": []}), r"structured_outputs\.choice"),
+    (dict(structured_outputs={"regex": "a"}, ignore_eos=True), "ignore_eos"),
+    (dict(structured_outputs={"jsn": {}}), "structured_outputs"),
+])
+def test_structured_outputs_params_are_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_a_blocked_strategy_is_named_not_ignored(checkpoint):
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0,
+             block=["structured_outputs"]) as llm:
+        with pytest.raises(ValueError, match="no decoding strategy of this engine serves it"):
+            llm.generate(["x"], structured(0.0, regex="a+"), use_tqdm=False)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_request_aborted_while_its_grammar_compiles_never_runs(checkpoint, monkeypatch, anyio_backend):
+    config = EngineConfig.from_kwargs(model=checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0)
+    engine = Engine(config)
+    strategy = engine.strategies["structured_outputs"]
+    prepare = strategy.prepare
+    monkeypatch.setattr(strategy, "prepare", lambda *a: (time.sleep(0.3), prepare(*a))[1])
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        with anyio.move_on_after(0.05):  # the caller leaves while the grammar compiles
+            async for _ in engine.generate("hello", structured(0.0, regex="[a-z]{30}", max_tokens=40)):
+                pass
+        await anyio.sleep(0.6)
+        assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
+        assert engine.scheduler.generation_tokens == 0
+        engine.stop()
+
+
+def test_the_strategy_is_a_plugin_listed_with_the_others():
+    from llmserve.plugin_manager import Plugins
+
+    rows = {r["name"]: r for r in Plugins().describe()}
+    assert rows["structured_outputs"]["decoding_strategies"] == ["structured_outputs"]
+    assert "llmserve_register_decoding_strategies" in rows["structured_outputs"]["hooks"]
