@@ -6,13 +6,24 @@ tokenizer (xgrammar caches compiled grammars by their text, so a schema many req
 compiled once); each sample gets its own matcher on the executor's side, which fills the mask of
 tokens allowed next and advances over each token produced. The grammar's end admits only the
 end-of-sequence tokens, so a complete output stops there.
+
+Where the executor runs in another process (the server's engine process), a compiled grammar
+crosses as two files the request side writes once each into a private temporary folder: the
+tokenizer's vocabulary (5 MB for 150k tokens) and the compiled grammar (its token masks, ~2 MB for
+JSON); the request carries their paths, and the executor's side reads each once.
 """
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import json
+import os
 import re
+import shutil
+import tempfile
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -37,6 +48,87 @@ def json_schema_grammar(schema: str | dict) -> str:
                                                                                       _JSON_STRING_CHAR)
 
 
+class PreparedGrammar:
+    """A compiled grammar, and where to read it from in another process (written when first
+    pickled). `key` names the grammar's source (kind, text, tokenizer)."""
+
+    def __init__(self, compiled: Any, key: str, files: _Files) -> None:
+        self.compiled = compiled
+        self.key = key
+        self.files = files
+        self.paths: tuple[str, str] | None = None
+
+    def __getstate__(self) -> dict:
+        return {"paths": self.files.write(self.key, self.compiled)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.compiled, self.files, self.paths = None, None, state["paths"]
+
+
+class _Files:
+    """The request side's folder of serialized tokenizers and grammars, one file each, removed when
+    the process exits; the grammars of the `max_grammars` sources sent most recently are kept (a
+    client sending ever new schemas must not fill the disk)."""
+
+    def __init__(self, max_grammars: int = 512) -> None:
+        self._dir: str | None = None
+        self._written: OrderedDict[str, tuple[str, str]] = OrderedDict()  # key -> (tokenizer file, grammar file)
+        self._tokenizers: dict[int, str] = {}  # id(TokenizerInfo) -> its file
+        self.max_grammars = max_grammars
+        self._lock = threading.Lock()
+
+    def _file(self, text: str) -> str:
+        path = os.path.join(self._dir, hashlib.sha256(text.encode()).hexdigest()[:32] + ".json")
+        if not os.path.exists(path):
+            with open(path + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(path + ".tmp", path)
+        return path
+
+    def write(self, key: str, compiled: Any) -> tuple[str, str]:
+        with self._lock:
+            if key in self._written:
+                self._written.move_to_end(key)
+                return self._written[key]
+            if self._dir is None:
+                self._dir = tempfile.mkdtemp(prefix="llmserve-grammars-")
+                atexit.register(shutil.rmtree, self._dir, True)
+            info = compiled.tokenizer_info
+            if id(info) not in self._tokenizers:
+                self._tokenizers[id(info)] = self._file(info.serialize_json())
+            self._written[key] = paths = (self._tokenizers[id(info)], self._file(compiled.serialize_json()))
+            if len(self._written) > self.max_grammars:
+                _, (_, oldest) = self._written.popitem(last=False)
+                os.remove(oldest)
+            return paths
+
+
+class _Loaded:
+    """The executor's side in another process: tokenizers and compiled grammars read from files."""
+
+    def __init__(self, max_grammars: int = 64) -> None:
+        self.tokenizers: dict[str, Any] = {}
+        self.grammars: OrderedDict[str, Any] = OrderedDict()
+        self.max_grammars = max_grammars
+
+    def get(self, paths: tuple[str, str]) -> Any:
+        import xgrammar
+
+        tokenizer_path, grammar_path = paths
+        if grammar_path in self.grammars:
+            self.grammars.move_to_end(grammar_path)
+            return self.grammars[grammar_path]
+        if tokenizer_path not in self.tokenizers:
+            with open(tokenizer_path) as f:
+                self.tokenizers[tokenizer_path] = xgrammar.TokenizerInfo.deserialize_json(f.read())
+        with open(grammar_path) as f:
+            compiled = xgrammar.CompiledGrammar.deserialize_json(f.read(), self.tokenizers[tokenizer_path])
+        self.grammars[grammar_path] = compiled
+        if len(self.grammars) > self.max_grammars:
+            self.grammars.popitem(last=False)
+        return compiled
+
+
 class GrammarConstraint:
     def __init__(self, compiled: Any) -> None:
         import xgrammar
@@ -58,6 +150,8 @@ class StructuredOutputs:
     def __init__(self) -> None:
         self._compilers: dict[tuple[int, int], Any] = {}
         self._lock = threading.Lock()
+        self._files = _Files()
+        self._loaded = _Loaded()
 
     def wants(self, params: SamplingParams) -> bool:
         return params.structured_outputs is not None
@@ -72,29 +166,35 @@ class StructuredOutputs:
                 self._compilers[key] = (xgrammar.GrammarCompiler(info), tokenizer)  # keeps id() valid
             return self._compilers[key][0]
 
-    def prepare(self, params: SamplingParams, tokenizer: Any, vocab_size: int) -> Any:
+    def prepare(self, params: SamplingParams, tokenizer: Any, vocab_size: int) -> PreparedGrammar:
+        compiled, source = self._compile(params, tokenizer, vocab_size)
+        key = hashlib.sha256(f"{id(tokenizer)}:{vocab_size}:{source}".encode()).hexdigest()
+        return PreparedGrammar(compiled, key, self._files)
+
+    def _compile(self, params: SamplingParams, tokenizer: Any, vocab_size: int) -> tuple[Any, str]:
+        """(the compiled grammar, its source: the kind and text it was compiled from)."""
         if tokenizer is None:
             raise ValueError("structured_outputs: this model has no tokenizer to build a grammar's token masks from")
         spec = params.structured_outputs
         compiler = self._compiler(tokenizer, vocab_size)
         kind = spec.kind
         try:
-            if kind == "json":
-                return compiler.compile_grammar(json_schema_grammar(spec.json))
             if kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+                return compiler.compile_builtin_json_grammar(), kind
             if kind == "regex":
-                return compiler.compile_regex(spec.regex)
-            if kind == "choice":
-                return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
-            return compiler.compile_grammar(spec.grammar)
+                return compiler.compile_regex(spec.regex), f"regex:{spec.regex}"
+            ebnf = {"json": lambda: json_schema_grammar(spec.json),
+                    "choice": lambda: "root ::= " + " | ".join(json.dumps(c) for c in spec.choice),
+                    "grammar": lambda: spec.grammar}[kind]()
+            return compiler.compile_grammar(ebnf), f"ebnf:{ebnf}"
         except Exception as exc:  # xgrammar reports a bad schema, regex or grammar as a RuntimeError
             lines = str(exc).strip().splitlines() or [type(exc).__name__]
             reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[0])  # "[time] file.cc:line: "
             raise ValueError(f"structured_outputs.{kind}: {reason}") from None
 
-    def start(self, prepared: Any) -> GrammarConstraint:
-        return GrammarConstraint(prepared)
+    def start(self, prepared: PreparedGrammar) -> GrammarConstraint:
+        return GrammarConstraint(prepared.compiled if prepared.compiled is not None
+                                 else self._loaded.get(prepared.paths))
 
 
 @hookimpl

@@ -108,6 +108,37 @@ async def test_same_tokens_as_in_process_and_counters_arrive(checkpoint):
         os.kill(pid, 0)  # the child exited and was reaped
 
 
+async def test_structured_outputs_cross_to_the_child_as_files_written_once(checkpoint):
+    """A compiled grammar crosses the process boundary as files (the tokenizer's and the grammar's);
+    the child's outputs are the in-process engine's, and a schema sent again writes nothing new."""
+    import json
+    import os
+
+    from llmserve import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "w": {"enum": ["up", "down"]}}, "required": ["n", "w"]}
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, structured_outputs=StructuredOutputsParams(json=schema))
+    cfg = config(checkpoint("llama"))
+    prompts = [[5, 6, 7], [8, 9]]
+    in_process, child = await run_both(cfg, prompts, params)
+    assert child == in_process
+    engine = ProcessEngine(cfg)
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        outs = [await collect_text(engine, p, params) for p in prompts * 2]
+        folder = engine.strategies["structured_outputs"]._files._dir
+        assert sorted(os.listdir(folder)) and len(os.listdir(folder)) == 2  # one tokenizer, one grammar
+        engine.stop()
+    assert all(set(json.loads(text)) == {"n", "w"} for text in outs)
+
+
+async def collect_text(engine, prompt, params):
+    async for out in engine.generate(prompt, params):
+        last = out
+    return last.outputs[0].text
+
+
 async def test_abort_in_the_child_frees_blocks(checkpoint):
     engine = ProcessEngine(config(checkpoint("llama")))
     async with anyio.create_task_group() as tg:

@@ -164,3 +164,32 @@ def test_the_strategy_is_a_plugin_listed_with_the_others():
     rows = {r["name"]: r for r in Plugins().describe()}
     assert rows["structured_outputs"]["decoding_strategies"] == ["structured_outputs"]
     assert "llmserve_register_decoding_strategies" in rows["structured_outputs"]["hooks"]
+
+
+def test_grammars_sent_to_another_process_keep_a_bounded_folder(checkpoint):
+    """Each grammar source is written once, however often it is sent; past `max_grammars` sources the
+    oldest grammar file goes (a client sending ever new schemas cannot fill the disk)."""
+    import os
+    import pickle
+
+    from transformers import AutoTokenizer
+
+    from llmserve.plugins.structured_outputs import StructuredOutputs
+
+    strategy = StructuredOutputs()
+    strategy._files.max_grammars = 2
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint("llama"))
+
+    def send(regex):
+        prepared = strategy.prepare(structured(0.0, regex=regex), tokenizer, 384)
+        received = pickle.loads(pickle.dumps(prepared))
+        return received, strategy.start(received)
+
+    first, _ = send("a+")
+    assert send("a+")[0].paths == first.paths  # the same source: nothing new written
+    send("b+")
+    send("c+")
+    folder = strategy._files._dir
+    assert len(os.listdir(folder)) == 3 and not os.path.exists(first.paths[1])  # a tokenizer, two grammars
+    constraint = send("[0-9]{2}")[1]
+    constraint.accept(tokenizer.convert_tokens_to_ids("1"))  # a real matcher, read back from the files

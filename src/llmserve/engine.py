@@ -182,8 +182,7 @@ class Frontend(abc.ABC):
         self._requests_in: ObjectSendStream | None = None
         self._stop: anyio.Event | None = None
         self.strategies: dict[str, Any] = {}
-        """Decoding strategies (llmserve/decoding.py) the request actor prepares requests for: none
-        where the executor runs in another process (what they prepare does not cross it yet)."""
+        """Decoding strategies (llmserve/decoding.py) the request actor prepares requests for."""
 
     @property
     def tokenizer(self) -> Any:

@@ -34,6 +34,7 @@ from anyio.abc import ByteStream, ObjectReceiveStream
 from llmserve.config import EngineConfig
 from llmserve.engine import Engine, EngineSnapshot, Frontend, freeze_heap
 from llmserve.messages import EngineOutputs
+from llmserve.plugin_manager import Plugins
 
 log = structlog.get_logger("llmserve.engine")
 
@@ -123,6 +124,10 @@ class ProcessEngine(Frontend):
                                                    stdin=None, stdout=None, stderr=None, env=_child_env())
                 self.pid = process.pid
                 try:
+                    # the request actor prepares requests for the decoding strategies (compiles
+                    # grammars) here, while the child builds its engine
+                    self.strategies = await anyio.to_thread.run_sync(
+                        lambda: Plugins.from_config(self.config.plugins).decoding_strategies())
                     wire = await self._start(listener, process)
                     async with wire.stream:
                         # the tokenizer loaded meanwhile (or raises its error now); the engine

@@ -261,7 +261,7 @@ class RequestActor:
             self._validate(ids, sub.params, sub.strict_length)
             if sub.params.structured_outputs is not None and not prepared:
                 raise ValueError("structured_outputs: no decoding strategy of this engine serves it "
-                                 "(the structured_outputs plugin is blocked, or the engine runs in another process)")
+                                 "(is the structured_outputs plugin blocked?)")
             self._admit(sub, prompt, ids, engine_ids, arrivals, prepared or {})
         except Exception as exc:  # this request's input broke something: it alone fails
             if not isinstance(exc, ValueError):
