@@ -36,7 +36,7 @@ class APIError(Exception):
     def from_value_error(cls, exc: ValueError, default_param: str | None = None) -> APIError:
         """Our ValueErrors start with the offending field's name ("top_p must be in (0, 1]...")."""
         message = str(exc)
-        first = message.split(" ", 1)[0].split(":", 1)[0]
+        first = message.split(" ", 1)[0].split(":", 1)[0].split(".", 1)[0]
         param = first if first.replace("_", "").isalnum() and first.islower() else default_param
         return cls(message, param=param)
 
@@ -141,6 +141,23 @@ _SamplingParamsFields = create_model(
     **{f.name: _request_field(f, _hints) for f in dataclasses.fields(SamplingParams) if f.name in REQUEST_FIELDS})
 
 
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+"""vLLM's former structured-output fields: answered with a 400 that names their replacement, so a
+client written for them does not silently get unconstrained output."""
+
+
 class _SamplingFields(_SamplingParamsFields):
     """Fields shared by both endpoints: SamplingParams' REQUEST_FIELDS (the engine's extras beyond
     OpenAI's among them) and the request's own."""
@@ -149,6 +166,13 @@ class _SamplingFields(_SamplingParamsFields):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int = 0
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's: exactly one of json (a schema), regex, choice, grammar (EBNF), json_object."""
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -156,7 +180,29 @@ class _SamplingFields(_SamplingParamsFields):
         request did not set; a field it set, even to the OpenAI default, stays as sent."""
         fields = {key: getattr(self, key) for key in REQUEST_FIELDS}
         fields.update((key, value) for key, value in (defaults or {}).items() if key not in self.model_fields_set)
-        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              structured_outputs=self.structure())
+
+    def structure(self) -> dict[str, Any] | None:
+        """The request's structured_outputs, from response_format or vLLM's field."""
+        for name in REMOVED_GUIDED_FIELDS:
+            if getattr(self, name) is not None:
+                kind = name.removeprefix("guided_")
+                raise APIError(f"{name} is no longer supported: send structured_outputs: {{\"{kind}\": ...}}"
+                               + (" or response_format: {\"type\": \"json_schema\", ...}" if kind == "json" else ""),
+                               param=name)
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return self.structured_outputs
+        if self.structured_outputs is not None:
+            raise APIError("response_format and structured_outputs both constrain the output: send one",
+                           param="structured_outputs")
+        if fmt.type == "json_object":
+            return {"json_object": True}
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError("response_format.json_schema.schema is required when type is json_schema",
+                           param="response_format")
+        return {"json": fmt.json_schema.schema_}
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -198,10 +244,6 @@ class ChatMessage(_Request):
         return "".join(parts)
 
 
-class ResponseFormat(_Request):
-    type: str = "text"
-
-
 class _ChatTemplateFields(_Request):
     """How messages are rendered (vLLM's extras): `chat_template_kwargs` become the template's
     variables (Qwen3's `enable_thinking`, say); `continue_final_message` leaves the last message
@@ -217,7 +259,6 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
 
 

@@ -184,9 +184,6 @@ class OpenAIServing:
         self._check_model(body)
         if body.tools:
             raise APIError("tools are not supported", param="tools")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise APIError(f"response_format type {body.response_format.type!r} is not supported yet (only 'text')",
-                           param="response_format")
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer, so it cannot render chat messages", param="messages")
         self._check_limits(body, 1)
@@ -271,7 +268,13 @@ class OpenAIServing:
                     for item in ready:
                         yield item
         except Exception as exc:
-            raise _api_error(exc) from None
+            error = _api_error(exc)
+            fmt = job.body.response_format
+            if error.param == "structured_outputs" and fmt is not None and fmt.type != "text":
+                # the request said response_format: name it, not the field it was turned into
+                error = APIError(str(error).replace("structured_outputs.json", "response_format.json_schema.schema", 1),
+                                 status=error.status, param="response_format")
+            raise error from None
         finally:  # (aborting one the engine already ended does nothing)
             with anyio.CancelScope(shield=True):
                 for i, sub in enumerate(subs):
