@@ -39,11 +39,44 @@ _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
 
+def ignored_keywords(schema: Any, path: str = "$") -> list[str]:
+    """The places where xgrammar 0.2.8 would ignore a keyword of the schema with only a warning on
+    stderr (an output could then break it): `multipleOf`; `minLength`/`maxLength` beside a `pattern`
+    or a `format`."""
+    found = []
+    if isinstance(schema, dict):
+        if "multipleOf" in schema:
+            found.append(f"multipleOf (at {path})")
+        lengths = [k for k in ("minLength", "maxLength") if k in schema]
+        for other in ("pattern", "format"):
+            if lengths and other in schema:
+                found.append(f"{'/'.join(lengths)} together with {other} (at {path})")
+        for key, value in schema.items():
+            if key in ("properties", "$defs", "definitions", "patternProperties"):
+                if isinstance(value, dict):
+                    for name, sub in value.items():
+                        found += ignored_keywords(sub, f"{path}.{key}.{name}")
+            elif key in ("items", "additionalProperties", "not", "contains", "propertyNames"):
+                found += ignored_keywords(value, f"{path}.{key}")
+            elif key in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(value, list):
+                for i, sub in enumerate(value):
+                    found += ignored_keywords(sub, f"{path}.{key}[{i}]")
+    return found
+
+
 def json_schema_grammar(schema: str | dict) -> str:
-    """The EBNF grammar of a JSON schema's instances (compact: no whitespace between tokens)."""
+    """The EBNF grammar of a JSON schema's instances (compact: no whitespace between tokens); a
+    ValueError names a keyword it would not enforce."""
     import xgrammar
 
-    text = schema if isinstance(schema, str) else json.dumps(schema)
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not JSON: {exc}") from None
+    if ignored := ignored_keywords(schema):
+        raise ValueError(f"not supported: {'; '.join(ignored)}")
+    text = json.dumps(schema)
     return str(xgrammar.Grammar.from_json_schema(text, any_whitespace=False)).replace(_BOUNDED_STRING_CHAR,
                                                                                       _JSON_STRING_CHAR)
 

@@ -54,6 +54,21 @@ def test_json_schema_outputs_parse_and_validate(llm, temperature):
         jsonschema.validate(json.loads(completion.text), p.structured_outputs.json)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_forty_schemas_every_output_validates(llm, temperature):
+    """tests/json_schemas.py: nested objects, bounded arrays, enums, patterns and formats, numbers with
+    limits, optional fields, anyOf; formats are checked too."""
+    from json_schemas import SCHEMAS as CORPUS
+
+    params = [structured(temperature, seed, max_tokens=150, json=schema) for schema in CORPUS for seed in range(2)]
+    outs = llm.generate(["the quick brown fox"] * len(params), params, use_tqdm=False)
+    checker = jsonschema.FormatChecker()
+    for out, p in zip(outs, params):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion
+        jsonschema.validate(json.loads(completion.text), p.structured_outputs.json, format_checker=checker)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_regex_choice_and_grammar_outputs_match(llm, temperature):
     regex, choices = r"[0-9]{3}-[a-c]+!", ["apple pie", "banana", "cherry"]
@@ -113,6 +128,10 @@ def test_n_samples_and_preemption_keep_each_output_valid(checkpoint):
     (dict(json="{not json"), r"structured_outputs\.json"),
     (dict(regex="a("), r"structured_outputs\.regex: .*parenthesis"),
     (dict(grammar="root ::= undefined_rule"), r"structured_outputs\.grammar"),
+    (dict(json={"type": "object", "properties": {"c": {"type": "string", "pattern": "^a+$", "maxLength": 3}}}),
+     r"structured_outputs\.json: not supported: maxLength together with pattern \(at \$\.properties\.c\)"),
+    (dict(json={"type": "array", "items": {"type": "integer", "multipleOf": 3}}),
+     r"not supported: multipleOf \(at \$\.items\)"),
 ])
 def test_a_bad_schema_regex_or_grammar_fails_its_request_alone(llm, kind, match):
     with pytest.raises(ValueError, match=match):
