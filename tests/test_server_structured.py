@@ -87,3 +87,18 @@ def test_bad_structured_requests_are_400s_naming_the_field(server, body, param, 
                                                 extra_body=body)
     assert info.value.body["param"] == param
     assert server.client().completions.create(model=MODEL, prompt="ok", max_tokens=1).choices  # still serving
+
+
+def test_a_websocket_request_takes_the_same_fields(server):
+    import websockets.sync.client as ws_client
+    from test_server import collect_ws, ws_text, ws_url
+
+    body = {"model": MODEL, "prompt": "The answer is", "max_tokens": 20, "temperature": 0.5, "seed": 6,
+            "structured_outputs": {"regex": "[0-9]{2}-[a-z]{3}"}}
+    with ws_client.connect(ws_url(server)) as conn:
+        conn.send(json.dumps({"id": "ok", "endpoint": "/v1/completions", "body": body}))
+        conn.send(json.dumps({"id": "bad", "endpoint": "/v1/completions",
+                              "body": {**body, "structured_outputs": {"regex": "a("}}}))
+        got = collect_ws(conn, ["ok", "bad"])
+    assert got["ok"][-1] == {"id": "ok", "done": True} and re.fullmatch("[0-9]{2}-[a-z]{3}", ws_text(got["ok"]))
+    assert got["bad"][-1]["error"]["param"] == "structured_outputs"
