@@ -39,10 +39,31 @@ _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
 
+def mid_anchor(regex: str) -> int | None:
+    """The position of a `^` or `$` anchor inside the regex (not at its start or end), which xgrammar
+    0.2.8 ignores with only a warning; None if there is none. Escapes and character classes are
+    skipped (`[^a]`, `\\$` are no anchors)."""
+    i, last = 0, len(regex) - 1
+    while i <= last:
+        ch = regex[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch == "[":
+            i += 2 if regex[i + 1:i + 2] == "^" else 1
+            i += 1 if regex[i:i + 1] == "]" else 0  # a ] first in a class is a literal
+            while i <= last and regex[i] != "]":
+                i += 2 if regex[i] == "\\" else 1
+        elif (ch == "^" and i != 0) or (ch == "$" and i != last):
+            return i
+        i += 1
+    return None
+
+
 def ignored_keywords(schema: Any, path: str = "$") -> list[str]:
     """The places where xgrammar 0.2.8 would ignore a keyword of the schema with only a warning on
     stderr (an output could then break it): `multipleOf`; `minLength`/`maxLength` beside a `pattern`
-    or a `format`."""
+    or a `format`; an anchor inside a `pattern`."""
     found = []
     if isinstance(schema, dict):
         if "multipleOf" in schema:
@@ -51,6 +72,8 @@ def ignored_keywords(schema: Any, path: str = "$") -> list[str]:
         for other in ("pattern", "format"):
             if lengths and other in schema:
                 found.append(f"{'/'.join(lengths)} together with {other} (at {path})")
+        if isinstance(schema.get("pattern"), str) and (at := mid_anchor(schema["pattern"])) is not None:
+            found.append(f"an anchor inside the pattern, at character {at} (at {path})")
         for key, value in schema.items():
             if key in ("properties", "$defs", "definitions", "patternProperties"):
                 if isinstance(value, dict):
@@ -215,6 +238,8 @@ class StructuredOutputs:
             if kind == "json_object":
                 return compiler.compile_builtin_json_grammar(), kind
             if kind == "regex":
+                if (at := mid_anchor(spec.regex)) is not None:
+                    raise ValueError(f"not supported: an anchor ({spec.regex[at]}) inside the regex, at character {at}")
                 return compiler.compile_regex(spec.regex), f"regex:{spec.regex}"
             ebnf = {"json": lambda: json_schema_grammar(spec.json),
                     "choice": lambda: "root ::= " + " | ".join(json.dumps(c) for c in spec.choice),

@@ -132,11 +132,20 @@ def test_n_samples_and_preemption_keep_each_output_valid(checkpoint):
      r"structured_outputs\.json: not supported: maxLength together with pattern \(at \$\.properties\.c\)"),
     (dict(json={"type": "array", "items": {"type": "integer", "multipleOf": 3}}),
      r"not supported: multipleOf \(at \$\.items\)"),
+    (dict(regex="ab$c"), r"structured_outputs\.regex: not supported: an anchor \(\$\) inside the regex, at character 2"),
+    (dict(json={"type": "string", "pattern": "a^b"}), r"an anchor inside the pattern, at character 1 \(at \$\)"),
 ])
 def test_a_bad_schema_regex_or_grammar_fails_its_request_alone(llm, kind, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(["x"], SamplingParams(structured_outputs=Structured(**kind)), use_tqdm=False)
     assert len(llm.generate(["x"], structured(0.0, regex="[0-9]{2}"), use_tqdm=False)[0].outputs[0].text) == 2
+
+
+def test_anchors_are_told_from_escapes_and_character_classes():
+    from llmserve.plugins.structured_outputs import mid_anchor
+
+    assert [mid_anchor(r) for r in ("^ab$", "[^a]b$", r"\^a\$", "[]^]x", r"[a\]^]b", "a$")] == [None] * 6
+    assert [mid_anchor(r) for r in ("ab$c", "a^b", "(^a)")] == [2, 1, 1]
 
 
 @pytest.mark.parametrize("kwargs, match", [
