@@ -144,11 +144,10 @@ class StepGraphs:
         B = inputs.num_reqs
         b = self.batch_size(B)
         self._copy_tokens(inputs, b, from_device)
-        lens_order = np.empty((2, b), dtype=np.int32)  # [seq_lens | seq_order], padded
+        lens_order, staged = self.staging.empty((2, b), np.int32)  # [seq_lens | seq_order], padded
         lens_order[0, :B], lens_order[0, B:] = inputs.seq_lens, 1
         lens_order[1, :B] = np.argsort(-inputs.seq_lens, kind="stable")
         lens_order[1, B:] = np.arange(B, b)
-        staged = self.staging.stage(lens_order)
         self.seq_lens[:b].copy_(staged[0], non_blocking=True)
         self.seq_order[:b].copy_(staged[1], non_blocking=True)
         self._copy_tables(inputs)
@@ -161,10 +160,9 @@ class StepGraphs:
         T, S = inputs.num_tokens, inputs.num_reqs
         t = next(s for s in self.token_sizes if s >= T)
         self._copy_tokens(inputs, t, from_device)
-        lens_qsl = np.empty(S + self.max_batch + 1, dtype=np.int32)  # [seq_lens | query_start_loc], padded
+        lens_qsl, staged = self.staging.empty((S + self.max_batch + 1,), np.int32)  # [seq_lens | query_start_loc]
         lens_qsl[:S] = inputs.seq_lens
         lens_qsl[S:2 * S + 1], lens_qsl[2 * S + 1:] = inputs.query_start_loc, T
-        staged = self.staging.stage(lens_qsl)
         self.seq_lens[:S].copy_(staged[:S], non_blocking=True)
         self.mixed_qsl.copy_(staged[S:], non_blocking=True)
         self._copy_tables(inputs)
@@ -175,10 +173,9 @@ class StepGraphs:
         """ids, positions and slots into the static buffers, padded to `rows` with 0, 0 and -1
         (the KV write skips slot -1)."""
         n = inputs.num_tokens
-        host = np.zeros((3, rows), dtype=np.int64)
+        host, staged = self.staging.empty((3, rows), np.int64)
         host[0, :n], host[1, :n], host[2, :n] = inputs.token_ids, inputs.positions, inputs.slots
-        host[2, n:] = -1
-        staged = self.staging.stage(host)
+        host[:2, n:], host[2, n:] = 0, -1
         self.input_ids[:rows].copy_(staged[0], non_blocking=True)
         if from_device is not None:
             self.input_ids[from_device[0]] = from_device[1]

@@ -35,17 +35,26 @@ class PinnedRing:
         """`array` in pinned memory, for one non-blocking copy to the device queued from it next
         (a fresh tensor, or a static buffer's `copy_`)."""
         array = np.ascontiguousarray(array)
-        n = array.nbytes
+        host, staged = self.empty(array.shape, array.dtype)
+        host[...] = array
+        return staged
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, torch.Tensor]:
+        """Pinned memory for an array to be written in place (no copy of a host array first): its
+        numpy view to fill, and the tensor to copy to the device from."""
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
         if n > self.half // 4:  # rare and large: a pinned block of its own
-            return torch.from_numpy(array).pin_memory()
+            staged = torch.empty(shape, dtype=_TORCH_DTYPES[dtype], pin_memory=True)
+            return staged.numpy(), staged
         start = -(-self.pos // 16) * 16
         if start + n > self.half:
             self._switch()
             start = 0
         self.pos = start + n
         offset = self.side * self.half + start
-        self.host[offset:offset + n] = array.reshape(-1).view(np.uint8)
-        return self.buf[offset:offset + n].view(_TORCH_DTYPES[array.dtype]).view(array.shape)
+        host = self.host[offset:offset + n].view(dtype).reshape(shape)
+        return host, self.buf[offset:offset + n].view(_TORCH_DTYPES[dtype]).view(shape)
 
     def _switch(self) -> None:
         event = torch.cuda.Event()

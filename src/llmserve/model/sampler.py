@@ -88,8 +88,9 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def unpack_mask(masks: torch.Tensor, vocab: int) -> torch.Tensor:
     """Packed int32 masks [R, W] -> bool [R, vocab]."""
-    bits = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32, device=masks.device)
-    return ((masks[:, :, None] & bits) != 0).reshape(masks.shape[0], -1)[:, :vocab]
+    # shifts made on the device: a tensor built from a host list would be a blocking copy
+    shifts = torch.arange(32, dtype=torch.int32, device=masks.device)
+    return ((masks[:, :, None] >> shifts) & 1).bool().reshape(masks.shape[0], -1)[:, :vocab]
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, draw_fn: DrawFn = sample_rows_reference,

@@ -77,6 +77,16 @@ class Staging:
             self._ring = PinnedRing(self.device)
         return self._ring.stage(array)
 
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, torch.Tensor]:
+        """An array to fill in place, and the tensor one non-blocking copy to the device is queued
+        from (on CUDA the pinned ring's memory: no host array is copied into it first)."""
+        if self.device.type != "cuda":
+            host = np.empty(shape, dtype=dtype)
+            return host, torch.from_numpy(host)
+        if self._ring is None:
+            self._ring = PinnedRing(self.device)
+        return self._ring.empty(shape, dtype)
+
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         staged = self.stage(array)
         return staged if self.device.type != "cuda" else staged.to(self.device, non_blocking=True)
