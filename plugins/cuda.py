@@ -17,11 +17,13 @@ class CUDABackend(AttentionBackend):
         from llmserve.kernels.cache_write import write_kv
         from llmserve.kernels.paged_attention import paged_attention
         from llmserve.kernels.sampling import sample_filtered_rows, sample_rows
+        from llmserve.kernels.token_mask import apply_token_mask
         self._write_kv = write_kv
         self._paged_attention = paged_attention
         self._sample_rows = sample_rows
         self._sample_filtered_rows = sample_filtered_rows
         self._fused = fused
+        self._apply_token_mask = apply_token_mask
 
     def write_kv(self, key, value, cache: KVCache, slot_mapping) -> None:
         self._write_kv(key, value, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale)
@@ -50,6 +52,9 @@ class CUDABackend(AttentionBackend):
 
     def sample_filtered_rows(self, logits, temperature, top_k, top_p, min_p, key, rows, out) -> torch.Tensor:
         return self._sample_filtered_rows(logits, temperature, top_k, top_p, min_p, key, rows, out)
+
+    def apply_token_mask(self, logits, rows, masks) -> None:
+        self._apply_token_mask(logits, rows, masks)
 
     def memory_available(self, device: torch.device) -> tuple[int, int]:
         return torch.cuda.mem_get_info(device)

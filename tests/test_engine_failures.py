@@ -45,7 +45,7 @@ def test_a_step_that_fails_once_is_run_again_and_gives_the_same_tokens(checkpoin
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=5)
     with LLM(checkpoint("llama"), device="cpu", log_interval_s=0) as llm:
         expected = llm.generate(["the quick brown"], params, use_tqdm=False)[0].outputs[0].token_ids
-        calls = fail_on_third_call(monkeypatch, llm.engine.runner, "_launch")
+        calls = fail_on_third_call(monkeypatch, llm.engine.runner, "_forward")
         again = llm.generate(["the quick brown"], params, use_tqdm=False)[0].outputs[0]
         assert len(calls) > 8 and again.token_ids == expected and again.finish_reason == "length"
 

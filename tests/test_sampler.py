@@ -172,3 +172,18 @@ def test_logits_in_the_model_dtype_sample_as_their_float32_copy():
     for b in (batch(n, vocab=vocab), batch(n, temperature=0, vocab=vocab), batch(n, top_k=20, top_p=0.8, vocab=vocab),
               batch(n, temperature=0.7, vocab=vocab, penalties=pen, bias=bias)):
         assert sample(logits, b).tolist() == sample(logits.float(), b).tolist()
+
+
+def test_a_constraint_masks_only_its_rows_and_leaves_the_logits_for_logprobs():
+    """Packed masks on two of three rows; float32 logits (the model's dtype on CPU) are masked in a
+    copy: the raw logits, from which logprobs are taken, stay as they were."""
+    logits = torch.zeros(3, 40)
+    logits[:, 39] = 5.0
+    masks = torch.zeros(2, 2, dtype=torch.int32)
+    masks[0, 0] = 1 << 3
+    masks[1, 1] = 1 << 1  # token 33
+    before = logits.clone()
+    b = batch(3, temperature=0, vocab=40)
+    b.allowed = (torch.tensor([0, 2]), masks)
+    assert sample(logits, b).tolist() == [3, 39, 33]
+    assert torch.equal(logits, before)

@@ -186,3 +186,24 @@ def test_sample_filtered_rows_samples_the_kept_distribution():
     assert torch.allclose(freq, top3, atol=0.04) and freq.sum() == 1
     # p(1) = 0.64 of the peaked row's mass >= 0.5: top_p keeps token 1 alone
     assert (out[1::2] == 1).all()
+
+
+def test_token_mask_kernel_matches_reference():
+    """Packed masks (bit t % 32 of word t // 32) on a subset of rows, a vocabulary that ends inside
+    a word and spans two programs' words; rows not named and allowed tokens keep their logits."""
+    from llmserve.kernels.token_mask import apply_token_mask, apply_token_mask_reference, unpack_mask
+    g = torch.Generator().manual_seed(5)
+    vocab = 65 * 32 + 77
+    logits = torch.randn(5, vocab, generator=g).to(DEVICE)
+    rows = torch.tensor([3, 0, 4], device=DEVICE)
+    masks = torch.randint(-2**31, 2**31 - 1, (3, -(-vocab // 32)), generator=g, dtype=torch.int32).to(DEVICE)
+    masks[2] = 0
+    masks[2, 66] = -2**31  # one token allowed: bit 31 (the sign bit) of a word
+    ours, want = logits.clone(), logits.clone()
+    apply_token_mask(ours, rows, masks)
+    apply_token_mask_reference(want, rows, masks)
+    assert torch.equal(ours, want)
+    allowed = unpack_mask(masks, vocab)
+    assert torch.equal(ours[1], logits[1]) and torch.equal(ours[2], logits[2])
+    assert torch.equal(ours[3][allowed[0]], logits[3][allowed[0]]) and ours[3][~allowed[0]].eq(float("-inf")).all()
+    assert torch.isfinite(ours[4]).sum() == 1 and ours[4].argmax() == 66 * 32 + 31

@@ -221,3 +221,23 @@ def test_grammars_sent_to_another_process_keep_a_bounded_folder(checkpoint):
     assert len(os.listdir(folder)) == 3 and not os.path.exists(first.paths[1])  # a tokenizer, two grammars
     constraint = send("[0-9]{2}")[1]
     constraint.accept(tokenizer.convert_tokens_to_ids("1"))  # a real matcher, read back from the files
+
+
+def test_a_constrained_step_queues_its_forward_pass_before_waiting_for_the_last_tokens(checkpoint):
+    """The mask needs the last token on the host, the forward pass does not: the runner launches a
+    step's forward pass, then finishes the step before it (building masks meanwhile), then samples.
+    The tokens are those of the strictly sequential engine."""
+    params = [structured(1.0, s, json=SCHEMAS[0]) for s in range(3)] + [structured(0.0, 0, regex=r"[a-z]{2,9}")]
+    prompts = ["one two", "three", "four five six", "seven"]
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0, async_scheduling=False) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0) as llm:
+        runner, events = llm.engine.runner, []
+        forward, finish = runner._forward, runner._finish
+        runner._forward = lambda plan, *a: (events.append(("forward", plan.step_id)), forward(plan, *a))[1]
+        runner._finish = lambda flight: (events.append(("finish", flight.result.step_id)), finish(flight))[1]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    overlapped = [step for (kind, step), nxt in zip(events, events[1:])
+                  if kind == "forward" and nxt == ("finish", step - 1)]
+    assert len(overlapped) >= 5

@@ -84,6 +84,13 @@ class AttentionBackend:
         top_k and top_p keep, into `out`; see kernels/sampling.py for the exact function."""
         raise NotImplementedError
 
+    def apply_token_mask(self, logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> None:
+        """logits[rows[r], t] = -inf in place wherever bit t of packed mask row r is clear (float32
+        logits; masks int32 [R, ceil(V / 32)], llmserve/decoding.py). This torch version unpacks the
+        masks; backends with a kernel override it."""
+        from llmserve.kernels.token_mask import apply_token_mask_reference
+        apply_token_mask_reference(logits, rows, masks)
+
     def memory_available(self, device: torch.device) -> tuple[int, int]:
         """(free, total) bytes on the device."""
         raise NotImplementedError

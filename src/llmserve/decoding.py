@@ -11,13 +11,16 @@ sides of the engine:
                                                       strategy.start(prepared) ─▶ Constraint
                                                       each step the request samples in:
                                                         constraint.fill_mask(bitmask, row)
-                                                        (after its last token was accepted)
+                                                        (after its last token was accepted, while
+                                                        the device runs the step's forward pass)
                                                       each token it produced:
                                                         constraint.accept(token)
 
 The mask is packed: int32 words, bit t % 32 of word t // 32 set where token t may come next; the
-sampler sets every other token's logit to -inf. A request with a constraint reads its own last
-token on the host, so the executor finishes the step in flight before planning its next one.
+backend's apply_token_mask sets every other token's logit to -inf on the device. A request with a
+constraint reads its own last token on the host: the executor launches the next step's forward
+pass first (that token goes in on the device), then waits for the token, advances the constraint
+and builds the mask while the forward pass runs, then launches the sampler.
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ class DecodingStrategy(Protocol):
 
     def start(self, prepared: Any) -> Constraint:
         """A fresh constraint for one sample, at the start of its output."""
+
+    # Optional: a strategy that can fill many rows in one call (threads, one native call) defines
+    #   fill_masks(constraints: list[Constraint], bitmask: torch.Tensor, rows: list[int]) -> None
+    # which writes constraints[i]'s mask into row rows[i]; without it, each row's fill_mask is called.
 
 
 def mask_width(vocab_size: int) -> int:

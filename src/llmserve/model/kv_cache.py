@@ -85,7 +85,7 @@ class KVCacheLayout:
                               top_p=torch.full((rows,), 0.9, device=dev), min_p=torch.zeros(rows, device=dev),
                               keys=torch.zeros(rows, dtype=torch.int64, device=dev), all_greedy=False,
                               filtered_rows=torch.arange(rows, device=dev), max_logprobs=min(20, self.spec.vocab_size))
-        sample(logits, batch, backend.sample_rows, backend.sample_filtered_rows)
+        sample(logits, batch, backend.sample_rows, backend.sample_filtered_rows, backend.apply_token_mask)
         torch.log_softmax(logits, -1, dtype=torch.float32).topk(batch.max_logprobs, -1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base

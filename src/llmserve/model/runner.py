@@ -50,6 +50,14 @@ class InFlight:
     logprob_parts: tuple[torch.Tensor, ...] | None = None
 
 
+@dataclass(slots=True)
+class _Forward:
+    """A step whose forward pass is queued: its result so far and the logits of its sampling rows."""
+    result: StepResult
+    req_ids: list[str]
+    logits: torch.Tensor | None = None
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, backend: AttentionBackend, device: torch.device,
                  dtype: torch.dtype, max_model_len: int, quant: QuantizationMethod | None = None,
@@ -130,22 +138,28 @@ class ModelRunner:
     #     device:  ... N ........| N+1 .........................| N+2 ...
     #
     # N+1's inputs that are N's sampled tokens (PLACEHOLDER) are copied device to device from N's
-    # token tensor. A request whose sampling needs N's token on the host (penalties, min_tokens)
-    # makes step() finish N first.
+    # token tensor. A request whose sampling needs N's token on the host (penalties, min_tokens, a
+    # constraint's mask) splits the launch: N+1's forward pass is queued, N is finished while it
+    # runs, then N+1's sampling is built and queued:
+    #
+    #     host:    forward N+1 | finish N (wait), masks | sample N+1 | forward N+2 | finish N+1 ...
+    #     device:  ... N ..........| N+1 forward .................| sample |....
 
     def step(self, plan: StepPlan) -> list[StepResult]:
         """Launch `plan`; return the results finished meanwhile (the step before it), in order."""
         with self.timing.step(len(plan.req_ids), plan.num_tokens):
             done: list[StepResult] = []
             previous, self.in_flight = self.in_flight, None
-            if previous is not None and self.sampling.needs_host_tokens(plan.req_ids, previous.rows):
-                done.append(self._finish_or_fail(previous))
-                previous = None
+            wait = previous is not None and self.sampling.needs_host_tokens(plan.req_ids, previous.rows)
             if self.failed:
                 plan = self._without_failed(plan)
             holes = np.flatnonzero(plan.token_ids < 0)
             try:
-                self.in_flight = self._launch(plan, previous, holes)
+                forward = self._forward(plan, previous, holes)
+                if wait:
+                    done.append(self._finish_or_fail(previous))
+                    previous = None
+                self.in_flight = self._sample(forward)
                 self.timing.launched()
             except Exception:  # a failed step fails the requests that fail it alone, not the engine
                 log.exception("step failed; running it again to find its failing requests", step=plan.step_id,
@@ -209,15 +223,19 @@ class ModelRunner:
         previous, self.in_flight = self.in_flight, None
         return [] if previous is None else [self._finish_or_fail(previous)]
 
-    @torch.inference_mode()
     def _launch(self, plan: StepPlan, previous: InFlight | None, holes: np.ndarray) -> InFlight:
+        return self._sample(self._forward(plan, previous, holes))
+
+    @torch.inference_mode()
+    def _forward(self, plan: StepPlan, previous: InFlight | None, holes: np.ndarray) -> _Forward:
+        """Queue the step's forward pass and its logits (rows that sample, in plan order)."""
         for req_id in plan.freed:
             self.sampling.drop(req_id)
         for req_id, new in plan.new_sequences.items():
             self.sampling.add(req_id, new)
         result = StepResult(plan.step_id, [], [])
         if not plan.req_ids:
-            return InFlight(result, [])
+            return _Forward(result, [])
         inputs = StepInputs.build(plan.token_ids, plan.query_lens, plan.context_lens, plan.block_tables,
                                   self.block_size)
         qsl = inputs.query_start_loc
@@ -240,7 +258,7 @@ class ModelRunner:
         result.req_ids = [plan.req_ids[i] for i in rows]
         self._prompt_logprobs(plan, qsl, hidden, result)
         if not result.req_ids:
-            return InFlight(result, list(plan.req_ids))
+            return _Forward(result, list(plan.req_ids))
         if graphed and len(rows) == len(plan.req_ids):  # every row samples: lm_head at the captured size
             logits = self.model.compute_logits(hidden)[:len(rows)]
         else:
@@ -248,10 +266,25 @@ class ModelRunner:
             if mixed_graphed:  # padded to a captured batch size, whose lm_head shape cuBLAS has met
                 last = np.pad(last, (0, self.graphs.batch_size(len(last)) - len(last)), mode="edge")
             logits = self.model.compute_logits(hidden[self.staging.to_device(last)])[:len(rows)]
+        return _Forward(result, list(plan.req_ids), logits)
+
+    @torch.inference_mode()
+    def _sample(self, forward: _Forward) -> InFlight:
+        """Queue the sampling of a step whose forward pass is queued, and the copy of its tokens to the host."""
+        result, logits = forward.result, forward.logits
+        if logits is None:
+            return InFlight(result, forward.req_ids)
+        if self.failed and not self.failed.isdisjoint(result.req_ids):  # failed by the step finished meanwhile
+            keep = [i for i, r in enumerate(result.req_ids) if r not in self.failed]
+            result.req_ids = [result.req_ids[i] for i in keep]
+            if not keep:
+                return InFlight(result, forward.req_ids)
+            logits = logits[self.staging.to_device(np.array(keep, dtype=np.int64))]
         states = [self.sampling.seqs[r] for r in result.req_ids]
         batch = self.sampling.batch(states, logits.shape[-1])
-        tokens = sample(logits, batch, self.backend.sample_rows, self.backend.sample_filtered_rows)
-        flight = InFlight(result, list(plan.req_ids), states, tokens, {r: i for i, r in enumerate(result.req_ids)})
+        tokens = sample(logits, batch, self.backend.sample_rows, self.backend.sample_filtered_rows,
+                        self.backend.apply_token_mask)
+        flight = InFlight(result, forward.req_ids, states, tokens, {r: i for i, r in enumerate(result.req_ids)})
         if batch.max_logprobs >= 0:
             flight.logprob_parts = gather_logprobs(torch.log_softmax(logits, -1, dtype=torch.float32), tokens,
                                                    batch.max_logprobs)

@@ -25,10 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.kernels.sampling import sample_filtered_rows_reference, sample_rows_reference
+from llmserve.kernels.token_mask import apply_token_mask_reference
 from llmserve.messages import TokenLogprobs
 
 DrawFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 FilterFn = Callable[..., torch.Tensor]
+MaskFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(slots=True)
@@ -67,12 +69,14 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
     return logits - pen.frequency[:, None] * pen.output_counts - pen.presence[:, None] * (pen.output_counts > 0).float()
 
 
-def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Everything before the choice of token: bias, min_tokens, penalties (float32 [B, V] where
-    any applies; otherwise the logits as they are)."""
+def process_logits(logits: torch.Tensor, batch: SamplingBatch,
+                   mask_fn: MaskFn = apply_token_mask_reference) -> torch.Tensor:
+    """Everything before the choice of token: bias, min_tokens, penalties, constraints (a float32
+    copy [B, V] where any applies: the raw logits stay as they are for logprobs; otherwise the
+    logits themselves). `mask_fn` applies packed masks in place (the backend's apply_token_mask)."""
     if (batch.bias is not None or batch.banned is not None or batch.penalties is not None
             or batch.allowed is not None):
-        logits = logits.float()
+        logits = logits.to(torch.float32, copy=True)
     if batch.bias is not None:
         rows, ids, vals = batch.bias
         logits = logits.index_put((rows, ids), vals, accumulate=True)
@@ -81,23 +85,16 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
     if batch.allowed is not None:
-        rows, masks = batch.allowed
-        logits[rows] = logits[rows].masked_fill(~unpack_mask(masks, logits.shape[-1]), float("-inf"))
+        mask_fn(logits, *batch.allowed)
     return logits
 
 
-def unpack_mask(masks: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Packed int32 masks [R, W] -> bool [R, vocab]."""
-    # shifts made on the device: a tensor built from a host list would be a blocking copy
-    shifts = torch.arange(32, dtype=torch.int32, device=masks.device)
-    return ((masks[:, :, None] >> shifts) & 1).bool().reshape(masks.shape[0], -1)[:, :vocab]
-
-
 def sample(logits: torch.Tensor, batch: SamplingBatch, draw_fn: DrawFn = sample_rows_reference,
-           filter_fn: FilterFn = sample_filtered_rows_reference) -> torch.Tensor:
-    """logits [B, V] (model dtype or float32) -> int64 token ids [B]. `draw_fn` and `filter_fn` are
-    the backend's fused samplers (sample_rows, sample_filtered_rows)."""
-    logits = process_logits(logits, batch)
+           filter_fn: FilterFn = sample_filtered_rows_reference,
+           mask_fn: MaskFn = apply_token_mask_reference) -> torch.Tensor:
+    """logits [B, V] (model dtype or float32) -> int64 token ids [B]. `draw_fn`, `filter_fn` and
+    `mask_fn` are the backend's (sample_rows, sample_filtered_rows, apply_token_mask)."""
+    logits = process_logits(logits, batch, mask_fn)
     if batch.all_greedy:
         return logits.argmax(dim=-1)
     if batch.all_filtered:  # the filtered sampler writes every row

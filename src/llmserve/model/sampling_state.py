@@ -36,8 +36,8 @@ class SeqState:
     output_ids: list[int]
     in_flight: int = 0  # tokens sampled by a launched step, not yet appended to output_ids
     bias: tuple[np.ndarray, np.ndarray] | None = None  # logit_bias as (int64 token ids, float32 values)
-    constraints: list[Constraint] = field(default_factory=list)
-    """The decoding strategies' constraints on what it samples next (llmserve/decoding.py)."""
+    constraints: dict[str, Constraint] = field(default_factory=dict)
+    """Strategy name -> its constraint on what the request samples next (llmserve/decoding.py)."""
 
     @classmethod
     def of(cls, new: NewSequence, strategies: dict[str, Any]) -> SeqState:
@@ -49,14 +49,14 @@ class SeqState:
             constraint = strategies[name].start(prepared)
             for token in state.output_ids:  # a resumed request: its constraint catches up
                 constraint.accept(token)
-            state.constraints.append(constraint)
+            state.constraints[name] = constraint
         return state
 
     def accept(self, token: int) -> None:
         """A token it produced, now on the host."""
         self.output_ids.append(token)
         self.in_flight -= 1
-        for constraint in self.constraints:
+        for constraint in self.constraints.values():
             constraint.accept(token)
 
     def reads_own_tokens(self) -> bool:
@@ -142,17 +142,30 @@ class SamplingState:
             batch.allowed = (t(constrained, np.int64), to_device(self._masks([states[i] for i in constrained], vocab)))
         return batch
 
-    @staticmethod
-    def _masks(states: list[SeqState], vocab: int) -> np.ndarray:
-        """int32 [len(states), words]: each row the tokens every constraint of its state allows next."""
+    def _masks(self, states: list[SeqState], vocab: int) -> np.ndarray:
+        """int32 [len(states), words]: each row the tokens every constraint of its state allows next.
+        Each strategy fills its constraints' rows in one call where it can (fill_masks: a grammar
+        engine's threads), else one fill_mask a row; a row under two strategies gets both ANDed."""
         masks = torch.full((len(states), mask_width(vocab)), -1, dtype=torch.int32)
-        scratch = torch.empty((1, masks.shape[1]), dtype=torch.int32)
+        rows_of: dict[str, tuple[list[Constraint], list[int]]] = {}
         for row, state in enumerate(states):
-            first, *rest = state.constraints
-            first.fill_mask(masks, row)
-            for constraint in rest:
-                constraint.fill_mask(scratch, 0)
-                masks[row] &= scratch[0]
+            for name, constraint in state.constraints.items():
+                constraints, rows = rows_of.setdefault(name, ([], []))
+                constraints.append(constraint)
+                rows.append(row)
+        filled = 0
+        for name, (constraints, rows) in rows_of.items():
+            # the first strategy writes into the rows themselves; later ones into a copy, then ANDed
+            target = masks if not filled else torch.full_like(masks, -1)
+            fill_masks = getattr(self.strategies[name], "fill_masks", None)
+            if fill_masks is not None:
+                fill_masks(constraints, target, rows)
+            else:
+                for constraint, row in zip(constraints, rows):
+                    constraint.fill_mask(target, row)
+            if filled:
+                masks &= target
+            filled += 1
         return masks.numpy()
 
 
