@@ -11,11 +11,22 @@ Where the executor runs in another process (the server's engine process), a comp
 crosses as two files the request side writes once each into a private temporary folder: the
 tokenizer's vocabulary (5 MB for 150k tokens) and the compiled grammar (its token masks, ~2 MB for
 JSON); the request carries their paths, and the executor's side reads each once.
+
+Jump-forward (`GrammarConstraint.jump`): after a sampled token t, where the grammar admits exactly
+one continuation s (xgrammar's jump-forward string: a key, `": "`, `", "`), t is replaced by the
+tokenizer's own encoding of text(t) + s, so a merge such as `"` + `,` -> `",` stays canonical (t is
+not in the KV cache yet: the scheduler plans a jumping request only once its token is known). The
+encoding's last token is dropped, as the model may extend it (`"na` + `me` -> `"name`), and
+nothing is jumped unless the kept tokens decode to text(t) and more, and re-encode to themselves.
+The executor's side needs the tokenizer itself for this: the request side's own in one process;
+in another, loaded from its directory when the first jumping request starts. Tokenizers that encode a leading space into a text's first token (SentencePiece's
+legacy mode) never jump: a stretch encoded alone is not what the same text gets mid-sequence.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import os
@@ -26,10 +37,13 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+import structlog
 import torch
 
 from llmserve.hookspecs import hookimpl
 from llmserve.sampling_params import SamplingParams
+
+log = structlog.get_logger("llmserve.structured_outputs")
 
 
 # xgrammar 0.2.8 writes a string with a length limit as `[^"\\\r\n]{lo,hi}`: raw control characters,
@@ -37,6 +51,17 @@ from llmserve.sampling_params import SamplingParams
 # unbounded strings exclude them (`[^\0-\x1f"\\\r\n]`); bounded ones are given the same class.
 _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+# Its negated classes also take UTF-16 surrogates (U+D800-DFFF) as characters, whose three-byte
+# encodings (ED A0 80 ...) are no UTF-8: they decode to U+FFFD each, three characters where the
+# grammar counted one (a maxLength broken). JSON grammars get them excluded from every such class.
+_NOT_SURROGATE = r'[^\uD800-\uDFFF'
+
+
+def _no_surrogates(ebnf: str) -> str:
+    """`ebnf` with surrogates excluded from its negated character classes (a Regex(...) rule's text,
+    a pattern of the schema's, is left as written)."""
+    return "\n".join(line if "Regex(" in line else line.replace("[^", _NOT_SURROGATE)
+                     for line in ebnf.split("\n"))
 
 
 def mid_anchor(regex: str) -> int | None:
@@ -100,25 +125,40 @@ def json_schema_grammar(schema: str | dict) -> str:
     if ignored := ignored_keywords(schema):
         raise ValueError(f"not supported: {'; '.join(ignored)}")
     text = json.dumps(schema)
-    return str(xgrammar.Grammar.from_json_schema(text, any_whitespace=False)).replace(_BOUNDED_STRING_CHAR,
-                                                                                      _JSON_STRING_CHAR)
+    grammar = str(xgrammar.Grammar.from_json_schema(text, any_whitespace=False))
+    return _no_surrogates(grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+
+
+@functools.cache
+def json_object_grammar() -> str:
+    """xgrammar's grammar of any JSON object or array (`json_object`), surrogates excluded."""
+    import xgrammar
+
+    return _no_surrogates(str(xgrammar.Grammar.builtin_json_grammar()))
 
 
 class PreparedGrammar:
     """A compiled grammar, and where to read it from in another process (written when first
     pickled). `key` names the grammar's source (kind, text, tokenizer)."""
 
-    def __init__(self, compiled: Any, key: str, files: _Files) -> None:
+    def __init__(self, compiled: Any, key: str, files: _Files, tokenizer: Any, jump_forward: bool) -> None:
         self.compiled = compiled
         self.key = key
         self.files = files
         self.paths: tuple[str, str] | None = None
+        self.tokenizer = tokenizer if jump_forward else None  # this process's: for jump-forward
+        self.tokenizer_dir = getattr(tokenizer, "name_or_path", None) if jump_forward else None
+        self.jump_forward = jump_forward and bool(self.tokenizer_dir)
+        """Its constraints may append tokens without sampling: the scheduler plans it only once its
+        last token is known (llmserve/decoding.py)."""
 
     def __getstate__(self) -> dict:
-        return {"paths": self.files.write(self.key, self.compiled)}
+        return {"paths": self.files.write(self.key, self.compiled), "tokenizer_dir": self.tokenizer_dir,
+                "jump_forward": self.jump_forward}
 
     def __setstate__(self, state: dict) -> None:
-        self.compiled, self.files, self.paths = None, None, state["paths"]
+        self.compiled, self.files, self.tokenizer, self.key = None, None, None, None
+        self.paths, self.tokenizer_dir, self.jump_forward = state["paths"], state["tokenizer_dir"], state["jump_forward"]
 
 
 class _Files:
@@ -186,10 +226,39 @@ class _Loaded:
 
 
 class GrammarConstraint:
-    def __init__(self, compiled: Any) -> None:
+    def __init__(self, compiled: Any, tokenizer: Any = None) -> None:
         import xgrammar
 
         self.matcher = xgrammar.GrammarMatcher(compiled)
+        self.tokenizer = tokenizer
+        """For jump-forward (None: this request does not jump)."""
+
+    def jump(self, token: int, limit: int) -> list[int] | None:
+        """After `token` was accepted: at most `limit` tokens that replace it, its text and the
+        text the grammar forces next, encoded by the tokenizer (the module's docstring says which);
+        the matcher is left after them. None: nothing to jump."""
+        tokenizer = self.tokenizer
+        if tokenizer is None or limit < 2 or self.matcher.is_terminated():
+            return None
+        forced = self.matcher.find_jump_forward_string()
+        if not forced:
+            return None
+        decode = lambda ids: tokenizer.decode(ids, clean_up_tokenization_spaces=False)  # noqa: E731
+        last = decode([token])
+        if "\ufffd" in last:  # part of a character: its bytes are not its text
+            return None
+        ids = tokenizer.encode(last + forced, add_special_tokens=False)[:-1][:limit]
+        text = decode(ids)
+        if (len(text) <= len(last) or not (last + forced).startswith(text)
+                or tokenizer.encode(text, add_special_tokens=False) != ids):
+            return None
+        self.matcher.rollback(1)
+        for i, t in enumerate(ids):
+            if not self.matcher.accept_token(t):  # xgrammar's string and its tokens disagree: undo
+                self.matcher.rollback(i)
+                self.matcher.accept_token(token)
+                return None
+        return ids
 
     # Past the end (the end-of-sequence token accepted), the request is finished: a token planned
     # meanwhile (steps are planned ahead) is computed and discarded, so any token will do.
@@ -209,6 +278,8 @@ class StructuredOutputs:
         self._files = _Files()
         self._loaded = _Loaded()
         self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made on first use (executor side)
+        self._tokenizers: dict[str, Any] = {}  # directory -> tokenizer, for jump-forward (executor side)
+        self._prefix_space: dict[int, bool] = {}  # id(tokenizer) -> _prefix_space(it); compilers keep them alive
 
     def wants(self, params: SamplingParams) -> bool:
         return params.structured_outputs is not None
@@ -226,7 +297,11 @@ class StructuredOutputs:
     def prepare(self, params: SamplingParams, tokenizer: Any, vocab_size: int) -> PreparedGrammar:
         compiled, source = self._compile(params, tokenizer, vocab_size)
         key = hashlib.sha256(f"{id(tokenizer)}:{vocab_size}:{source}".encode()).hexdigest()
-        return PreparedGrammar(compiled, key, self._files)
+        if id(tokenizer) not in self._prefix_space:
+            self._prefix_space[id(tokenizer)] = _prefix_space(tokenizer)
+        jump = (params.structured_outputs.jump_forward and params.logprobs is None
+                and not self._prefix_space[id(tokenizer)])
+        return PreparedGrammar(compiled, key, self._files, tokenizer, jump)
 
     def _compile(self, params: SamplingParams, tokenizer: Any, vocab_size: int) -> tuple[Any, str]:
         """(the compiled grammar, its source: the kind and text it was compiled from)."""
@@ -237,7 +312,7 @@ class StructuredOutputs:
         kind = spec.kind
         try:
             if kind == "json_object":
-                return compiler.compile_builtin_json_grammar(), kind
+                return compiler.compile_grammar(json_object_grammar()), kind
             if kind == "regex":
                 if (at := mid_anchor(spec.regex)) is not None:
                     raise ValueError(f"not supported: an anchor ({spec.regex[at]}) inside the regex, at character {at}")
@@ -266,8 +341,30 @@ class StructuredOutputs:
             self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask, list(indices))
 
     def start(self, prepared: PreparedGrammar) -> GrammarConstraint:
-        return GrammarConstraint(prepared.compiled if prepared.compiled is not None
-                                 else self._loaded.get(prepared.paths))
+        compiled = prepared.compiled if prepared.compiled is not None else self._loaded.get(prepared.paths)
+        return GrammarConstraint(compiled, self._tokenizer(prepared) if prepared.jump_forward else None)
+
+    def _tokenizer(self, prepared: PreparedGrammar) -> Any:
+        """The tokenizer jumps are encoded with: the request side's, or in another process one
+        loaded from its directory, once; the first jumping request waits for it (its outputs must
+        not depend on how fast a tokenizer loads). None if it cannot be loaded: no jumps."""
+        if prepared.tokenizer is not None:
+            return prepared.tokenizer
+        if prepared.tokenizer_dir not in self._tokenizers:
+            from llmserve.engine import load_tokenizer
+            try:
+                self._tokenizers[prepared.tokenizer_dir] = load_tokenizer(prepared.tokenizer_dir)
+            except Exception:
+                log.exception("jump-forward: the tokenizer did not load; nothing jumps", path=prepared.tokenizer_dir)
+                self._tokenizers[prepared.tokenizer_dir] = None
+        return self._tokenizers[prepared.tokenizer_dir]
+
+
+def _prefix_space(tokenizer: Any) -> bool:
+    """Whether the tokenizer puts a space marker into a text's first token (SentencePiece's legacy
+    mode): then a text encoded alone is not encoded as it is mid-sequence."""
+    pieces = tokenizer.convert_ids_to_tokens(tokenizer.encode('"a', add_special_tokens=False))
+    return bool(pieces) and str(pieces[0]).startswith("\u2581")
 
 
 @hookimpl

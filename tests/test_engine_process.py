@@ -110,7 +110,8 @@ async def test_same_tokens_as_in_process_and_counters_arrive(checkpoint):
 
 async def test_structured_outputs_cross_to_the_child_as_files_written_once(checkpoint):
     """A compiled grammar crosses the process boundary as files (the tokenizer's and the grammar's);
-    the child's outputs are the in-process engine's, and a schema sent again writes nothing new."""
+    the child's outputs are the in-process engine's (jump-forward included: the child encodes with
+    the tokenizer it loads), and a schema sent again writes nothing new."""
     import json
     import os
 
@@ -129,6 +130,7 @@ async def test_structured_outputs_cross_to_the_child_as_files_written_once(check
         outs = [await collect_text(engine, p, params) for p in prompts * 2]
         folder = engine.strategies["structured_outputs"]._files._dir
         assert sorted(os.listdir(folder)) and len(os.listdir(folder)) == 2  # one tokenizer, one grammar
+        assert engine.snapshot().jumped_tokens > 0  # the child loaded the tokenizer to jump forward with
         engine.stop()
     assert all(set(json.loads(text)) == {"n", "w"} for text in outs)
 

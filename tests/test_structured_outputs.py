@@ -241,3 +241,117 @@ def test_a_constrained_step_queues_its_forward_pass_before_waiting_for_the_last_
     overlapped = [step for (kind, step), nxt in zip(events, events[1:])
                   if kind == "forward" and nxt == ("finish", step - 1)]
     assert len(overlapped) >= 5
+
+
+# A tokenizer that has learnt JSON's punctuation (`",`, `": "`) as tokens: where a forced stretch
+# begins, the model's last token (`"`) merges with it.
+JSON_CORPUS = [json.dumps({"name": w, "city": c, "count": i, "active": i % 2 == 0}) + ", " + json.dumps([w, c])
+               for i, (w, c) in enumerate(zip("fox dog cat owl bee ant elk yak".split() * 4,
+                                              "rome oslo lima bern kiev riga".split() * 6))]
+KEYED = {"type": "object", "properties": {
+    "customer_identifier": {"type": "integer", "minimum": 0, "maximum": 99},
+    "name": {"type": "string", "maxLength": 5},
+    "shipping_destination_city": {"enum": ["rome", "oslo", "lima"]},
+    "city": {"type": "string", "maxLength": 5},
+    "is_priority_delivery": {"type": "boolean"}},
+    "required": ["customer_identifier", "name", "shipping_destination_city", "city", "is_priority_delivery"],
+    "additionalProperties": False}
+
+
+def _run_counting(llm, prompts, params) -> tuple[list, int, list]:
+    """Outputs, the forward steps that ran, and each jump as (sampled token, tokens replacing it)."""
+    runner, steps, jumps = llm.engine.runner, [], []
+    step, finish = runner.step, runner._finish
+
+    def counting(plan):
+        steps.append(len(plan.req_ids))
+        return step(plan)
+
+    def recording(flight):
+        result = finish(flight)
+        jumps.extend((t, result.jumps[r]) for r, t in zip(result.req_ids, result.token_ids) if r in result.jumps)
+        return result
+
+    runner.step, runner._finish = counting, recording
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        runner.step, runner._finish = step, finish
+    return outs, sum(1 for n in steps if n), jumps
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_jump_forward_appends_forced_text_in_fewer_steps_and_outputs_stay_valid(checkpoint, temperature):
+    """Key-heavy schema, batch 1 and 4: every output validates with jump-forward on and off; on,
+    the forced keys and punctuation are computed a stretch a step."""
+    with LLM(checkpoint("llama", corpus=JSON_CORPUS), dtype="float32", device="cpu", log_interval_s=0) as llm:
+        for batch in (1, 4):
+            prompts = [f"order {i}" for i in range(batch)]
+            counted = {}
+            for jump in (False, True):
+                params = [SamplingParams(temperature=temperature, seed=i, max_tokens=200,
+                                         structured_outputs=Structured(json=KEYED, jump_forward=jump))
+                          for i in range(batch)]
+                outs, steps, jumps = _run_counting(llm, prompts, params)
+                for o in outs:
+                    assert o.outputs[0].finish_reason == "stop"
+                    jsonschema.validate(json.loads(o.outputs[0].text), KEYED)
+                assert bool(jumps) == jump
+                counted[jump] = steps
+            assert counted[False] >= 1.5 * counted[True], counted
+
+
+def test_every_jumped_stretch_is_the_canonical_encoding_of_its_text(checkpoint):
+    """Each jump's tokens re-encode to themselves and decode to the sampled token's text and the
+    forced text after it; where the sampled `"` merges with the forced `, "` the token is replaced."""
+    with LLM(checkpoint("llama", corpus=JSON_CORPUS), dtype="float32", device="cpu", log_interval_s=0) as llm:
+        tok = llm.engine.tokenizer
+        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=200, structured_outputs=Structured(json=KEYED))
+                  for s in range(6)]
+        outs, _, jumps = _run_counting(llm, ["order"] * 6, params)
+    assert all(jsonschema.validate(json.loads(o.outputs[0].text), KEYED) is None for o in outs)
+    decode = lambda ids: tok.decode(ids, clean_up_tokenization_spaces=False)  # noqa: E731
+    for sampled, tokens in jumps:
+        text = decode(tokens)
+        assert tok.encode(text, add_special_tokens=False) == tokens
+        assert text.startswith(decode([sampled])) and len(text) > len(decode([sampled]))
+    merged = [(s, t) for s, t in jumps if t[0] != s]
+    assert merged, "no jump merged with the sampled token"
+    assert any(decode([s]) == '"' and decode(t).startswith('", "') for s, t in merged)
+    # the outputs' token ids are what the jumps made them: they decode to the output's text
+    assert all(o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outs)
+
+
+def test_jump_forward_is_off_for_requests_with_logprobs(checkpoint):
+    """A jumped token is not sampled, so it has no logprobs: such requests sample every token."""
+    with LLM(checkpoint("llama", corpus=JSON_CORPUS), dtype="float32", device="cpu", log_interval_s=0) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=200, logprobs=2, structured_outputs=Structured(json=KEYED))
+        outs, _, jumps = _run_counting(llm, ["order"], [params])
+    out = outs[0].outputs[0]
+    assert not jumps and len(out.logprobs) == len(out.token_ids)
+    jsonschema.validate(json.loads(out.text), KEYED)
+
+
+@pytest.mark.parametrize("schema", [KEYED, None])
+def test_json_strings_never_take_utf16_surrogates(checkpoint, schema):
+    """xgrammar's negated classes take U+D800-DFFF, whose UTF-8-like bytes (ED A0 80) decode to
+    three U+FFFD: a five-character maxLength overrun. Its JSON grammars here refuse them."""
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    from llmserve.plugins.structured_outputs import json_object_grammar, json_schema_grammar
+    tok = AutoTokenizer.from_pretrained(checkpoint("llama"))
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok)))
+    grammar = compiler.compile_grammar(json_schema_grammar(schema) if schema else json_object_grammar())
+    byte = {b: tok.convert_tokens_to_ids(c) for b, c in _byte_symbols().items()}
+    matcher = xgrammar.GrammarMatcher(grammar)
+    assert matcher.accept_string('{"customer_identifier": 1, "name": "' if schema else '{"k": "')
+    assert matcher.accept_token(byte[0xE2]) and matcher.accept_token(byte[0x82]) and matcher.accept_token(byte[0xAC])
+    assert matcher.accept_token(byte[0xED]) and not matcher.accept_token(byte[0xA0])
+
+
+def _byte_symbols() -> dict[int, str]:
+    """The byte-level BPE alphabet: byte -> the character standing for it."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    hidden = [b for b in range(256) if b not in shown]
+    return {**{b: chr(b) for b in shown}, **{b: chr(256 + i) for i, b in enumerate(hidden)}}

@@ -15,6 +15,8 @@ sides of the engine:
                                                         the device runs the step's forward pass)
                                                       each token it produced:
                                                         constraint.accept(token)
+                                                        constraint.jump(token, limit): tokens
+                                                        that replace it, appended unsampled
 
 The mask is packed: int32 words, bit t % 32 of word t // 32 set where token t may come next; the
 backend's apply_token_mask sets every other token's logit to -inf on the device. A request with a
@@ -40,6 +42,14 @@ class Constraint(Protocol):
 
     def accept(self, token: int) -> None:
         """Advance past a token the request produced (one the mask allowed)."""
+
+    # Optional (jump-forward): a constraint that can force what follows defines
+    #   jump(token: int, limit: int) -> list[int] | None
+    # called right after accept(token): at most `limit` tokens that replace `token` (its text and
+    # the forced text after it, as the tokenizer encodes them), the constraint left after them; or
+    # None. Only requests whose prepared object has `jump_forward = True` are asked: the scheduler
+    # plans those only once their last token is on the host (never on a token still in flight), so
+    # a replaced token was never computed.
 
 
 class DecodingStrategy(Protocol):

@@ -54,6 +54,8 @@ class EngineSnapshot:
     preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    jumped_tokens: int = 0
+    """Of the generated tokens, those a decoding strategy forced in (jump-forward), not sampled."""
 
 
 def freeze_heap() -> None:
@@ -395,7 +397,7 @@ class Engine(Frontend):
     def snapshot(self) -> EngineSnapshot:
         s, kv = self.scheduler, self.kv
         return EngineSnapshot(s.num_running, s.num_waiting, kv.pool.usage(), kv.prefix_queries, kv.prefix_hits,
-                              s.num_preemptions, s.prompt_tokens, s.generation_tokens)
+                              s.num_preemptions, s.prompt_tokens, s.generation_tokens, s.jumped_tokens)
 
     def release(self) -> None:
         """Give the device memory (weights, KV cache) back; the engine cannot run afterwards."""

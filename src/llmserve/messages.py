@@ -192,6 +192,9 @@ class StepResult:
     failed: dict[str, str] = field(default_factory=dict)
     """Requests the step could not compute or sample, by error: they end with it (the others of
     the step carry on)."""
+    jumps: dict[str, list[int]] = field(default_factory=dict)
+    """Requests whose constraint forced what follows their sampled token (jump-forward): the
+    tokens that replace it (llmserve/decoding.py)."""
 
 
 # ---- scheduler -> request actor -------------------------------------------------------------

@@ -67,12 +67,16 @@ def _check_range(name: str, value: object, integer: bool = False) -> None:
 class StructuredOutputsParams:
     """Output constrained to a language: exactly one of the fields (vLLM's names). `json` is a JSON
     schema (a dict or its text), `json_object` any JSON object, `regex` a regular expression,
-    `choice` one of the strings, `grammar` an EBNF (GBNF) grammar whose start rule is `root`."""
+    `choice` one of the strings, `grammar` an EBNF (GBNF) grammar whose start rule is `root`.
+    `jump_forward`: where the language admits exactly one continuation (a key, punctuation), its
+    tokens are appended without sampling and computed in one step (not for requests that ask for
+    logprobs: a jumped token has none)."""
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -85,6 +89,8 @@ class StructuredOutputsParams:
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not (isinstance(getattr(self, name), str) and getattr(self, name)):
                 _fail(f"structured_outputs.{name}", "a non-empty string", getattr(self, name))
+        if not isinstance(self.jump_forward, bool):
+            _fail("structured_outputs.jump_forward", "true or false", self.jump_forward)
         if self.choice is not None and not (isinstance(self.choice, list) and self.choice
                                             and all(isinstance(c, str) and c for c in self.choice)):
             _fail("structured_outputs.choice", "a non-empty list of non-empty strings", self.choice)

@@ -32,8 +32,8 @@ ARCHS = {
 }
 
 
-def train_tokenizer(out_dir: str, vocab_size: int = 384):
-    """A byte-level BPE tokenizer trained on CORPUS, saved as a transformers fast tokenizer."""
+def train_tokenizer(out_dir: str, vocab_size: int = 384, corpus: list[str] | None = None):
+    """A byte-level BPE tokenizer trained on `corpus` (CORPUS), saved as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -42,7 +42,7 @@ def train_tokenizer(out_dir: str, vocab_size: int = 384):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS * 4, trainer)
+    tok.train_from_iterator((corpus or CORPUS) * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -51,11 +51,12 @@ def train_tokenizer(out_dir: str, vocab_size: int = 384):
 
 
 def make_checkpoint(out_dir: str, arch: str = "llama", *, dtype: torch.dtype = torch.float32, seed: int = 0,
-                    shard_size: str | None = None, **overrides) -> str:
-    """Save a tiny random model of `arch` (see ARCHS) with its tokenizer into out_dir; returns out_dir."""
+                    shard_size: str | None = None, corpus: list[str] | None = None, **overrides) -> str:
+    """Save a tiny random model of `arch` (see ARCHS) with its tokenizer (trained on `corpus`) into
+    out_dir; returns out_dir."""
     import transformers
 
-    tok = train_tokenizer(out_dir)
+    tok = train_tokenizer(out_dir, corpus=corpus)
     config_cls, model_cls, arch_kwargs = ARCHS[arch]
     kwargs = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,

@@ -54,6 +54,9 @@ class Request:
     group: str | None = None
     held_prompt_logprobs: list = field(default_factory=list)
     prepared: dict = field(default_factory=dict)
+    lookahead: bool = True
+    """May be planned on a token still in flight; not where a decoding strategy may replace that
+    token (jump-forward: llmserve/decoding.py)."""
 
     @property
     def num_output(self) -> int:
@@ -78,7 +81,8 @@ class Scheduler:
         self._step = itertools.count()
         self.num_preemptions = 0
         self.prompt_tokens = 0  # prompt tokens computed (recomputation after preemption included)
-        self.generation_tokens = 0  # tokens sampled
+        self.generation_tokens = 0  # tokens sampled or jumped
+        self.jumped_tokens = 0  # tokens jump-forward appended beyond the sampled ones
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -87,6 +91,7 @@ class Scheduler:
         prompt = array("q", new.prompt_token_ids)
         req = Request(new.req_id, len(prompt), prompt, len(prompt), new.params,
                       (priority, new.arrival, next(self._seq)), group=new.group, prepared=new.prepared)
+        req.lookahead = not any(getattr(p, "jump_forward", False) for p in new.prepared.values())
         self.requests[req.req_id] = req
         bisect.insort(self.waiting, req, key=lambda r: r.key)
 
@@ -130,7 +135,7 @@ class Scheduler:
                 if seats == 0 or req.pending:
                     continue
                 seats -= 1
-            elif req.pending and self._is_last(req):
+            elif req.pending and (not req.lookahead or self._is_last(req)):
                 continue
             n = min(req.num_tokens + req.pending - req.num_computed, budget)
             admission = None
@@ -200,20 +205,27 @@ class Scheduler:
             if req is None:
                 continue  # finished while the step ran: its token is discarded
             req.pending -= 1
-            req.num_tokens += 1
-            req.unsent.append(token)
-            self.generation_tokens += 1
-            update = SequenceUpdate(req_id, [token], num_cached_tokens=req.num_cached_tokens,
+            update = SequenceUpdate(req_id, [], num_cached_tokens=req.num_cached_tokens,
                                     queue_time_s=req.queue_time_s)
             if req_id in result.logprobs:
                 update.logprobs.append(result.logprobs[req_id])
             if req.held_prompt_logprobs:
                 update.prompt_logprobs, req.held_prompt_logprobs = req.held_prompt_logprobs, []
-            self._check_stop(req, token, update)
+            # jump-forward: the tokens that replace the sampled one, each counted and checked
+            tokens = result.jumps.get(req_id, (token,)) if result.jumps else (token,)
+            self.jumped_tokens += len(tokens) - 1
+            for t in tokens:
+                req.num_tokens += 1
+                req.unsent.append(t)
+                self.generation_tokens += 1
+                update.new_token_ids.append(t)
+                if self._check_stop(req, t, update):
+                    break
             updates.append(update)
         return EngineOutputs(updates)
 
-    def _check_stop(self, req: Request, token: int, update: SequenceUpdate) -> None:
+    def _check_stop(self, req: Request, token: int, update: SequenceUpdate) -> bool:
+        """Whether `token` ends the request (then it is finished, and `update` says why)."""
         p = req.params
         past_min = req.num_output >= p.min_tokens
         if past_min and not p.ignore_eos and token in self.eos_token_ids:
@@ -223,8 +235,9 @@ class Scheduler:
         elif (p.max_tokens is not None and req.num_output >= p.max_tokens) or req.num_tokens >= self.max_model_len:
             status, update.finish_reason = RequestStatus.FINISHED_LENGTH, "length"
         else:
-            return
+            return False
         self.finish([req.req_id], status)
+        return True
 
     # ---- statistics ----------------------------------------------------------------------------
 

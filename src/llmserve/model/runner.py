@@ -200,6 +200,7 @@ class ModelRunner:
             merged.token_ids += result.token_ids
             merged.logprobs.update(result.logprobs)
             merged.prompt_logprobs.update(result.prompt_logprobs)
+            merged.jumps.update(result.jumps)
         return merged
 
     def _run_now(self, plan: StepPlan) -> StepResult:
@@ -326,6 +327,8 @@ class ModelRunner:
         for req_id, state, token in zip(result.req_ids, flight.states, result.token_ids):
             try:  # harmless for a request freed meanwhile: its state is gone
                 state.accept(token)
+                if state.constraints and (jumped := state.jump(token, self.max_model_len)):
+                    result.jumps[req_id] = jumped
             except Exception as exc:  # a constraint that cannot take its own token: this request fails alone
                 log.exception("constraint failed", request_id=req_id)
                 result.failed[req_id] = f"{type(exc).__name__}: {exc}"
