@@ -116,6 +116,26 @@ def test_llmserve_register_decoding_strategies():
                 pm.unregister(plugin)
 
 
+def test_llmserve_register_tool_parsers():
+    class Reg:
+        @hookimpl
+        def llmserve_register_tool_parsers(self, register):
+            register("toy", lambda tools: None)
+
+    pm = get_plugin_manager()
+    reg, clash = Reg(), Reg()
+    pm.register(reg, name="reg")
+    try:
+        assert {"toy", "hermes"} <= set(Plugins().tool_parsers())
+        pm.register(clash, name="clash")
+        with pytest.raises(RuntimeError, match="'toy' registered by both"):
+            Plugins().tool_parsers()
+    finally:
+        for plugin in (reg, clash):
+            if pm.is_registered(plugin):
+                pm.unregister(plugin)
+
+
 def test_misspelled_hook_implementation_fails_loudly():
     pm = pluggy.PluginManager("llmserve")
     pm.add_hookspecs(hookspecs)
@@ -198,6 +218,9 @@ def test_llmserve_plugins_lists_plugins_and_what_they_register(capsys):
     rows = {r["name"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
     assert rows["fp8"]["quantization_methods"] == ["compressed-tensors", "fp8"]
     assert rows["cuda"]["hooks"] == ["llmserve_select_backend"] and rows["cuda"]["source"] == "built-in"
+    assert rows["hermes"]["tool_parsers"] == ["hermes"] and rows["cuda"]["tool_parsers"] == []
+    assert main(["plugins"]) == 0
+    assert "tool parsers: hermes" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +244,7 @@ def test_third_party_package_is_discovered_selectable_and_runs(example_installed
     assert rows["int4_example"] == {
         "name": "int4_example", "source": "llmserve-int4-example 0.1.0", "status": "loaded",
         "hooks": ["llmserve_register_decoding_strategies", "llmserve_register_quantization_methods"],
-        "quantization_methods": ["int4-rtn"], "decoding_strategies": ["allowed_token_ids"]}
+        "quantization_methods": ["int4-rtn"], "decoding_strategies": ["allowed_token_ids"], "tool_parsers": []}
     generate = run_with(example_installed, f"""
 import json, torch
 from llmserve import LLM, SamplingParams

@@ -28,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help='checkpoint directory or "builtin"; overrides [model] model')
     ap.add_argument("--host", help="overrides [server] host")
     ap.add_argument("--port", type=int, help="overrides [server] port")
+    ap.add_argument("--tool-call-parser", metavar="NAME",
+                    help='how tool_choice "auto" reads tool calls from the output (a registered parser, see '
+                         '`llmserve plugins`); overrides [server] tool_call_parser (default hermes)')
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help='accepted as vLLM takes it; tool_choice "auto" is always on here')
     ap.add_argument("--prompt", action="append", help="generate for this prompt offline instead of serving (repeatable)")
     ap.add_argument("--max-tokens", type=int, default=32, help="with --prompt")
     ap.add_argument("--temperature", type=float, default=0.0, help="with --prompt")
@@ -46,11 +51,19 @@ def main(argv: list[str] | None = None) -> int:
         config.server.host = args.host
     if args.port is not None:
         config.server.port = args.port
+    if args.tool_call_parser:
+        config.server.tool_call_parser = args.tool_call_parser
     if args.prompt:
         return _generate(ap, config, args)
     import anyio
 
+    from llmserve.plugin_manager import PluginError
     from llmserve.server.run import serve
+    from llmserve.server.tool_calls import tool_parser
+    try:  # before anything starts: an unknown parser is a usage error
+        tool_parser(config)
+    except (ValueError, PluginError) as exc:
+        ap.error(str(exc))
     anyio.run(serve, config, backend="asyncio")
     return 0
 
@@ -84,6 +97,7 @@ def _plugins(argv: list[str]) -> int:
             continue
         provides = [f"quantization: {', '.join(row['quantization_methods'])}"] if row["quantization_methods"] else []
         provides += [f"decoding: {', '.join(row['decoding_strategies'])}"] if row["decoding_strategies"] else []
+        provides += [f"tool parsers: {', '.join(row['tool_parsers'])}"] if row["tool_parsers"] else []
         provides += [f"hooks: {', '.join(row['hooks'])}"]
         print(f"{row['name']:<16} {row['status']:<22} {row['source'] or '-':<28} {'; '.join(provides)}")
     return 0

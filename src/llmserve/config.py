@@ -158,6 +158,9 @@ class ServerConfig:
     engine_process: bool = True
     """Run the scheduler, KV manager and executor in a child process, so HTTP and detokenization never
     take the step loop's time; false runs everything on the server's event loop."""
+    tool_call_parser: str = "hermes"
+    """How chat requests with tool_choice "auto" read tool calls from the output: the name of a
+    registered tool-call parser (a plugin's; built-in: hermes, the Hermes/Qwen `<tool_call>` format)."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "server", "port", "in [0, 65535]", self.port)
@@ -168,6 +171,8 @@ class ServerConfig:
             _check(getattr(self, name) >= 1, "server", name, ">= 1", getattr(self, name))
         _check(self.ws_idle_timeout_s > 0, "server", "ws_idle_timeout_s", "> 0", self.ws_idle_timeout_s)
         _check(self.shutdown_grace_s >= 0, "server", "shutdown_grace_s", ">= 0", self.shutdown_grace_s)
+        _check(isinstance(self.tool_call_parser, str) and self.tool_call_parser != "", "server", "tool_call_parser",
+               "the name of a registered tool-call parser", self.tool_call_parser)
         for name in ("allowed_hosts", "allowed_origins"):
             value = getattr(self, name)
             _check(isinstance(value, list) and all(isinstance(v, str) and v for v in value), "server", name,

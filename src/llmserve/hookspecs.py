@@ -62,3 +62,20 @@ def llmserve_register_decoding_strategies(register: Callable[[str, Any], None]) 
 
     :param register: callback taking the strategy's name and its implementation object.
     """
+
+
+# ---- Tool-call parsers (the chat API) ---------------------------------------------------------
+
+@hookspec
+def llmserve_register_tool_parsers(register: Callable[[str, Any], None]) -> None:
+    """Register tool-call parsers by calling ``register(name, factory)``.
+
+    A parser reads a model's own tool-call format out of a chat choice's text, for requests with
+    ``tool_choice: "auto"`` (the `llmserve.tool_parsers.ToolParser` protocol): ``factory(tools)``
+    makes one per choice, which is fed the text as it is produced and answers content, call starts
+    and argument pieces. Selected by ``server.tool_call_parser = "name"`` (``--tool-call-parser``);
+    built-in: ``hermes``. Called for every plugin; a name registered twice is a start-up error
+    naming both plugins.
+
+    :param register: callback taking the parser's name and its factory.
+    """

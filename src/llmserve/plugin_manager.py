@@ -35,6 +35,7 @@ DEFAULT_PLUGINS = {
     "int8": "llmserve.plugins.int8",
     "fp8": "llmserve.plugins.fp8",
     "structured_outputs": "llmserve.plugins.structured_outputs",
+    "hermes": "llmserve.plugins.hermes",
 }
 
 
@@ -137,10 +138,15 @@ class Plugins:
         """name -> DecodingStrategy."""
         return {name: obj for name, (obj, _) in self._registry(self.pm.hook.llmserve_register_decoding_strategies).items()}
 
+    def tool_parsers(self) -> dict[str, Any]:
+        """name -> factory(tools) -> ToolParser."""
+        return {name: obj for name, (obj, _) in self._registry(self.pm.hook.llmserve_register_tool_parsers).items()}
+
     def describe(self) -> list[dict[str, Any]]:
         """One row per plugin, loaded or skipped: name, source, hooks, what it registers, status."""
         quant = self._registry(self.pm.hook.llmserve_register_quantization_methods)
         decoding = self._registry(self.pm.hook.llmserve_register_decoding_strategies)
+        parsers = self._registry(self.pm.hook.llmserve_register_tool_parsers)
         sources = getattr(self.pm, "sources", {})
         rows = []
         for name, plugin in self.pm.list_name_plugin():
@@ -148,8 +154,9 @@ class Plugins:
             rows.append({"name": name, "source": sources.get(name, "registered at run time"), "status": "loaded",
                          "hooks": hooks,
                          "quantization_methods": sorted(m for m, (_, p) in quant.items() if p == name),
-                         "decoding_strategies": sorted(d for d, (_, p) in decoding.items() if p == name)})
+                         "decoding_strategies": sorted(d for d, (_, p) in decoding.items() if p == name),
+                         "tool_parsers": sorted(t for t, (_, p) in parsers.items() if p == name)})
         for name, why in getattr(self.pm, "skipped", {}).items():
             rows.append({"name": name, "source": "", "status": why, "hooks": [], "quantization_methods": [],
-                         "decoding_strategies": []})
+                         "decoding_strategies": [], "tool_parsers": []})
         return rows

@@ -30,6 +30,7 @@ from llmserve.server.protocol import (APIError, ChatCompletionRequest, Completio
                                       TokenizeRequest, decode_body, parse)
 from llmserve.server.security import Gate
 from llmserve.server.serving import OpenAIServing
+from llmserve.server.tool_calls import tool_parser
 from llmserve.server.websocket import WebSocketSession
 
 log = structlog.get_logger("llmserve.server")
@@ -90,7 +91,7 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
     draining = draining or anyio.Event()
     model_name = served_model_name(config)
     metrics = Metrics(engine)
-    serving = OpenAIServing(engine, model_name, metrics, cfg)
+    serving = OpenAIServing(engine, model_name, metrics, cfg, tool_parser(config))  # unknown: a start-up error
     gate = Gate(cfg, cfg.api_key or os.environ.get("LLMSERVE_API_KEY") or None)
     sockets_of: Counter[str] = Counter()  # open WebSockets per client address
     app.extensions["llmserve"] = {"engine": engine, "metrics": metrics, "serving": serving}

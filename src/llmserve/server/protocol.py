@@ -17,7 +17,8 @@ from llmserve.sampling_params import MAX_LOGPROBS, REQUEST_FIELDS, SamplingParam
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 _UNION_FORMS = {"prompt": "a string, a list of strings, a list of token ids (integers) or a list of such lists",
-                "stop": "a string or a list of strings"}
+                "stop": "a string or a list of strings",
+                "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'}
 
 
 class APIError(Exception):
@@ -44,14 +45,14 @@ class APIError(Exception):
     def from_validation_error(cls, exc: ValidationError) -> APIError:
         err = exc.errors()[0]
         # A union field's location ends in the member type tried ("stop.str"): name the field only.
-        parts = []
+        # List items are named as in JavaScript, messages[0].role.
+        param = ""
         for part in err["loc"]:
-            if isinstance(part, str) and (part in _TYPE_TAGS or "[" in part):
-                field = ".".join(parts)
-                forms = f"; it takes {_UNION_FORMS[field]}" if field in _UNION_FORMS else ""
-                return cls(f"{field}: {err['input']!r} is not a valid value{forms}", param=field)
-            parts.append(str(part))
-        param = ".".join(parts) or None
+            if isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or part[:1].isupper()):
+                forms = f"; it takes {_UNION_FORMS[param]}" if param in _UNION_FORMS else ""
+                return cls(f"{param}: {err['input']!r} is not a valid value{forms}", param=param)
+            param += f"[{part}]" if isinstance(part, int) else f".{part}" if param else str(part)
+        param = param or None
         return cls(f"{param}: {err['msg']}" if param else err["msg"], param=param)
 
 
@@ -175,13 +176,15 @@ class _SamplingFields(_SamplingParamsFields):
     guided_grammar: Any = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
-                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+                        defaults: dict[str, Any] | None = None,
+                        constraint: dict[str, Any] | None = None) -> SamplingParams:
         """`defaults` (the model's, e.g. from its generation_config.json) replace the fields this
-        request did not set; a field it set, even to the OpenAI default, stays as sent."""
+        request did not set; a field it set, even to the OpenAI default, stays as sent.
+        `constraint` (a tool_choice's) takes the place of the request's own structured output."""
         fields = {key: getattr(self, key) for key in REQUEST_FIELDS}
         fields.update((key, value) for key, value in (defaults or {}).items() if key not in self.model_fields_set)
         return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                              structured_outputs=self.structure())
+                              structured_outputs=self.structure() if constraint is None else constraint)
 
     def structure(self) -> dict[str, Any] | None:
         """The request's structured_outputs, from response_format or vLLM's field."""
@@ -227,10 +230,48 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object; left out, the function takes none."""
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str | dict[str, Any]
+    """JSON text of an object, as the API returns it (an object is taken too)."""
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """An assistant message's calls (its content may then be null)."""
+    tool_call_id: str | None = None
+    """A tool message's: the call it answers."""
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -251,6 +292,8 @@ class _ChatTemplateFields(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    """Passed to the template (transformers' `tools`), whatever tool_choice says."""
 
 
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
@@ -259,7 +302,9 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Unset: "auto" with tools, none without (server/tool_calls.py has each mode)."""
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_ChatTemplateFields):

@@ -29,6 +29,8 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.server.metrics import Metrics
 from llmserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest,
                                       _SamplingFields)
+from llmserve.server.tool_calls import ChoiceCalls, ToolPlan, plan, template_messages, template_tools
+from llmserve.tool_parsers import ToolParserFactory
 
 log = structlog.get_logger("llmserve.server")
 
@@ -68,6 +70,10 @@ class _Job:
     score_prompt: bool = False
     """echo with max_tokens 0: the response is the prompt (and its logprobs) alone."""
     add_special_tokens: bool = True
+    tools: ToolPlan | None = None
+    """How its choices are read for tool calls (chat with tools, tool_choice not none)."""
+    calls: dict[int, ChoiceCalls] = field(default_factory=dict)
+    """Per streamed choice (by index), its tool-call parser's state."""
     sent: dict[int, _Sent] = field(default_factory=dict)
     queued: list[int] = field(default_factory=list)
     """Per prompt, its sequences still counted in OpenAIServing.queued (n until its first output)."""
@@ -96,6 +102,19 @@ class _Filled:
         return ready
 
 
+def _rounds(choices: list[dict]) -> list[list[dict]]:
+    """Stream chunks' choices, in order: a choice index at most once a chunk (a step may give a
+    choice several deltas: its entries go to successive chunks)."""
+    rounds: list[list[dict]] = []
+    seen: dict[int, int] = {}
+    for entry in choices:
+        n = seen[entry["index"]] = seen.get(entry["index"], -1) + 1
+        if n == len(rounds):
+            rounds.append([])
+        rounds[n].append(entry)
+    return rounds
+
+
 def _api_error(exc: BaseException) -> APIError:
     """What a request that failed in the engine is answered with."""
     while isinstance(exc, BaseExceptionGroup):  # several prompts ran as tasks: the first failure
@@ -113,11 +132,14 @@ def _api_error(exc: BaseException) -> APIError:
 
 
 class OpenAIServing:
-    def __init__(self, engine: Frontend, model_name: str, metrics: Metrics, limits: ServerConfig) -> None:
+    def __init__(self, engine: Frontend, model_name: str, metrics: Metrics, limits: ServerConfig,
+                 tool_parser: ToolParserFactory) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.limits = limits
+        self.tool_parser = tool_parser
+        """server.tool_call_parser's factory: what tool_choice auto reads the model's calls with."""
         self.queued = 0
         """Sequences admitted that have no first output yet: what max_waiting_requests bounds,
         counted here, where requests are admitted, so that a burst cannot overshoot it."""
@@ -155,9 +177,10 @@ class OpenAIServing:
                            param="logit_bias")
 
     def _params(self, body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                prompt_logprobs: int | None = None) -> SamplingParams:
+                prompt_logprobs: int | None = None, constraint: dict[str, Any] | None = None) -> SamplingParams:
         try:
-            return body.sampling_params(max_tokens, logprobs, prompt_logprobs, self.engine.sampling_defaults)
+            return body.sampling_params(max_tokens, logprobs, prompt_logprobs, self.engine.sampling_defaults,
+                                        constraint)
         except ValueError as exc:
             raise APIError.from_value_error(exc) from None
 
@@ -182,19 +205,22 @@ class OpenAIServing:
 
     def chat_job(self, body: ChatCompletionRequest) -> _Job:
         self._check_model(body)
-        if body.tools:
-            raise APIError("tools are not supported", param="tools")
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer, so it cannot render chat messages", param="messages")
         self._check_limits(body, 1)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._params(body, max_tokens, logprobs)
-        prompt = self.render_chat(body)
+        tools = template_tools(body.tools)
+        tool_plan = plan(body, tools, self.tool_parser)
+        params = self._params(body, max_tokens, logprobs, constraint=tool_plan and tool_plan.constraint)
+        prompt = self.render_chat(body, tools)
         return _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [prompt], params, body,
-                    add_special_tokens=False)
+                    add_special_tokens=False, tools=tool_plan)
 
-    def render_chat(self, body: ChatCompletionRequest | TokenizeRequest) -> str:
+    def render_chat(self, body: ChatCompletionRequest | TokenizeRequest,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text of a chat request; `tools` are its tools already checked (else they are
+        checked here)."""
         if body.continue_final_message and body.add_generation_prompt:
             raise APIError("continue_final_message needs add_generation_prompt false (the last message is "
                            "continued, no new one begins)", param="continue_final_message")
@@ -202,9 +228,11 @@ class OpenAIServing:
         if reserved := sorted(variables.keys() & _RENDER_ARGUMENTS):
             raise APIError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set there (arguments of the "
                            "rendering, not template variables)", param="chat_template_kwargs")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = template_messages(body.messages)
+        tools = tools if tools is not None else template_tools(body.tools)
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+            return self.tokenizer.apply_chat_template(messages, tools=tools,
+                                                      add_generation_prompt=body.add_generation_prompt,
                                                       continue_final_message=body.continue_final_message,
                                                       tokenize=False, **variables)
         except Exception as exc:  # a template error is the request's fault (roles, order...)
@@ -270,7 +298,9 @@ class OpenAIServing:
         except Exception as exc:
             error = _api_error(exc)
             fmt = job.body.response_format
-            if error.param == "structured_outputs" and fmt is not None and fmt.type != "text":
+            if error.param == "structured_outputs" and job.tools is not None and job.tools.constraint is not None:
+                error = job.tools.schema_error(error)  # the constraint is the tools' parameters
+            elif error.param == "structured_outputs" and fmt is not None and fmt.type != "text":
                 # the request said response_format: name it, not the field it was turned into
                 error = APIError(str(error).replace("structured_outputs.json", "response_format.json_schema.schema", 1),
                                  status=error.status, param="response_format")
@@ -291,8 +321,8 @@ class OpenAIServing:
         for i in sorted(finals):
             out = finals[i]
             for c in out.outputs:
-                choices.append(self._choice(job, i, out, c, c.text, c.token_ids, c.logprobs or [], c.finish_reason,
-                                            first=True))
+                choices += self._choice(job, i, out, c, c.text, c.token_ids, c.logprobs or [], c.finish_reason,
+                                        first=True)
         return {"id": job.id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
                 "created": job.created, "model": self.model_name, "choices": choices,
                 "usage": self._usage(finals.values())}
@@ -305,10 +335,13 @@ class OpenAIServing:
                 if job.kind == "chat" and not finals:
                     # The role opens the stream only once the engine took the request: a request it
                     # refuses (a prompt too long) is then still answered with its 4xx status.
-                    yield self._chunk(job, [{"index": k, "delta": {"role": "assistant", "content": ""},
+                    # (content null where the output may be tool calls alone: added up, the deltas
+                    # then give the message's null content, as OpenAI streams them)
+                    content = None if job.tools is not None else ""
+                    yield self._chunk(job, [{"index": k, "delta": {"role": "assistant", "content": content},
                                              "logprobs": None, "finish_reason": None} for k in range(job.params.n)])
                 finals[i] = out
-                if choices := self._new_choices(job, i, out):
+                for choices in _rounds(self._new_choices(job, i, out)):
                     yield self._chunk(job, choices)
         if job.body.include_usage_in_stream():
             chunk = self._chunk(job, [])
@@ -328,8 +361,8 @@ class OpenAIServing:
             finish = c.finish_reason
             if not (new_text or len(c.token_ids) > sent.tokens or finish is not None or (first and job.echo)):
                 continue
-            choices.append(self._choice(job, i, out, c, new_text, c.token_ids[sent.tokens:], new_lps, finish,
-                                        first=first, offset=sent.text))
+            choices += self._choice(job, i, out, c, new_text, c.token_ids[sent.tokens:], new_lps, finish,
+                                    first=first, offset=sent.text)
             sent.started, sent.done = True, finish is not None
             sent.text, sent.tokens, sent.logprobs = len(c.text), len(c.token_ids), len(c.logprobs or [])
         return choices
@@ -346,18 +379,31 @@ class OpenAIServing:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _choice(self, job: _Job, i: int, out: RequestOutput, c: CompletionOutput, text: str, token_ids: list[int],
-                logprobs: list[PositionLogprobs], finish: str | None, *, first: bool, offset: int = 0) -> dict:
+                logprobs: list[PositionLogprobs], finish: str | None, *, first: bool, offset: int = 0) -> list[dict]:
+        """The choice's entries for `text` (its text since the last chunk, or all of it): one, or
+        for a streamed chat choice with tool calls one per delta its parser gives."""
         index = i * job.params.n + c.index
         if job.kind == "chat":
-            streaming = job.body.stream
             k = job.params.logprobs or 0
             entry = {"index": index, "logprobs": self._chat_logprobs(token_ids, logprobs, k) if c.logprobs is not None
                      else None, "finish_reason": finish}
-            if streaming:
+            if job.tools is None and job.body.stream:
                 entry["delta"] = {"content": text} if text else {}
-            else:
+                return [entry]
+            if job.tools is None:
                 entry["message"] = {"role": "assistant", "content": text}
-            return entry
+                return [entry]
+            if not job.body.stream:
+                calls = job.tools.start()
+                entry["message"] = calls.message(text)
+                entry["finish_reason"] = calls.finish_reason(finish)
+                return [entry]
+            calls = job.calls.setdefault(index, job.tools.start())
+            entries = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+                       for delta in calls.deltas(text, final=finish is not None)]
+            entries[0]["logprobs"] = entry["logprobs"]
+            entries[-1]["finish_reason"] = calls.finish_reason(finish)
+            return entries
         k = job.params.logprobs or 0
         lps = None
         if c.logprobs is not None:
@@ -368,7 +414,7 @@ class OpenAIServing:
             if lps is not None and out.prompt_logprobs is not None:
                 prompt_lps = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, k)
                 lps = self._merge_logprobs(prompt_lps, lps, len(prompt_text))
-        return {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
+        return [{"index": index, "text": text, "logprobs": lps, "finish_reason": finish}]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
