@@ -14,9 +14,9 @@ JSON); the request carries their paths, and the executor's side reads each once.
 
 Jump-forward (`GrammarConstraint.jump`): after a sampled token t, where the grammar admits exactly
 one continuation s (xgrammar's jump-forward string: a key, `": "`, `", "`), t is replaced by the
-tokenizer's own encoding of text(t) + s, so a merge such as `"` + `,` -> `",` stays canonical (t is
-not in the KV cache yet: the scheduler plans a jumping request only once its token is known). The
-encoding's last token is dropped, as the model may extend it (`"na` + `me` -> `"name`), and
+tokenizer's own encoding of text(t) + s, so a merge such as `"` + `,` -> `",` stays canonical (where
+a step launched meanwhile computed t, that is taken back: llmserve/decoding.py). The encoding's
+last token is dropped, as the model may extend it (`"na` + `me` -> `"name`), and
 nothing is jumped unless the kept tokens decode to text(t) and more, and re-encode to themselves.
 The executor's side needs the tokenizer itself for this: the request side's own in one process;
 in another, loaded from its directory when the first jumping request starts. Tokenizers that encode a leading space into a text's first token (SentencePiece's
@@ -149,8 +149,6 @@ class PreparedGrammar:
         self.tokenizer = tokenizer if jump_forward else None  # this process's: for jump-forward
         self.tokenizer_dir = getattr(tokenizer, "name_or_path", None) if jump_forward else None
         self.jump_forward = jump_forward and bool(self.tokenizer_dir)
-        """Its constraints may append tokens without sampling: the scheduler plans it only once its
-        last token is known (llmserve/decoding.py)."""
 
     def __getstate__(self) -> dict:
         return {"paths": self.files.write(self.key, self.compiled), "tokenizer_dir": self.tokenizer_dir,

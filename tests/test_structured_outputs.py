@@ -235,7 +235,7 @@ def test_a_constrained_step_queues_its_forward_pass_before_waiting_for_the_last_
         runner, events = llm.engine.runner, []
         forward, finish = runner._forward, runner._finish
         runner._forward = lambda plan, *a: (events.append(("forward", plan.step_id)), forward(plan, *a))[1]
-        runner._finish = lambda flight: (events.append(("finish", flight.result.step_id)), finish(flight))[1]
+        runner._finish = lambda flight, *a: (events.append(("finish", flight.result.step_id)), finish(flight, *a))[1]
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     overlapped = [step for (kind, step), nxt in zip(events, events[1:])
@@ -259,7 +259,8 @@ KEYED = {"type": "object", "properties": {
 
 
 def _run_counting(llm, prompts, params) -> tuple[list, int, list]:
-    """Outputs, the forward steps that ran, and each jump as (sampled token, tokens replacing it)."""
+    """Outputs, the forward steps that ran, and each jump as (sampled token, tokens replacing it,
+    whether the step after it had been launched already)."""
     runner, steps, jumps = llm.engine.runner, [], []
     step, finish = runner.step, runner._finish
 
@@ -267,9 +268,10 @@ def _run_counting(llm, prompts, params) -> tuple[list, int, list]:
         steps.append(len(plan.req_ids))
         return step(plan)
 
-    def recording(flight):
-        result = finish(flight)
-        jumps.extend((t, result.jumps[r]) for r, t in zip(result.req_ids, result.token_ids) if r in result.jumps)
+    def recording(flight, *ahead):
+        result = finish(flight, *ahead)
+        jumps.extend((t, result.jumps[r], r in result.dropped_next)
+                     for r, t in zip(result.req_ids, result.token_ids) if r in result.jumps)
         return result
 
     runner.step, runner._finish = counting, recording
@@ -311,13 +313,14 @@ def test_every_jumped_stretch_is_the_canonical_encoding_of_its_text(checkpoint):
         outs, _, jumps = _run_counting(llm, ["order"] * 6, params)
     assert all(jsonschema.validate(json.loads(o.outputs[0].text), KEYED) is None for o in outs)
     decode = lambda ids: tok.decode(ids, clean_up_tokenization_spaces=False)  # noqa: E731
-    for sampled, tokens in jumps:
+    for sampled, tokens, _ in jumps:
         text = decode(tokens)
         assert tok.encode(text, add_special_tokens=False) == tokens
         assert text.startswith(decode([sampled])) and len(text) > len(decode([sampled]))
-    merged = [(s, t) for s, t in jumps if t[0] != s]
-    assert merged, "no jump merged with the sampled token"
-    assert any(decode([s]) == '"' and decode(t).startswith('", "') for s, t in merged)
+    merged = [(s, t, ahead) for s, t, ahead in jumps if t[0] != s]
+    assert any(decode([s]) == '"' and decode(t).startswith('", "') for s, t, _ in merged)
+    # with a step launched ahead: its sample dropped, and where the token was replaced, taken back
+    assert any(ahead for _, _, ahead in merged) and any(ahead and t[0] == s for s, t, ahead in jumps)
     # the outputs' token ids are what the jumps made them: they decode to the output's text
     assert all(o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outs)
 
@@ -355,3 +358,22 @@ def _byte_symbols() -> dict[int, str]:
     shown = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     hidden = [b for b in range(256) if b not in shown]
     return {**{b: chr(b) for b in shown}, **{b: chr(256 + i) for i, b in enumerate(hidden)}}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_jumps_with_steps_launched_ahead_give_the_sequential_engines_tokens(checkpoint, temperature):
+    """A jump found while the next step (computing the sampled token) is running drops that step's
+    sample and, where it replaced the token, takes its computation back: the tokens equal those of
+    the engine that finishes every step before planning the next (where nothing is taken back)."""
+    prompts = [f"order {i}" for i in range(5)]
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=200, structured_outputs=Structured(json=KEYED))
+              for i in range(5)]
+    runs = {}
+    for async_scheduling in (False, True):
+        with LLM(checkpoint("llama", corpus=JSON_CORPUS), dtype="float32", device="cpu", log_interval_s=0,
+                 async_scheduling=async_scheduling) as llm:
+            outs, _, jumps = _run_counting(llm, prompts, params)
+            runs[async_scheduling] = [o.outputs[0].token_ids for o in outs]
+            assert any(ahead for *_, ahead in jumps) == async_scheduling
+            assert llm.engine.kv.pool.usage() == 0 and not llm.engine.kv.requests  # no block leaked
+    assert runs[True] == runs[False]

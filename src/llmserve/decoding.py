@@ -47,9 +47,9 @@ class Constraint(Protocol):
     #   jump(token: int, limit: int) -> list[int] | None
     # called right after accept(token): at most `limit` tokens that replace `token` (its text and
     # the forced text after it, as the tokenizer encodes them), the constraint left after them; or
-    # None. Only requests whose prepared object has `jump_forward = True` are asked: the scheduler
-    # plans those only once their last token is on the host (never on a token still in flight), so
-    # a replaced token was never computed.
+    # None. The engine computes them in the request's next step, several at once; where `token`
+    # was already an input of a step launched meanwhile, that step's sample is dropped and, if
+    # `token` itself was replaced, its computation taken back.
 
 
 class DecodingStrategy(Protocol):

@@ -68,6 +68,9 @@ class ScheduledRequest:
     priority_key: tuple[int, float, int]
     admitted: "Admission | None" = None
     """Set when the request (re)enters the running set this step."""
+    retract: int = 0
+    """Tokens at the end of those computed to take back first (a token jump-forward replaced
+    after a step had computed it: the KV manager's trailing PLACEHOLDER; never in a hashed block)."""
 
 
 @dataclass(slots=True)
@@ -195,6 +198,10 @@ class StepResult:
     jumps: dict[str, list[int]] = field(default_factory=dict)
     """Requests whose constraint forced what follows their sampled token (jump-forward): the
     tokens that replace it (llmserve/decoding.py)."""
+    dropped_next: set[str] = field(default_factory=set)
+    """Of `jumps`, those whose next step was launched before this one finished, with the sampled
+    token as its input: they sample nothing there, and where the jump replaced that token, its
+    computation is taken back (ScheduledRequest.retract)."""
 
 
 # ---- scheduler -> request actor -------------------------------------------------------------

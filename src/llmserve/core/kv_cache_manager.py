@@ -308,6 +308,7 @@ class KVCacheManager:
             req = self.requests[e.req_id]
             if req.token_ids[-1] == PLACEHOLDER:
                 req.token_ids.pop()
+                req.num_computed -= e.retract  # its slot is computed again, with the token replacing it
             req.token_ids.extend(e.new_token_ids)
             self._hash_full_blocks(req)
 

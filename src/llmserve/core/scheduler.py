@@ -54,9 +54,9 @@ class Request:
     group: str | None = None
     held_prompt_logprobs: list = field(default_factory=list)
     prepared: dict = field(default_factory=dict)
-    lookahead: bool = True
-    """May be planned on a token still in flight; not where a decoding strategy may replace that
-    token (jump-forward: llmserve/decoding.py)."""
+    retract: int = 0
+    """Computed tokens the KV manager is to take back with the next proposal (jump-forward
+    replaced a token a step had already computed)."""
 
     @property
     def num_output(self) -> int:
@@ -91,7 +91,6 @@ class Scheduler:
         prompt = array("q", new.prompt_token_ids)
         req = Request(new.req_id, len(prompt), prompt, len(prompt), new.params,
                       (priority, new.arrival, next(self._seq)), group=new.group, prepared=new.prepared)
-        req.lookahead = not any(getattr(p, "jump_forward", False) for p in new.prepared.values())
         self.requests[req.req_id] = req
         bisect.insort(self.waiting, req, key=lambda r: r.key)
 
@@ -135,7 +134,7 @@ class Scheduler:
                 if seats == 0 or req.pending:
                     continue
                 seats -= 1
-            elif req.pending and (not req.lookahead or self._is_last(req)):
+            elif req.pending and self._is_last(req):
                 continue
             n = min(req.num_tokens + req.pending - req.num_computed, budget)
             admission = None
@@ -147,8 +146,10 @@ class Scheduler:
                 salt = None if self.enable_prefix_caching else req.group
                 admission = Admission(req.prompt_len, req.params, use_cache, salt, req.prepared)
             new_tokens = req.unsent + _PLACEHOLDER * req.pending
-            entries.append(ScheduledRequest(req.req_id, n, new_tokens, req.key, admission))
+            entries.append(ScheduledRequest(req.req_id, n, new_tokens, req.key, admission,
+                                            0 if admitting else req.retract))
             req.unsent = array("q")
+            req.retract = 0
             budget -= n
         freed, self._to_free = self._to_free, []
         return StepProposal(next(self._step), entries, freed)
@@ -214,6 +215,11 @@ class Scheduler:
             # jump-forward: the tokens that replace the sampled one, each counted and checked
             tokens = result.jumps.get(req_id, (token,)) if result.jumps else (token,)
             self.jumped_tokens += len(tokens) - 1
+            if req_id in result.dropped_next:  # the step after this one samples nothing for it
+                req.pending -= 1
+                if tokens[0] != token:  # and the token it computed is replaced: taken back
+                    req.num_computed -= 1
+                    req.retract += 1
             for t in tokens:
                 req.num_tokens += 1
                 req.unsent.append(t)

@@ -77,6 +77,8 @@ class ModelRunner:
         self.timing = StepTiming()
         self.in_flight: InFlight | None = None
         self.failed: set[str] = set()  # requests that failed a step, left out of the plans made before that was known
+        self.dropped: set[str] = set()
+        """Requests that jumped forward after the step being launched was planned: they sample nothing in it."""
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -156,8 +158,8 @@ class ModelRunner:
             holes = np.flatnonzero(plan.token_ids < 0)
             try:
                 forward = self._forward(plan, previous, holes)
-                if wait:
-                    done.append(self._finish_or_fail(previous))
+                if wait:  # its requests' tokens are inputs of the forward pass just queued
+                    done.append(self._finish_or_fail(previous, previous.rows.keys() & set(plan.req_ids)))
                     previous = None
                 self.in_flight = self._sample(forward)
                 self.timing.launched()
@@ -171,6 +173,7 @@ class ModelRunner:
                 done.append(self._isolate(plan))
             if previous is not None:
                 done.append(self._finish_or_fail(previous))
+            self.dropped.clear()
             return done
 
     def _isolate(self, plan: StepPlan) -> StepResult:
@@ -275,8 +278,9 @@ class ModelRunner:
         result, logits = forward.result, forward.logits
         if logits is None:
             return InFlight(result, forward.req_ids)
-        if self.failed and not self.failed.isdisjoint(result.req_ids):  # failed by the step finished meanwhile
-            keep = [i for i, r in enumerate(result.req_ids) if r not in self.failed]
+        if ((self.failed and not self.failed.isdisjoint(result.req_ids))  # failed by the step finished meanwhile
+                or (self.dropped and not self.dropped.isdisjoint(result.req_ids))):  # or jumped there
+            keep = [i for i, r in enumerate(result.req_ids) if r not in self.failed and r not in self.dropped]
             result.req_ids = [result.req_ids[i] for i in keep]
             if not keep:
                 return InFlight(result, forward.req_ids)
@@ -300,18 +304,22 @@ class ModelRunner:
             state.in_flight += 1
         return flight
 
-    def _finish_or_fail(self, flight: InFlight) -> StepResult:
+    def _finish_or_fail(self, flight: InFlight, ahead: set[str] | frozenset = frozenset()) -> StepResult:
         """The launched step's result; if finishing it fails (its sampled tokens are lost), its
         requests end with the error."""
         try:
-            return self._finish(flight)
+            return self._finish(flight, ahead)
         except Exception as exc:
             log.exception("step failed", step=flight.result.step_id, num_reqs=len(flight.req_ids))
             self.failed.update(flight.req_ids)
             return StepResult(flight.result.step_id, [], [],
                               failed={r: f"{type(exc).__name__}: {exc}" for r in flight.req_ids})
 
-    def _finish(self, flight: InFlight) -> StepResult:
+    def _finish(self, flight: InFlight, ahead: set[str] | frozenset = frozenset()) -> StepResult:
+        """The step's tokens on the host, accepted by their requests' constraints. `ahead`: requests
+        whose token is an input of the step launched meanwhile; one that jumps forward is dropped
+        from that step's sampling (`dropped_next`), and the token's computation there is taken back
+        where the jump replaces it."""
         result = flight.result
         if flight.tokens is None:
             return result
@@ -329,6 +337,9 @@ class ModelRunner:
                 state.accept(token)
                 if state.constraints and (jumped := state.jump(token, self.max_model_len)):
                     result.jumps[req_id] = jumped
+                    if req_id in ahead:
+                        result.dropped_next.add(req_id)
+                        self.dropped.add(req_id)
             except Exception as exc:  # a constraint that cannot take its own token: this request fails alone
                 log.exception("constraint failed", request_id=req_id)
                 result.failed[req_id] = f"{type(exc).__name__}: {exc}"

@@ -38,8 +38,6 @@ class SeqState:
     bias: tuple[np.ndarray, np.ndarray] | None = None  # logit_bias as (int64 token ids, float32 values)
     constraints: dict[str, Constraint] = field(default_factory=dict)
     """Strategy name -> its constraint on what the request samples next (llmserve/decoding.py)."""
-    may_jump: bool = False
-    """Its prepared strategy says it jumps forward: it is never planned on a token in flight."""
 
     @classmethod
     def of(cls, new: NewSequence, strategies: dict[str, Any]) -> SeqState:
@@ -52,7 +50,6 @@ class SeqState:
             for token in state.output_ids:  # a resumed request: its constraint catches up
                 constraint.accept(token)
             state.constraints[name] = constraint
-            state.may_jump |= bool(getattr(prepared, "jump_forward", False))
         return state
 
     def accept(self, token: int) -> None:
@@ -65,7 +62,7 @@ class SeqState:
     def jump(self, token: int, max_model_len: int) -> list[int] | None:
         """After accept(token): the tokens its constraint forces in place of `token` (it alone, a
         constraint with jump()), within max_tokens and max_model_len; output_ids end with them."""
-        if not self.may_jump or len(self.constraints) != 1:
+        if len(self.constraints) != 1:
             return None
         constraint = next(iter(self.constraints.values()))
         if not hasattr(constraint, "jump"):
