@@ -156,14 +156,18 @@ class SamplingState:
             batch.banned = (t(rows, np.int64), t(toks, np.int64))
         constrained = [i for i, s in enumerate(states) if s.constraints]
         if constrained:
-            batch.allowed = (t(constrained, np.int64), to_device(self._masks([states[i] for i in constrained], vocab)))
+            batch.allowed = (t(constrained, np.int64), self._masks([states[i] for i in constrained], vocab))
         return batch
 
-    def _masks(self, states: list[SeqState], vocab: int) -> np.ndarray:
-        """int32 [len(states), words]: each row the tokens every constraint of its state allows next.
-        Each strategy fills its constraints' rows in one call where it can (fill_masks: a grammar
-        engine's threads), else one fill_mask a row; a row under two strategies gets both ANDed."""
-        masks = torch.full((len(states), mask_width(vocab)), -1, dtype=torch.int32)
+    def _masks(self, states: list[SeqState], vocab: int) -> torch.Tensor:
+        """int32 [len(states), words] on the device: each row the tokens every constraint of its
+        state allows next. Filled where the copy to the device is queued from (pinned memory: 5 MB
+        a step for 256 rows of a 152k vocabulary, not copied again on the host). Each strategy
+        fills its constraints' rows in one call where it can (fill_masks: a grammar engine's
+        threads), else one fill_mask a row; a row under two strategies gets both ANDed."""
+        host, staged = self.staging.empty((len(states), mask_width(vocab)), np.int32)
+        host.fill(-1)
+        masks = torch.from_numpy(host)
         rows_of: dict[str, tuple[list[Constraint], list[int]]] = {}
         for row, state in enumerate(states):
             for name, constraint in state.constraints.items():
@@ -183,7 +187,7 @@ class SamplingState:
             if filled:
                 masks &= target
             filled += 1
-        return masks.numpy()
+        return self.staging.send(staged)
 
 
 def _scatter_rows(rows: list, vocab: int, dtype: torch.dtype, count: bool, staging: Staging) -> torch.Tensor:

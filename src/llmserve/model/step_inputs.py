@@ -88,7 +88,10 @@ class Staging:
         return self._ring.empty(shape, dtype)
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
-        staged = self.stage(array)
+        return self.send(self.stage(array))
+
+    def send(self, staged: torch.Tensor) -> torch.Tensor:
+        """A staged tensor (stage(), empty()) on the device, its copy queued without waiting."""
         return staged if self.device.type != "cuda" else staged.to(self.device, non_blocking=True)
 
     def forward_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
