@@ -282,31 +282,36 @@ class StructuredOutputs:
     def wants(self, params: SamplingParams) -> bool:
         return params.structured_outputs is not None
 
-    def _compiler(self, tokenizer: Any, vocab_size: int) -> Any:
+    def _compiler(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Any:
         import xgrammar
 
         with self._lock:
-            key = (id(tokenizer), vocab_size)
+            key = (id(tokenizer), vocab_size, eos_token_ids)
             if key not in self._compilers:
-                info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+                # every id that ends a request is a stop token: allowed at the grammar's end, and
+                # nowhere before it (the model's own end ids may be ordinary pieces to the tokenizer)
+                info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                               stop_token_ids=list(eos_token_ids) or None)
                 self._compilers[key] = (xgrammar.GrammarCompiler(info), tokenizer)  # keeps id() valid
             return self._compilers[key][0]
 
-    def prepare(self, params: SamplingParams, tokenizer: Any, vocab_size: int) -> PreparedGrammar:
-        compiled, source = self._compile(params, tokenizer, vocab_size)
-        key = hashlib.sha256(f"{id(tokenizer)}:{vocab_size}:{source}".encode()).hexdigest()
+    def prepare(self, params: SamplingParams, tokenizer: Any, vocab_size: int,
+                eos_token_ids: tuple[int, ...]) -> PreparedGrammar:
+        compiled, source = self._compile(params, tokenizer, vocab_size, eos_token_ids)
+        key = hashlib.sha256(f"{id(tokenizer)}:{vocab_size}:{eos_token_ids}:{source}".encode()).hexdigest()
         if id(tokenizer) not in self._prefix_space:
             self._prefix_space[id(tokenizer)] = _prefix_space(tokenizer)
         jump = (params.structured_outputs.jump_forward and params.logprobs is None
                 and not self._prefix_space[id(tokenizer)])
         return PreparedGrammar(compiled, key, self._files, tokenizer, jump)
 
-    def _compile(self, params: SamplingParams, tokenizer: Any, vocab_size: int) -> tuple[Any, str]:
+    def _compile(self, params: SamplingParams, tokenizer: Any, vocab_size: int,
+                 eos_token_ids: tuple[int, ...]) -> tuple[Any, str]:
         """(the compiled grammar, its source: the kind and text it was compiled from)."""
         if tokenizer is None:
             raise ValueError("structured_outputs: this model has no tokenizer to build a grammar's token masks from")
         spec = params.structured_outputs
-        compiler = self._compiler(tokenizer, vocab_size)
+        compiler = self._compiler(tokenizer, vocab_size, eos_token_ids)
         kind = spec.kind
         try:
             if kind == "json_object":

@@ -209,7 +209,7 @@ def test_grammars_sent_to_another_process_keep_a_bounded_folder(checkpoint):
     tokenizer = AutoTokenizer.from_pretrained(checkpoint("llama"))
 
     def send(regex):
-        prepared = strategy.prepare(structured(0.0, regex=regex), tokenizer, 384)
+        prepared = strategy.prepare(structured(0.0, regex=regex), tokenizer, 384, (2,))
         received = pickle.loads(pickle.dumps(prepared))
         return received, strategy.start(received)
 
@@ -377,3 +377,16 @@ def test_jumps_with_steps_launched_ahead_give_the_sequential_engines_tokens(chec
             assert any(ahead for *_, ahead in jumps) == async_scheduling
             assert llm.engine.kv.pool.usage() == 0 and not llm.engine.kv.requests  # no block leaked
     assert runs[True] == runs[False]
+
+
+def test_an_end_id_of_the_model_that_is_a_plain_piece_to_the_tokenizer_never_ends_an_output_early(checkpoint):
+    """The model's config names token 100 as end-of-sequence, which the tokenizer has as an
+    ordinary piece: pushed up by a bias, it is still allowed only where the grammar ends."""
+    with LLM(checkpoint("llama", eos_token_id=100), dtype="float32", device="cpu", log_interval_s=0) as llm:
+        params = [SamplingParams(temperature=t, seed=1, max_tokens=120, logit_bias={100: 30.0},
+                                 structured_outputs=Structured(json=SCHEMAS[0])) for t in (0.0, 1.0)]
+        outs = llm.generate(["a b", "c"], params, use_tqdm=False)
+        decode = llm.engine.tokenizer.decode
+    for o in outs:  # the text ends in token 100's piece: not a special token to the tokenizer
+        assert o.outputs[0].finish_reason == "stop" and o.outputs[0].token_ids[-1] == 100
+        jsonschema.validate(json.loads(decode(o.outputs[0].token_ids[:-1])), SCHEMAS[0])

@@ -4,7 +4,7 @@ A strategy is registered by name (hook `llmserve_register_decoding_strategies`) 
 sides of the engine:
 
     request actor (has the tokenizer)                 executor (has the logits)
-    strategy.wants(params) ──yes──▶ strategy.prepare(params, tokenizer, vocab_size)
+    strategy.wants(params) ──yes──▶ strategy.prepare(params, tokenizer, vocab_size, eos_token_ids)
                                     on a worker thread (grammar compilation is slow);
                                     ValueError naming the field: the request's 400
         the prepared object travels with the request (NewRequest → Admission → NewSequence)
@@ -56,9 +56,10 @@ class DecodingStrategy(Protocol):
     def wants(self, params: SamplingParams) -> bool:
         """Whether requests with these parameters use this strategy."""
 
-    def prepare(self, params: SamplingParams, tokenizer: Any, vocab_size: int) -> Any:
+    def prepare(self, params: SamplingParams, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Any:
         """What the executor needs to start a request's constraints (e.g. a compiled grammar),
-        made on a worker thread; raises ValueError naming the bad field."""
+        made on a worker thread; raises ValueError naming the bad field. `eos_token_ids` end the
+        request (the model's and the tokenizer's): a mask that allows one mid-output lets it stop there."""
 
     def start(self, prepared: Any) -> Constraint:
         """A fresh constraint for one sample, at the start of its output."""

@@ -124,10 +124,12 @@ class _Request:
 class RequestActor:
     def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, seed: int,
                  inbox: ObjectReceiveStream, to_scheduler: ObjectSendStream, step_tokens: int,
-                 strategies: dict[str, Any] | None = None) -> None:
+                 strategies: dict[str, Any] | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.strategies = strategies or {}
         """Decoding strategies by name (llmserve/decoding.py): those a request wants prepare it."""
+        self.eos_token_ids = eos_token_ids
+        """The ids that end a request (the model's and the tokenizer's): a grammar's end allows them alone."""
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.step_tokens = step_tokens  # the scheduler's token budget: a full step's prompt tokens
@@ -192,9 +194,9 @@ class RequestActor:
         if strict_length and params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens is {params.max_tokens} but the prompt has {len(ids)} tokens and "
                              f"max_model_len is {self.max_model_len}: at most {self.max_model_len - len(ids)} remain")
-        for field, token_ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+        for name, token_ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
             if bad := [t for t in token_ids if t >= self.vocab_size]:
-                raise ValueError(f"{field} token ids must be < vocab size {self.vocab_size}, got {bad}")
+                raise ValueError(f"{name} token ids must be < vocab size {self.vocab_size}, got {bad}")
 
     async def _on_submit(self, subs: list[Submit]) -> None:
         """Admit each valid submission (an invalid one gets its error in its slot). The scheduler
@@ -227,7 +229,8 @@ class RequestActor:
         the event loop and the other requests' outputs go on meanwhile."""
         def prepare() -> tuple[list[int] | None, dict[str, Any]]:
             return (self._encode(sub) if long else None,
-                    {name: self.strategies[name].prepare(sub.params, self.tokenizer, self.vocab_size) for name in wanted})
+                    {name: self.strategies[name].prepare(sub.params, self.tokenizer, self.vocab_size, self.eos_token_ids)
+                     for name in wanted})
         try:
             encoded, prepared = await anyio.to_thread.run_sync(prepare)
         except Exception as exc:

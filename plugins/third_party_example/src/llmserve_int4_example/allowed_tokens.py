@@ -31,7 +31,7 @@ class AllowedTokenIds:
     def wants(self, params: SamplingParams) -> bool:
         return KEY in (params.extra_args or {})
 
-    def prepare(self, params: SamplingParams, tokenizer, vocab_size: int) -> torch.Tensor:
+    def prepare(self, params: SamplingParams, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> torch.Tensor:
         ids = params.extra_args[KEY]
         if not (isinstance(ids, list) and ids and all(type(t) is int and 0 <= t < vocab_size for t in ids)):
             raise ValueError(f"extra_args.{KEY} must be a non-empty list of token ids in [0, {vocab_size}), got {ids!r}")
