@@ -60,9 +60,9 @@ class Workload:
         that a run detokenizes its outputs as it would with the real checkpoint's tokenizer."""
         from transformers import PreTrainedTokenizerFast
 
-        eos = "<|endoftext|>"
-        tok = synthetic_tokenizer(self.model_config["vocab_size"], eos)
-        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos).save_pretrained(str(path))
+        cfg = self.model_config  # its end and start ids are special tokens, as in the real vocabulary
+        tok = synthetic_tokenizer(cfg["vocab_size"], {cfg["eos_token_id"]: "<|eos|>", cfg["bos_token_id"]: "<|bos|>"})
+        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>", bos_token="<|bos|>").save_pretrained(str(path))
 
     def to_dict(self) -> dict:
         """The workload as plain JSON-ready data, for a peer engine in another process: each request's
@@ -81,11 +81,12 @@ class Workload:
                    [SamplingParams(**p) for p in data["params"]], data.get("bound", "bandwidth"))
 
 
-def synthetic_tokenizer(vocab_size: int, eos: str, seed: int = 0):
-    """A byte-level BPE `tokenizers.Tokenizer` of exactly `vocab_size` tokens (the last one `eos`),
-    built without a corpus: each merge extends a token drawn at random by a letter, digit, space or
-    punctuation mark, up to 10 characters (a real vocabulary is mostly such pieces, and random
-    weights sample its ids uniformly); ~1 s for 151,936 tokens."""
+def synthetic_tokenizer(vocab_size: int, specials: dict[int, str], seed: int = 0):
+    """A byte-level BPE `tokenizers.Tokenizer` of exactly `vocab_size` tokens, `specials` (id ->
+    text, ids past the 256 bytes) special tokens at their ids, built without a corpus: each merge
+    extends a token drawn at random by a letter, digit, space or punctuation mark, up to 10
+    characters (a real vocabulary is mostly such pieces, and random weights sample its ids
+    uniformly); ~1 s for 151,936 tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -94,18 +95,20 @@ def synthetic_tokenizer(vocab_size: int, eos: str, seed: int = 0):
     pool = list(chars)
     rng = random.Random(seed)
     merges = []
-    while len(vocab) < vocab_size - 1:
+    while len(vocab) < vocab_size:
+        if len(vocab) in specials:
+            vocab[specials[len(vocab)]] = len(vocab)
+            continue
         a, b = rng.choice(pool), rng.choice(chars)
         if len(a) >= 10 or a + b in vocab:
             continue
         vocab[a + b] = len(vocab)
         merges.append((a, b))
         pool.append(a + b)
-    vocab[eos] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([eos])
+    tok.add_special_tokens(list(specials.values()))
     return tok
 
 
