@@ -167,9 +167,10 @@ def test_watch_stalls_names_first_used_kernels_and_gc_pauses():
 
 
 def test_synthetic_tokenizer_covers_the_vocabulary_and_the_engine_detokenizes_with_it(checkpoint, tmp_path):
-    """`bench throughput --detokenize`: a tokenizer of exactly the model's vocabulary (its last id the
-    end of sequence), past the 256 byte tokens every id a distinct printable piece; an engine loading it from the checkpoint's
-    directory streams text equal to decoding each output's ids at once."""
+    """`bench throughput --detokenize`: a tokenizer of exactly the model's vocabulary (its end and
+    start ids special tokens at the config's ids), past the 256 byte tokens every other id a
+    distinct printable piece; an engine loading it from the checkpoint's directory streams text
+    equal to decoding each output's ids at once."""
     import shutil
 
     from transformers import AutoTokenizer
@@ -182,11 +183,13 @@ def test_synthetic_tokenizer_covers_the_vocabulary_and_the_engine_detokenizes_wi
     model_dir.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(f"{src}/{name}", model_dir / name)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    Workload("tiny", {"vocab_size": vocab}, [], []).write_tokenizer(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab = config["vocab_size"]
+    Workload("tiny", {"vocab_size": vocab, "eos_token_id": vocab - 1, "bos_token_id": 300}, [], []).write_tokenizer(model_dir)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    assert len(tok) == vocab and tok.eos_token_id == vocab - 1
-    pieces = [tok.decode([i]) for i in range(256, vocab - 1)]
+    assert len(tok) == vocab and (tok.eos_token_id, tok.bos_token_id) == (vocab - 1, 300)
+    specials = {tok.eos_token_id, tok.bos_token_id}
+    pieces = [tok.decode([i]) for i in range(256, vocab) if i not in specials]
     assert all(p.isprintable() for p in pieces) and len(set(pieces)) == len(pieces) > 0
     with LLM(str(model_dir), device="cpu", log_interval_s=0) as llm:
         outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9] * 20}],

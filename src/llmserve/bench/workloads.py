@@ -90,6 +90,8 @@ def synthetic_tokenizer(vocab_size: int, specials: dict[int, str], seed: int = 0
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    if any(not len(alphabet) <= i < vocab_size for i in specials):
+        raise ValueError(f"special token ids must be in [{len(alphabet)}, {vocab_size}), got {sorted(specials)}")
     vocab = {c: i for i, c in enumerate(alphabet)}
     chars = [chr(c) for c in range(33, 127)] + ["\u0120"] * 12  # printable ASCII; U+0120 is the space
     pool = list(chars)
