@@ -224,23 +224,39 @@ class _Loaded:
 
 
 class GrammarConstraint:
-    def __init__(self, compiled: Any, tokenizer: Any = None) -> None:
+    def __init__(self, compiled: Any) -> None:
         import xgrammar
 
         self.matcher = xgrammar.GrammarMatcher(compiled)
+
+    # Past the end (the end-of-sequence token accepted), the request is finished: a token planned
+    # meanwhile (steps are planned ahead) is computed and discarded, so any token will do.
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.matcher.is_terminated():
+            bitmask[row] = -1
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.accept_token(token) and not self.matcher.is_terminated():
+            raise RuntimeError(f"structured_outputs: token {token} is not allowed by the grammar here")
+
+
+class JumpingGrammarConstraint(GrammarConstraint):
+    """A grammar constraint that jumps forward (the tokenizer encodes what it forces)."""
+
+    def __init__(self, compiled: Any, tokenizer: Any) -> None:
+        super().__init__(compiled)
         self.tokenizer = tokenizer
-        """For jump-forward (None: this request does not jump)."""
 
     def jump(self, token: int, limit: int) -> list[int] | None:
-        """After `token` was accepted: at most `limit` tokens that replace it, its text and the
-        text the grammar forces next, encoded by the tokenizer (the module's docstring says which);
-        the matcher is left after them. None: nothing to jump."""
+        """After `token` was accepted (not an end of sequence): at most `limit` tokens that replace
+        it, its text and the text the grammar forces next, encoded by the tokenizer (the module's
+        docstring says which); the matcher is left after them. None: nothing to jump."""
+        forced = self.matcher.find_jump_forward_string()  # first: it is "" almost always
+        if not forced or limit < 2:
+            return None
         tokenizer = self.tokenizer
-        if tokenizer is None or limit < 2 or self.matcher.is_terminated():
-            return None
-        forced = self.matcher.find_jump_forward_string()
-        if not forced:
-            return None
         decode = lambda ids: tokenizer.decode(ids, clean_up_tokenization_spaces=False)  # noqa: E731
         last = decode([token])
         if "\ufffd" in last:  # part of a character: its bytes are not its text
@@ -257,16 +273,6 @@ class GrammarConstraint:
                 self.matcher.accept_token(token)
                 return None
         return ids
-
-    # Past the end (the end-of-sequence token accepted), the request is finished: a token planned
-    # meanwhile (steps are planned ahead) is computed and discarded, so any token will do.
-    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        if not self.matcher.is_terminated():
-            self.matcher.fill_next_token_bitmask(bitmask, row)
-
-    def accept(self, token: int) -> None:
-        if not self.matcher.is_terminated() and not self.matcher.accept_token(token):
-            raise RuntimeError(f"structured_outputs: token {token} is not allowed by the grammar here")
 
 
 class StructuredOutputs:
@@ -332,7 +338,12 @@ class StructuredOutputs:
     def fill_masks(self, constraints: list[GrammarConstraint], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Every live matcher's row at once, on xgrammar's threads (a few dozen microseconds a row
         otherwise: at batch 256, longer than the forward pass it hides behind)."""
-        live = [(c.matcher, row) for c, row in zip(constraints, rows) if not c.matcher.is_terminated()]
+        live = []
+        for c, row in zip(constraints, rows):
+            if c.matcher.is_terminated():
+                bitmask[row] = -1
+            else:
+                live.append((c.matcher, row))
         if len(live) == 1:
             live[0][0].fill_next_token_bitmask(bitmask, live[0][1])
         elif live:
@@ -345,7 +356,8 @@ class StructuredOutputs:
 
     def start(self, prepared: PreparedGrammar) -> GrammarConstraint:
         compiled = prepared.compiled if prepared.compiled is not None else self._loaded.get(prepared.paths)
-        return GrammarConstraint(compiled, self._tokenizer(prepared) if prepared.jump_forward else None)
+        tokenizer = self._tokenizer(prepared) if prepared.jump_forward else None
+        return GrammarConstraint(compiled) if tokenizer is None else JumpingGrammarConstraint(compiled, tokenizer)
 
     def _tokenizer(self, prepared: PreparedGrammar) -> Any:
         """The tokenizer jumps are encoded with: the request side's, or in another process one

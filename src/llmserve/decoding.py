@@ -38,7 +38,8 @@ class Constraint(Protocol):
     """One sample's state on the executor's side."""
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into row `row` of `bitmask` (int32 [rows, ceil(V / 32)], host)."""
+        """Write the tokens allowed next into row `row` of `bitmask` (int32 [rows, ceil(V / 32)],
+        host), the whole row: it is not cleared before."""
 
     def accept(self, token: int) -> None:
         """Advance past a token the request produced (one the mask allowed)."""

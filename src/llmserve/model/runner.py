@@ -332,10 +332,16 @@ class ModelRunner:
             for i, lp in zip(want, to_token_logprobs([result.token_ids[i] for i in want], parts,
                                                      [flight.states[i].params.logprobs for i in want])):
                 result.logprobs[result.req_ids[i]] = lp
+        eos = frozenset(self.sampling.eos_token_ids) if self.sampling.host_sampled else ()
         for req_id, state, token in zip(result.req_ids, flight.states, result.token_ids):
             try:  # harmless for a request freed meanwhile: its state is gone
                 state.accept(token)
-                if state.constraints and (jumped := state.jump(token, self.max_model_len)):
+                if not state.constraints:
+                    continue
+                if token in eos:  # it ends here (ignore_eos is refused with constraints, min_tokens bans it
+                    if req_id in ahead:  # before): the step launched meanwhile need not sample it
+                        self.dropped.add(req_id)
+                elif state.jumper is not None and (jumped := state.jump(token, self.max_model_len)):
                     result.jumps[req_id] = jumped
                     if req_id in ahead:
                         result.dropped_next.add(req_id)

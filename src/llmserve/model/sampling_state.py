@@ -38,6 +38,8 @@ class SeqState:
     bias: tuple[np.ndarray, np.ndarray] | None = None  # logit_bias as (int64 token ids, float32 values)
     constraints: dict[str, Constraint] = field(default_factory=dict)
     """Strategy name -> its constraint on what the request samples next (llmserve/decoding.py)."""
+    jumper: Constraint | None = None
+    """Its constraint when it is the only one and can jump forward."""
 
     @classmethod
     def of(cls, new: NewSequence, strategies: dict[str, Any]) -> SeqState:
@@ -50,6 +52,8 @@ class SeqState:
             for token in state.output_ids:  # a resumed request: its constraint catches up
                 constraint.accept(token)
             state.constraints[name] = constraint
+        if len(state.constraints) == 1 and hasattr(constraint, "jump"):
+            state.jumper = constraint
         return state
 
     def accept(self, token: int) -> None:
@@ -60,18 +64,12 @@ class SeqState:
             constraint.accept(token)
 
     def jump(self, token: int, max_model_len: int) -> list[int] | None:
-        """After accept(token): the tokens its constraint forces in place of `token` (it alone, a
-        constraint with jump()), within max_tokens and max_model_len; output_ids end with them."""
-        if len(self.constraints) != 1:
-            return None
-        constraint = next(iter(self.constraints.values()))
-        if not hasattr(constraint, "jump"):
-            return None
-        length = len(self.prompt_ids) + len(self.output_ids)
-        limit = max_model_len - length + 1
+        """After accept(token), `token` not an end of sequence: the tokens its jumper forces in
+        place of `token`, within max_tokens and max_model_len; output_ids end with them."""
+        limit = max_model_len - len(self.prompt_ids) - len(self.output_ids) + 1
         if self.params.max_tokens is not None:
             limit = min(limit, self.params.max_tokens - len(self.output_ids) + 1)
-        tokens = constraint.jump(token, limit)
+        tokens = self.jumper.jump(token, limit)
         if tokens:
             self.output_ids[-1:] = tokens
         return tokens or None
@@ -166,7 +164,6 @@ class SamplingState:
         fills its constraints' rows in one call where it can (fill_masks: a grammar engine's
         threads), else one fill_mask a row; a row under two strategies gets both ANDed."""
         host, staged = self.staging.empty((len(states), mask_width(vocab)), np.int32)
-        host.fill(-1)
         masks = torch.from_numpy(host)
         rows_of: dict[str, tuple[list[Constraint], list[int]]] = {}
         for row, state in enumerate(states):
@@ -174,19 +171,19 @@ class SamplingState:
                 constraints, rows = rows_of.setdefault(name, ([], []))
                 constraints.append(constraint)
                 rows.append(row)
-        filled = 0
+        alone = len(rows_of) == 1  # the common case: its strategy writes every row whole
+        if not alone:
+            host.fill(-1)
         for name, (constraints, rows) in rows_of.items():
-            # the first strategy writes into the rows themselves; later ones into a copy, then ANDed
-            target = masks if not filled else torch.full_like(masks, -1)
+            target = masks if alone else torch.full_like(masks, -1)  # several: each ANDed in
             fill_masks = getattr(self.strategies[name], "fill_masks", None)
             if fill_masks is not None:
                 fill_masks(constraints, target, rows)
             else:
                 for constraint, row in zip(constraints, rows):
                     constraint.fill_mask(target, row)
-            if filled:
+            if not alone:
                 masks &= target
-            filled += 1
         return self.staging.send(staged)
 
 
