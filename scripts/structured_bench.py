@@ -59,6 +59,8 @@ def timed(llm, prompts, params) -> tuple[float, list, list]:
     """(wall seconds, outputs, the runner's step records of the call)."""
     timing = llm.engine.runner.timing
     timing.clear()
+    if torch.cuda.is_available():
+        timing.time_device()  # device busy and idle per step: whether the host paces the device
     torch.cuda.synchronize()
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -86,7 +88,7 @@ def tpot(llm) -> dict:
                          ("plain_again", w.params), ("json_object", constrained(json_object=True))):
         wall, outs, records = timed(llm, w.prompts, params)
         runs[name] = {"wall_s": wall, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-                      **tpot_at_batch(records, TPOT_MIN_BATCH)}
+                      **tpot_at_batch(records, TPOT_MIN_BATCH), "by_batch": llm.engine.runner.timing.by_batch()}
         if name == "json_object":
             done = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
             runs[name]["completed_json"] = len(done)
