@@ -21,7 +21,9 @@ must validate with jsonschema in both.
 """
 
 import argparse
+import cProfile
 import json
+import pstats
 import tempfile
 import time
 
@@ -55,14 +57,33 @@ ORDER = {
 TPOT_MIN_BATCH = 240
 
 
-def timed(llm, prompts, params) -> tuple[float, list, list]:
-    """(wall seconds, outputs, the runner's step records of the call)."""
+def timed(llm, prompts, params, profile: list | None = None) -> tuple[float, list, list]:
+    """(wall seconds, outputs, the runner's step records of the call). profile: a list to append
+    the functions the runner's step() spent most time in to (cProfile, the executor's thread)."""
     timing = llm.engine.runner.timing
     timing.clear()
+    runner, step, prof = llm.engine.runner, llm.engine.runner.step, cProfile.Profile()
+    if profile is not None:
+        def profiled(plan):
+            prof.enable()
+            try:
+                return step(plan)
+            finally:
+                prof.disable()
+        runner.step = profiled
     torch.cuda.synchronize()
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - start, outs, list(timing.records)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        runner.step = step
+    wall = time.perf_counter() - start
+    if profile is not None:
+        stats = pstats.Stats(prof).stats
+        top = sorted(stats.items(), key=lambda kv: -kv[1][3])[:40]
+        profile += [{"function": f"{f}:{line}({name})", "calls": nc, "tottime_s": tt, "cumtime_s": ct}
+                    for (f, line, name), (_, nc, tt, ct, _) in top]
+    return wall, outs, list(timing.records)
 
 
 def tpot_at_batch(records, min_batch: int) -> dict:
@@ -83,7 +104,7 @@ def decode_launch(records, min_batch: int) -> dict:
             "step_call_ms": 1e3 * sum(r.end - r.start for r in rows) / n}
 
 
-def tpot(llm) -> dict:
+def tpot(llm, profile: bool = False) -> dict:
     w = w_small()
     runs = {}
 
@@ -101,7 +122,12 @@ def tpot(llm) -> dict:
             runs[name]["completed_json"] = len(done)
             runs[name]["valid_json"] = sum(isinstance(json.loads(o.text), (dict, list)) for o in done)
     plain = (runs["plain"]["tpot_ms"] + runs["plain_again"]["tpot_ms"]) / 2
-    return {"runs": runs, "tpot_ratio": runs["json_string"]["tpot_ms"] / plain}
+    result = {"runs": runs, "tpot_ratio": runs["json_string"]["tpot_ms"] / plain}
+    if profile:  # where the executor's host time goes, constrained (its timings are not the figures)
+        result["profile"] = {}
+        for name, params in (("plain", w.params), ("json_string", constrained(regex=JSON_STRING))):
+            timed(llm, w.prompts, params, profile=result["profile"].setdefault(name, []))
+    return result
 
 
 def jump(llm) -> dict:
@@ -130,6 +156,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=["tpot", "jump", "all"], default="all")
     ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--profile", action="store_true", help="tpot: then a cProfile of the executor's step(), plain and constrained")
     args = ap.parse_args()
     w = w_small()
     with tempfile.TemporaryDirectory() as tmp:
@@ -138,7 +165,7 @@ def main() -> None:
         with LLM(model_dir, load_format="dummy", log_interval_s=0) as llm:
             llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
             result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
-            for mode, measure in (("jump", jump), ("tpot", tpot)):
+            for mode, measure in (("jump", jump), ("tpot", lambda llm: tpot(llm, args.profile))):
                 if args.mode in (mode, "all"):
                     result[mode] = measure(llm)
                     report(result, args.json, echo=False)  # what is measured so far, should a later part fail
