@@ -390,3 +390,11 @@ def test_an_end_id_of_the_model_that_is_a_plain_piece_to_the_tokenizer_never_end
     for o in outs:  # the text ends in token 100's piece: not a special token to the tokenizer
         assert o.outputs[0].finish_reason == "stop" and o.outputs[0].token_ids[-1] == 100
         jsonschema.validate(json.loads(decode(o.outputs[0].token_ids[:-1])), SCHEMAS[0])
+
+
+def test_the_engine_switch_turns_jump_forward_off_for_every_request(checkpoint):
+    with LLM(checkpoint("llama", corpus=JSON_CORPUS), dtype="float32", device="cpu", log_interval_s=0,
+             jump_forward=False) as llm:
+        outs, _, jumps = _run_counting(llm, ["order"], [structured(1.0, 3, max_tokens=200, json=KEYED)])
+    assert not jumps
+    jsonschema.validate(json.loads(outs[0].outputs[0].text), KEYED)

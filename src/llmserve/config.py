@@ -97,6 +97,9 @@ class SchedulerConfig:
     """Admit a request only while the KV cache keeps room for the tokens the running requests are
     expected to add (their max_tokens, scaled by the share finished requests used), so that a full
     cache holds requests back instead of preempting them; false admits whatever fits now."""
+    jump_forward: bool = True
+    """Decoding strategies may append what their constraint forces without sampling it, several
+    tokens a step (structured outputs' jump-forward; a request can turn it off for itself)."""
 
     def __post_init__(self) -> None:
         _check(self.max_num_batched_tokens >= 1, "scheduler", "max_num_batched_tokens", ">= 1", self.max_num_batched_tokens)

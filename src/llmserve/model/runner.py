@@ -71,7 +71,8 @@ class ModelRunner:
         kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.kv = KVCacheLayout(spec, self.block_size, kv_dtype, device)
         self.staging = Staging(device)
-        self.sampling = SamplingState(list(spec.eos_token_ids), self.staging, strategies)
+        self.sampling = SamplingState(list(spec.eos_token_ids), self.staging, strategies,
+                                      jump_forward=config.scheduler.jump_forward)
         self.num_blocks = 0
         self.graphs: StepGraphs | None = None
         self.timing = StepTiming()

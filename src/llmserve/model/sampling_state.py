@@ -42,7 +42,7 @@ class SeqState:
     """Its constraint when it is the only one and can jump forward."""
 
     @classmethod
-    def of(cls, new: NewSequence, strategies: dict[str, Any]) -> SeqState:
+    def of(cls, new: NewSequence, strategies: dict[str, Any], jump_forward: bool = True) -> SeqState:
         bias = new.params.logit_bias
         arrays = None if not bias else (np.fromiter(bias.keys(), np.int64, len(bias)),
                                         np.fromiter(bias.values(), np.float32, len(bias)))
@@ -52,7 +52,7 @@ class SeqState:
             for token in state.output_ids:  # a resumed request: its constraint catches up
                 constraint.accept(token)
             state.constraints[name] = constraint
-        if len(state.constraints) == 1 and hasattr(constraint, "jump"):
+        if jump_forward and len(state.constraints) == 1 and hasattr(constraint, "jump"):
             state.jumper = constraint
         return state
 
@@ -83,18 +83,20 @@ class SeqState:
 class SamplingState:
     """The SeqStates of the requests the executor runs, by request id."""
 
-    def __init__(self, eos_token_ids: list[int], staging: Staging, strategies: dict[str, Any] | None = None) -> None:
+    def __init__(self, eos_token_ids: list[int], staging: Staging, strategies: dict[str, Any] | None = None, *,
+                 jump_forward: bool = True) -> None:
         self.eos_token_ids = eos_token_ids
         self.staging = staging
         self.strategies = strategies or {}
         """Decoding strategies by name: a request's prepared ones start its constraints."""
+        self.jump_forward = jump_forward  # scheduler.jump_forward: constraints may jump forward
         self.seqs: dict[str, SeqState] = {}
         self.host_sampled: set[str] = set()
         """Requests whose sampling may read their tokens on the host (penalties, min_tokens)."""
 
     def add(self, req_id: str, new: NewSequence) -> None:
         """A request that (re)enters the running set: its state is built anew from the plan."""
-        self.seqs[req_id] = state = SeqState.of(new, self.strategies)
+        self.seqs[req_id] = state = SeqState.of(new, self.strategies, self.jump_forward)
         if penalized(state.params) or state.params.min_tokens > 0 or state.constraints:
             self.host_sampled.add(req_id)
 
