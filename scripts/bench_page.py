@@ -54,6 +54,8 @@ def kind(data) -> str:
         return "startup"
     if "perplexity" in data:
         return "quality"
+    if "jump" in data or "tpot" in data:
+        return "structured"
     return "serve" if "output_throughput" in data else "offline"
 
 
@@ -137,11 +139,34 @@ def quality_rows(figs) -> list[str]:
     return rows
 
 
+def structured_rows(figs) -> list[str]:
+    """scripts/structured_bench.py: jump-forward on vs off per batch; TPOT at batch 256 constrained vs plain."""
+    rows = ["| figure | measured | run |", "|---|---|---|"]
+    for fig, run in figs:
+        d = fig["file_data"]
+        parts = []
+        for b in sorted({int(k[1:].split("_")[0]) for k in d.get("jump", {}) if k.endswith("_on")}):
+            off, on = d["jump"][f"b{b}_off"], d["jump"][f"b{b}_on"]
+            parts.append(f"batch {b}: off {off['wall_s']:.3f} s, {off['steps']} steps; on {on['wall_s']:.3f} s, "
+                         f"{on['steps']} steps ({on['jumped_tokens']} of {on['output_tokens']} tokens jumped): "
+                         f"**{off['steps'] / on['steps']:.1f}× fewer steps, {off['wall_s'] / on['wall_s']:.2f}× "
+                         f"faster**")
+        if "tpot" in d:
+            r = d["tpot"]["runs"]
+            plain = [r[k]["tpot_ms"] for k in ("plain", "plain_again")]
+            parts.append(f"TPOT at batch ≥ 240: plain {plain[0]:.2f} / {plain[1]:.2f} ms, constrained "
+                         f"{r['json_string']['tpot_ms']:.2f} ms: **{d['tpot']['tpot_ratio']:.2f}×** (target ≤ 1.10); "
+                         f"host time in step() {r['plain']['step_call_ms']:.1f} vs {r['json_string']['step_call_ms']:.1f} ms")
+        rows.append(f"| {fig['name']} | {'<br>'.join(parts)} | {link(run)} |")
+    return rows
+
+
 def render(runs: list[dict]) -> str:
     figs = latest_figures(runs)
     parts = []
     for title, key, rows in (("Offline throughput", "offline", offline_rows), ("Serving", "serve", serve_rows),
-                             ("Start-up", "startup", startup_rows), ("Quantization quality", "quality", quality_rows)):
+                             ("Start-up", "startup", startup_rows), ("Quantization quality", "quality", quality_rows),
+                             ("Structured outputs", "structured", structured_rows)):
         if key in figs:
             parts.append(f"### {title}\n\n" + "\n".join(rows(figs[key])))
     index = ["| run | time | device | commit | command | what |", "|---|---|---|---|---|---|"]
