@@ -1,60 +1,133 @@
 """Command line.
 
-    llmserve --config config.toml [--host H] [--port P] [--model DIR]   serve the OpenAI-compatible API
-    llmserve --config config.toml --prompt "..." [--prompt ...]         generate offline, one JSON line each
-    llmserve bench throughput --workload w-small [--peer hf]           offline throughput vs the roofline
-    llmserve bench serve --url URL --workload w-small --rate inf       online serving metrics (a client)
-    llmserve bench quality [--shapes w-small,w-large]                  perplexity / logits of quantized variants
-    llmserve plugins [--config config.toml] [--json]                   the plugins found, what each registers
+    llmserve serve [MODEL] [--config FILE] [--ENGINE-FLAG ...]   serve the OpenAI-compatible API
+    llmserve --config FILE [--ENGINE-FLAG ...]                    the same (the form before `serve`)
+    llmserve serve [MODEL] ... --prompt "..." [--prompt ...]      generate offline, one JSON line each
+    llmserve bench throughput --workload w-small [--peer hf]     offline throughput vs the roofline
+    llmserve bench serve --url URL --workload w-small --rate inf online serving metrics (a client)
+    llmserve bench quality [--shapes w-small,w-large]            perplexity / logits of quantized variants
+    llmserve plugins [--config config.toml] [--json]             the plugins found, what each registers
+    llmserve --version
+
+Every config key is an engine flag (cli_flags.py): `--max-model-len 8192`, `--no-enable-prefix-caching`.
+Values come from the defaults, then the --config file, then the flags. Start-up failures found before
+the model loads (a bad value, a missing model directory, a port in use) are one line on stderr:
+exit status 2 for a bad command line or config, 1 for the others.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
+import tomllib
+from pathlib import Path
 
+from llmserve import __version__
+from llmserve.cli_flags import add_config_flags, overrides
 from llmserve.config import EngineConfig
+
+COMMANDS = {
+    "serve": "serve the OpenAI-compatible API: llmserve serve [MODEL] [--config FILE] [engine flags]",
+    "bench": "benchmarks: throughput (offline, vs the roofline), serve (an HTTP client), quality",
+    "plugins": "list the plugins found, built-in and installed, and what each registers",
+}
+
+TOP_HELP = f"""usage: llmserve <command> [options]
+
+llmserve {__version__}: OpenAI-compatible LLM inference server
+
+commands:
+{chr(10).join(f"  {name:<9}{line}" for name, line in COMMANDS.items())}
+
+  llmserve --config FILE [engine flags]   the same as `llmserve serve --config FILE [engine flags]`
+  llmserve --version                      print the version
+  llmserve <command> --help               the command's options (serve: every config key as a flag)
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
+    head = argv[0] if argv else None
+    if head == "bench":
         return _bench(argv[1:])
-    if argv[:1] == ["plugins"]:
+    if head == "plugins":
         return _plugins(argv[1:])
-    ap = argparse.ArgumentParser(prog="llmserve", description="llmserve: OpenAI-compatible LLM inference server")
-    ap.add_argument("--config", required=True, help="TOML file (see config.example.toml)")
-    ap.add_argument("--model", help='checkpoint directory or "builtin"; overrides [model] model')
-    ap.add_argument("--host", help="overrides [server] host")
-    ap.add_argument("--port", type=int, help="overrides [server] port")
-    ap.add_argument("--tool-call-parser", metavar="NAME",
-                    help='how tool_choice "auto" reads tool calls from the output (a registered parser, see '
-                         '`llmserve plugins`); overrides [server] tool_call_parser (default hermes)')
+    if head == "serve":
+        return _serve(argv[1:], "llmserve serve", positional=True)
+    if head in ("--version", "-V"):
+        print(f"llmserve {__version__}")
+        return 0
+    if head in (None, "-h", "--help"):
+        print(TOP_HELP, end="", file=sys.stdout if head else sys.stderr)
+        return 0 if head else 2
+    if head.startswith("-"):  # `llmserve --config FILE ...`, the form from before subcommands
+        return _serve(argv, "llmserve", positional=False)
+    return _fail("llmserve", f"unknown command {head!r}; commands: {', '.join(COMMANDS)} (llmserve --help)", 2)
+
+
+def serve_parser(prog: str = "llmserve serve", positional: bool = True) -> argparse.ArgumentParser:
+    """The parser of `llmserve serve` (and of the bare `llmserve --config` form, without MODEL)."""
+    usage = f"{prog} {'[MODEL] ' if positional else ''}[--config FILE] [--prompt TEXT ...] [engine flags]"
+    ap = argparse.ArgumentParser(prog=prog, usage=usage, description="Serve the OpenAI-compatible API (or generate offline "
+                                 "with --prompt). Every config key is a flag; flags override the --config file.")
+    if positional:
+        ap.add_argument("model_arg", nargs="?", metavar="MODEL",
+                        help='checkpoint directory or "builtin" (the same as --model)')
+    ap.add_argument("--config", metavar="FILE", help="TOML file (see config.example.toml); flags override its values")
+    ap.add_argument("--version", action="version", version=f"llmserve {__version__}")
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
                     help='accepted as vLLM takes it; tool_choice "auto" is always on here')
-    ap.add_argument("--prompt", action="append", help="generate for this prompt offline instead of serving (repeatable)")
-    ap.add_argument("--max-tokens", type=int, default=32, help="with --prompt")
-    ap.add_argument("--temperature", type=float, default=0.0, help="with --prompt")
-    ap.add_argument("--seed", type=int, default=None, help="with --prompt")
-    args = ap.parse_args(argv)
+    offline = ap.add_argument_group("offline generation (instead of serving)")
+    offline.add_argument("--prompt", action="append", help="generate for this prompt, print one JSON line (repeatable)")
+    offline.add_argument("--max-tokens", type=int, default=32, help="with --prompt (default 32)")
+    offline.add_argument("--temperature", type=float, default=0.0, help="with --prompt (default 0: greedy)")
+    add_config_flags(ap)  # --seed among them: with --prompt it also seeds the prompts' sampling
+    return ap
 
+
+def parse_serve(argv: list[str], prog: str = "llmserve serve",
+                positional: bool = True) -> tuple[EngineConfig, argparse.Namespace]:
+    """argv (after `serve`) -> the EngineConfig it names and the parsed arguments. Raises ValueError
+    naming the file, the key or the flag for an unreadable file or a value out of range; exits 2
+    (argparse) for a malformed command line."""
+    args = serve_parser(prog, positional).parse_args(argv)
+    data: dict = {}
+    if args.config:
+        try:
+            with open(args.config, "rb") as f:
+                data = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"--config {args.config}: {exc}") from exc
+    given = overrides(args)
+    model = getattr(args, "model_arg", None)
+    if model is not None:
+        if given.get("model", {}).get("model", model) != model:
+            raise ValueError(f"the model is given twice: {model!r} and --model {given['model']['model']!r}")
+        given.setdefault("model", {})["model"] = model
+    for section, values in given.items():
+        if not isinstance(data.get(section, {}), dict):
+            raise ValueError(f"--config {args.config}: [{section}] is not a table")
+        data[section] = {**data.get(section, {}), **values}
+    return EngineConfig.from_dict(data), args
+
+
+def _serve(argv: list[str], prog: str, positional: bool) -> int:
+    try:
+        config, args = parse_serve(argv, prog, positional)
+    except ValueError as exc:
+        return _fail(prog, str(exc), 2)
+    problem = _missing_model(config)
+    if problem:
+        return _fail(prog, problem, 1)
     from llmserve.logging import configure_logging
     configure_logging()
-    try:
-        config = EngineConfig.from_toml(args.config)
-    except (OSError, ValueError) as exc:
-        ap.error(f"--config {args.config}: {exc}")
-    if args.model:
-        config.model.model = args.model
-    if args.host:
-        config.server.host = args.host
-    if args.port is not None:
-        config.server.port = args.port
-    if args.tool_call_parser:
-        config.server.tool_call_parser = args.tool_call_parser
     if args.prompt:
-        return _generate(ap, config, args)
+        return _generate(prog, config, args)
+    problem = _port_in_use(config.server.host, config.server.port)
+    if problem:
+        return _fail(prog, problem, 1)
     import anyio
 
     from llmserve.plugin_manager import PluginError
@@ -63,9 +136,38 @@ def main(argv: list[str] | None = None) -> int:
     try:  # before anything starts: an unknown parser is a usage error
         tool_parser(config)
     except (ValueError, PluginError) as exc:
-        ap.error(str(exc))
+        return _fail(prog, str(exc), 2)
     anyio.run(serve, config, backend="asyncio")
     return 0
+
+
+def _fail(prog: str, message: str, status: int) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return status
+
+
+def _missing_model(config: EngineConfig) -> str | None:
+    """The engine reads these directories only once it loads; a typo should not wait for that."""
+    for key, path in (("model", config.model.model), ("tokenizer", config.model.tokenizer)):
+        if path is not None and not (key == "model" and path == "builtin") and not Path(path).is_dir():
+            return f"{key} directory {path!r} does not exist"
+    return None
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    """Bind host:port the way Hypercorn will (server/run.py: family from the address, SO_REUSEADDR),
+    and let go at once: Hypercorn binds only after the model has loaded, minutes later for a large
+    one. Another process may still take the port in between; this catches the common case."""
+    if port == 0:
+        return None
+    host = host.replace("[", "").replace("]", "")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return f"cannot listen on {host} port {port}: {exc.strerror or exc}"
+    return None
 
 
 def _bench(argv: list[str]) -> int:
@@ -103,12 +205,14 @@ def _plugins(argv: list[str]) -> int:
     return 0
 
 
-def _generate(ap: argparse.ArgumentParser, config: EngineConfig, args: argparse.Namespace) -> int:
+def _generate(prog: str, config: EngineConfig, args: argparse.Namespace) -> int:
     from llmserve import LLM, SamplingParams
+    # --seed sets [model] seed; as before subcommands, it also seeds each prompt's sampling.
+    seed = config.model.seed if "model.seed" in vars(args) else None
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed)
     except ValueError as exc:
-        ap.error(str(exc))
+        return _fail(prog, str(exc), 2)
     with LLM(config=config) as llm:
         for out in llm.generate(args.prompt, params, use_tqdm=False):
             c = out.outputs[0]

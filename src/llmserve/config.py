@@ -68,6 +68,7 @@ class CacheConfig:
     cpu_kv_cache_gib: float = 1.0
     """KV cache size on the CPU device."""
     enable_prefix_caching: bool = True
+    """Reuse the KV blocks of identical prompt prefixes across requests."""
     kv_cache_dtype: str = "auto"
     """auto (the model dtype) | fp8 / fp8_e4m3 (FP8-e4m3 values with a float32 scale per token and KV head)."""
 
@@ -111,6 +112,7 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    """GPUs one model is split over; only 1 for now."""
 
     def __post_init__(self) -> None:
         _check(self.tensor_parallel_size == 1, "parallel", "tensor_parallel_size",
@@ -120,7 +122,9 @@ class ParallelConfig:
 @dataclass(slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
+    """Address to listen on (0.0.0.0: every IPv4 interface)."""
     port: int = 8000
+    """TCP port to listen on."""
     served_model_name: str | None = None
     """Name clients pass as `model`; the checkpoint directory's name when unset."""
     api_key: str | None = None

@@ -1,0 +1,161 @@
+"""The `llmserve` command: engine flags generated from the config dataclasses, `--version`, `--help`,
+start-up failures as one line before the model loads, and `llmserve serve builtin` serving."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+import llmserve
+from llmserve.cli import parse_serve, serve_parser
+from llmserve.cli_flags import field_docs, flags, overrides, sections
+from llmserve.config import EngineConfig
+from servers import free_port, wait_for
+
+SAMPLES = {bool: None, int: ("7", 7), float: ("0.5", 0.5), str: ("x", "x"), list: ("a.example, b", ["a.example", "b"])}
+"""Per flag type: what is typed and the value it must give (bool: --x or --no-x, below)."""
+
+
+def llmserve_cli(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmserve.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **env})
+
+
+# ---- flags from the config dataclasses -------------------------------------------------------------
+
+def test_every_config_field_has_a_documented_flag_that_sets_it():
+    by_field = {(f.section, f.name): f for f in flags()}
+    parser = serve_parser()
+    for section, klass in sections().items():
+        docs = field_docs(klass)
+        for field in dataclasses.fields(klass):
+            flag = by_field.pop((section, field.name))  # KeyError: a field without a flag
+            assert field.name in docs, f"{section}.{field.name} has no docstring in config.py"
+            assert flag.help.startswith(docs[field.name]) and f"[{section}] {field.name}" in flag.help
+            if flag.kind is bool:
+                default = getattr(klass(), field.name)
+                argv, value = [flag.option.replace("--", "--no-", 1) if default else flag.option], not default
+            else:
+                typed, value = SAMPLES[flag.kind]
+                argv = [flag.option, typed]
+            assert overrides(parser.parse_args(argv)) == {section: {field.name: value}}, argv
+    assert not by_field, f"flags for no field: {sorted(by_field)}"
+    assert len({f.option for f in flags()}) == len(flags())
+
+
+def test_flag_spelling_is_vllms_and_plugins_keys_carry_their_section():
+    options = {f.option for f in flags()}
+    assert {"--max-model-len", "--gpu-memory-utilization", "--max-num-seqs", "--max-num-batched-tokens", "--dtype",
+            "--quantization", "--kv-cache-dtype", "--enable-prefix-caching", "--served-model-name", "--api-key",
+            "--tensor-parallel-size", "--host", "--port", "--tool-call-parser", "--model", "--seed"} <= options
+    assert {"--plugins-block", "--plugins-allow"} <= options and "--block" not in options
+
+
+def test_flags_override_the_config_file_key_by_key(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[model]\nmodel = "from-file"\nmax_model_len = 1024\ndtype = "float32"\n'
+                   '[cache]\nenable_prefix_caching = true\nblock_size = 8\n[server]\nport = 9000\napi_key = "file"\n')
+    config, args = parse_serve(["m", "--max-model-len", "512", "--no-enable-prefix-caching",
+                                "--gpu-memory-utilization", "0.5", "--served-model-name", "m", "--api-key", "k",
+                                "--allowed-hosts", "a.example,b.example", "--config", str(cfg)])
+    assert config == EngineConfig.from_dict({
+        "model": {"model": "m", "max_model_len": 512, "dtype": "float32"},
+        "cache": {"enable_prefix_caching": False, "block_size": 8, "gpu_memory_utilization": 0.5},
+        "server": {"port": 9000, "api_key": "k", "served_model_name": "m", "allowed_hosts": ["a.example", "b.example"]},
+    })
+    assert not args.prompt
+    # Without file or flags: the defaults; the form without `serve` takes --model and no MODEL.
+    assert parse_serve([])[0] == EngineConfig()
+    assert parse_serve(["--config", str(cfg), "--model", "d"], prog="llmserve", positional=False)[0].model.model == "d"
+    assert parse_serve(["--allowed-hosts", ""])[0].server.allowed_hosts == []
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--gpu-memory-utilization", "1.5"], r"cache.gpu_memory_utilization must be in \(0, 1\], got 1.5"),
+    (["a", "--model", "b"], "the model is given twice: 'a' and --model 'b'"),
+    (["--config", "/no/such.toml"], "--config /no/such.toml: .*No such file"),
+])
+def test_bad_values_raise_one_clear_error(argv, match):
+    with pytest.raises(ValueError, match=match):
+        parse_serve(argv)
+
+
+# ---- the command in a process of its own ------------------------------------------------------------
+
+def test_version_and_help_list_the_subcommands():
+    version = llmserve_cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"llmserve {llmserve.__version__}"
+    top = llmserve_cli("--help")
+    assert top.returncode == 0
+    commands = {line.split()[0] for line in top.stdout.splitlines() if line.startswith("  ") and len(line.split()) > 2}
+    assert {"serve", "bench", "plugins"} <= commands
+    serve_help = llmserve_cli("serve", "--help").stdout
+    assert "--no-enable-prefix-caching" in serve_help and "Longest prompt + output, in tokens" in serve_help
+
+
+def one_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
+    return proc.stderr.strip()
+
+
+def test_a_port_in_use_fails_in_one_line_before_the_model_loads(tmp_path):
+    # An empty checkpoint directory passes the directory check but would fail with a traceback
+    # once loaded: the one line about the port shows nothing was loaded.
+    (tmp_path / "ckpt").mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        proc = llmserve_cli("serve", str(tmp_path / "ckpt"), "--port", str(port), timeout=30)
+        elapsed = time.monotonic() - start
+    assert proc.returncode == 1
+    assert one_line(proc) == f"llmserve serve: error: cannot listen on 127.0.0.1 port {port}: Address already in use"
+    assert elapsed < 20
+
+
+@pytest.mark.parametrize("argv, status, message", [
+    (["serve", "/no/such/checkpoint"], 1, "llmserve serve: error: model directory '/no/such/checkpoint' does not exist"),
+    (["--model", "/no/such/checkpoint"], 1, "llmserve: error: model directory '/no/such/checkpoint' does not exist"),
+    (["serve", "--max-num-seqs", "0"], 2, "llmserve serve: error: scheduler.max_num_seqs must be >= 1, got 0"),
+    (["serv"], 2, "llmserve: error: unknown command 'serv'; commands: serve, bench, plugins (llmserve --help)"),
+])
+def test_start_up_failures_are_one_line(argv, status, message):
+    proc = llmserve_cli(*argv)
+    assert proc.returncode == status and one_line(proc) == message
+
+
+def test_llmserve_serve_builtin_serves_with_the_flags(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve.cli", "serve", "builtin", "--port", str(port),
+                             "--device", "cpu", "--log-interval-s", "0", "--served-model-name", "m", "--api-key", "k",
+                             "--max-model-len", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)})
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            return httpx.get(f"{url}/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_for(healthy, timeout=60)
+        assert httpx.get(f"{url}/v1/models").status_code == 401  # --api-key reached the server
+        models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k"}).json()
+        assert [(m["id"], m.get("max_model_len")) for m in models["data"]] == [("m", 256)]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
