@@ -16,7 +16,7 @@ import pytest
 
 import llmserve
 from llmserve.cli import parse_serve, serve_parser
-from llmserve.cli_flags import field_docs, flags, overrides, sections
+from llmserve.cli_flags import field_docs, flags, make_flags, overrides, sections
 from llmserve.config import EngineConfig
 from servers import free_port, wait_for
 
@@ -57,6 +57,25 @@ def test_flag_spelling_is_vllms_and_plugins_keys_carry_their_section():
             "--quantization", "--kv-cache-dtype", "--enable-prefix-caching", "--served-model-name", "--api-key",
             "--tensor-parallel-size", "--host", "--port", "--tool-call-parser", "--model", "--seed"} <= options
     assert {"--plugins-block", "--plugins-allow"} <= options and "--block" not in options
+
+
+@dataclasses.dataclass
+class _Left:
+    size: int = 1
+    """Left size."""
+    name: str | None = None
+
+
+@dataclasses.dataclass
+class _Right:
+    size: float = 2.0
+
+
+def test_a_field_name_two_sections_share_carries_the_section():
+    made = {f.option: (f.section, f.name, f.kind, f.help) for f in make_flags({"left": _Left, "right": _Right})}
+    assert made == {"--left-size": ("left", "size", int, "Left size. [left] size, default 1."),
+                    "--name": ("left", "name", str, "[left] name, default unset."),
+                    "--right-size": ("right", "size", float, "[right] size, default 2.0.")}
 
 
 def test_flags_override_the_config_file_key_by_key(tmp_path):

@@ -92,8 +92,12 @@ def _default(f: dataclasses.Field) -> Any:
 
 @functools.cache
 def flags() -> tuple[Flag, ...]:
-    """One Flag per config field, in the sections' order."""
-    secs = sections()
+    """One Flag per EngineConfig field, in the sections' order."""
+    return make_flags(sections())
+
+
+def make_flags(secs: dict[str, type]) -> tuple[Flag, ...]:
+    """One Flag per field of these section dataclasses ({section name: class})."""
     counts = Counter(f.name for klass in secs.values() for f in dataclasses.fields(klass))
     out = []
     for section, klass in secs.items():
