@@ -131,10 +131,18 @@ def json_schema_grammar(schema: str | dict) -> str:
 
 @functools.cache
 def json_object_grammar() -> str:
-    """xgrammar's grammar of any JSON object or array (`json_object`), surrogates excluded."""
+    """Any JSON object (`json_object`: OpenAI's JSON mode answers with an object, which clients
+    parse into a dict): xgrammar's JSON grammar with its root cut to the object branch (it also
+    admits a top-level array), surrogates excluded."""
     import xgrammar
 
-    return _no_surrogates(str(xgrammar.Grammar.builtin_json_grammar()))
+    rules = str(xgrammar.Grammar.builtin_json_grammar()).split("\n")
+    root = next(i for i, rule in enumerate(rules) if rule.startswith("root ::= "))
+    obj = re.match(r'root ::= \((\("\{"[^|]*\))', rules[root])
+    if obj is None:  # a new xgrammar wrote its root differently: refuse rather than admit arrays
+        raise RuntimeError(f"structured_outputs: unexpected JSON grammar root {rules[root]!r}")
+    rules[root] = f"root ::= {obj.group(1)}"
+    return _no_surrogates("\n".join(rules))
 
 
 class PreparedGrammar:

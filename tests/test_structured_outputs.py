@@ -398,3 +398,17 @@ def test_the_engine_switch_turns_jump_forward_off_for_every_request(checkpoint):
         outs, _, jumps = _run_counting(llm, ["order"], [structured(1.0, 3, max_tokens=200, json=KEYED)])
     assert not jumps
     jsonschema.validate(json.loads(outs[0].outputs[0].text), KEYED)
+
+
+def test_json_object_admits_objects_only(checkpoint):
+    """OpenAI's JSON mode answers with an object; xgrammar's JSON grammar also admits an array."""
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    from llmserve.plugins.structured_outputs import json_object_grammar
+    tok = AutoTokenizer.from_pretrained(checkpoint("llama"))
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok)))
+    grammar = compiler.compile_grammar(json_object_grammar())
+    assert not xgrammar.GrammarMatcher(grammar).accept_string("[")
+    matcher = xgrammar.GrammarMatcher(grammar)
+    assert matcher.accept_string('{"a": [1, {"b": null}], "c": "d"}') and matcher.is_completed()
