@@ -275,6 +275,11 @@ def test_operational_endpoints(server):
     assert httpx.get(f"{server.url}/version").json()["version"]
     models = server.client().models.list().data
     assert [m.id for m in models] == [MODEL]
+    card = server.client().models.retrieve(MODEL)  # the SDK's models.retrieve: /v1/models/{id}
+    assert card.id == MODEL and card.created > time.time() - 3600 and os.path.isdir(card.root)
+    with pytest.raises(openai.NotFoundError) as missing:
+        server.client().models.retrieve("org/other-model")
+    assert missing.value.body["code"] == "model_not_found" and "org/other-model" in missing.value.body["message"]
     tok = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "Hello world"
@@ -300,7 +305,7 @@ def test_metrics(server):
 
 def test_openapi_document_matches_routes_and_bodies(server):
     doc = httpx.get(f"{server.url}/openapi.json").json()
-    app_paths = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/ws", "/health", "/version",
+    app_paths = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id}", "/v1/ws", "/health", "/version",
                  "/metrics", "/tokenize", "/detokenize", "/openapi.json"}
     assert set(doc["paths"]) == app_paths
     schemas = {"components": doc["components"]}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from functools import partial
 from collections.abc import AsyncIterator
@@ -23,7 +24,7 @@ from werkzeug.exceptions import HTTPException
 from llmserve import __version__
 from llmserve.actors.request_actor import LONG_PROMPT_CHARS
 from llmserve.config import EngineConfig
-from llmserve.engine import BUILTIN_MODEL_DIR, Frontend
+from llmserve.engine import BUILTIN_MODEL_DIR, Frontend, resolve_model_dir
 from llmserve.server.metrics import Metrics
 from llmserve.server.openapi import openapi_document
 from llmserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -189,10 +190,21 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
             if not sockets_of[client]:
                 del sockets_of[client]
 
+    # `root` is the checkpoint's path, as vLLM reports it: clients that load the tokenizer by what
+    # the server says (lm-eval, guidellm) find it there
+    card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "llmserve",
+            "root": resolve_model_dir(config.model.model), "parent": None}
+
     @app.get("/v1/models")
     async def models():
-        return _json({"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                                  "owned_by": "llmserve", "max_model_len": engine.max_model_len}]})
+        return _json({"object": "list", "data": [{**card, "max_model_len": engine.max_model_len}]})
+
+    @app.get("/v1/models/<path:model_id>")  # a path: served names often hold a slash ("org/name")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise APIError(f"The model '{model_id}' does not exist: this server serves '{model_name}'", status=404,
+                           param="model", code="model_not_found")
+        return _json({**card, "max_model_len": engine.max_model_len})
 
     # ---- operations --------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ request bodies, so the document and the server cannot disagree on what is accept
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic.json_schema import models_json_schema
@@ -24,6 +25,7 @@ _DESCRIPTIONS = {
     "/v1/completions": "Text completion (OpenAI). With stream=true, Server-Sent Events ending in `data: [DONE]`.",
     "/v1/chat/completions": "Chat completion with the checkpoint's chat template (OpenAI). Streams like completions.",
     "/v1/models": "The served model.",
+    "/v1/models/{model_id}": "The served model's card, if model_id is its name (404 otherwise).",
     "/v1/ws": "WebSocket streaming. Send {\"id\": ..., \"endpoint\": \"/v1/completions\" | \"/v1/chat/completions\", "
               "\"body\": {...}} (several may be in flight), or {\"id\": ..., \"cancel\": true}. Receive "
               "{\"id\", \"chunk\"} objects (the SSE chunks), then {\"id\", \"done\": true}, or {\"id\", \"error\"} / "
@@ -80,7 +82,7 @@ def openapi_document(app, cfg: ServerConfig) -> dict[str, Any]:
     schemas["Error"] = _ERROR
     paths: dict[str, Any] = {}
     for rule in app.url_map.iter_rules():
-        path = rule.rule
+        path = re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule)  # Quart's <path:name> is OpenAPI's {name}
         if path.startswith("/static"):
             continue
         methods = sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}) or ["GET"]
