@@ -597,3 +597,36 @@ def test_a_second_signal_ends_the_requests_at_once_and_cleans_up(tmp_path, sig):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_base_checkpoint_chats_with_the_servers_chat_template(checkpoint, tmp_path):
+    """A tokenizer without a chat template: chat is a 400 saying how to give one; with
+    server.chat_template (a file) the messages render through it; a per-request template is refused."""
+    base = tmp_path / "base"
+    shutil.copytree(checkpoint("llama"), base)
+    (base / "chat_template.jinja").unlink()
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "yo"}]
+    with running_server(model=str(base)) as s:
+        r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        assert r.status_code == 400 and "server.chat_template" in r.json()["error"]["message"]
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    with running_server(model=str(base), chat_template=str(template)) as s:
+        tokens = httpx.post(f"{s.url}/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+        text = httpx.post(f"{s.url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+        assert text == "<user>Hi<assistant>yo"
+        r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+        r = httpx.post(f"{s.url}/v1/chat/completions",
+                       json={"messages": messages, "max_tokens": 2, "chat_template": "{{ 'x' }}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+
+
+def test_a_chat_template_setting_that_is_neither_file_nor_template_stops_start_up():
+    from llmserve.server.serving import load_chat_template
+    assert load_chat_template("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
+    with pytest.raises(ValueError, match="server.chat_template: 'missing.jinja' is neither a file nor a Jinja template"):
+        load_chat_template("missing.jinja")

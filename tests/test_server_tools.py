@@ -354,6 +354,7 @@ def test_an_unknown_parser_stops_start_up(model_dir, tmp_path, capsys):
     from llmserve.cli import main
     cfg = tmp_path / "c.toml"
     cfg.write_text('[model]\ndevice = "cpu"\n')
+    capsys.readouterr()  # the server started above logged its start-up
     code = main(["--config", str(cfg), "--enable-auto-tool-choice", "--tool-call-parser", "nope"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "server.tool_call_parser 'nope' is not available" in err[0]

@@ -127,6 +127,9 @@ class ServerConfig:
     """TCP port to listen on."""
     served_model_name: str | None = None
     """Name clients pass as `model`; the checkpoint directory's name when unset."""
+    chat_template: str | None = None
+    """A Jinja chat template, or the path of a file holding one, used in place of the tokenizer's
+    (a base checkpoint has none)."""
     api_key: str | None = None
     """Required as `Authorization: Bearer KEY` when set (or when LLMSERVE_API_KEY is set)."""
     protect_health_metrics: bool = False

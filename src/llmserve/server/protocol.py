@@ -292,6 +292,8 @@ class _ChatTemplateFields(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    """vLLM's per-request template: refused (server.chat_template sets the server's)."""
     tools: list[ToolDefinition] | None = None
     """Passed to the template (transformers' `tools`), whatever tool_choice says."""
 

@@ -8,6 +8,7 @@ prompt_index * n + sample_index, as OpenAI numbers them.
 from __future__ import annotations
 
 import dataclasses
+import os
 import inspect
 import time
 import uuid
@@ -131,9 +132,24 @@ def _api_error(exc: BaseException) -> APIError:
     return APIError(f"internal error: {type(exc).__name__}", status=500, type="server_error")
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """server.chat_template as template text: a file's content where it names an existing file,
+    else the value itself if it is Jinja; a ValueError at start-up otherwise."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"server.chat_template: {value!r} is neither a file nor a Jinja template")
+
+
 class OpenAIServing:
     def __init__(self, engine: Frontend, model_name: str, metrics: Metrics, limits: ServerConfig,
                  tool_parser: ToolParserFactory) -> None:
+        self.chat_template = load_chat_template(limits.chat_template)
+        """server.chat_template's text (None: the tokenizer's own)."""
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
@@ -228,10 +244,18 @@ class OpenAIServing:
         if reserved := sorted(variables.keys() & _RENDER_ARGUMENTS):
             raise APIError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set there (arguments of the "
                            "rendering, not template variables)", param="chat_template_kwargs")
+        if body.chat_template is not None:
+            # a template is code the server runs (a loop in one holds the event loop): not taken
+            # from a request, as vLLM does unless told to trust them
+            raise APIError("chat_template cannot be set per request: the server's is server.chat_template "
+                           "(--chat-template)", param="chat_template")
+        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise APIError("this model's tokenizer has no chat template (a base checkpoint): start the server with "
+                           "server.chat_template (--chat-template), or use /v1/completions", param="messages")
         messages = template_messages(body.messages)
         tools = tools if tools is not None else template_tools(body.tools)
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools,
+            return self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.chat_template,
                                                       add_generation_prompt=body.add_generation_prompt,
                                                       continue_final_message=body.continue_final_message,
                                                       tokenize=False, **variables)
