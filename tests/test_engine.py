@@ -547,3 +547,28 @@ def test_script_that_never_shuts_the_llm_down_exits(checkpoint):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[-1] == "2"
+
+
+def test_llm_chat_renders_each_conversation_with_the_chat_template(checkpoint):
+    """vLLM's offline chat: one conversation or several, through the tokenizer's template (or one
+    passed in), tokenized without special tokens; the same tokens as generate() on that rendering."""
+    from llmserve import LLM, SamplingParams
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first = [{"role": "user", "content": "the quick brown"}]
+    second = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b c"}]
+    with LLM(checkpoint("llama"), device="cpu", log_interval_s=0) as llm:
+        tok = llm.get_tokenizer()
+        rendered = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
+                               add_special_tokens=False) for c in (first, second)]
+        assert rendered[0][0] == tok.bos_token_id and rendered[0][1] != tok.bos_token_id  # the template's own <s> alone
+        expected = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": r} for r in rendered], params,
+                                                                 use_tqdm=False)]
+        both = llm.chat([first, second], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in both] == expected
+        assert [o.prompt_token_ids for o in both] == rendered
+        (one,) = llm.chat(first, params, use_tqdm=False)
+        assert one.outputs[0].token_ids == expected[0]
+        (own,) = llm.chat(first, params, use_tqdm=False, chat_template="{{ messages[0]['content'] }}!")
+        assert tok.decode(own.prompt_token_ids) == "the quick brown!"
+        with pytest.raises(ValueError, match="continue_final_message"):
+            llm.chat(first, params, continue_final_message=True)

@@ -77,6 +77,32 @@ class LLM:
         return self._portal.call(self._run_batch, items, list(sampling_params), list(priority or [0] * len(items)),
                                  start, use_tqdm)
 
+    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's offline chat: one conversation (a list of {"role", "content", ...} messages) or a
+        list of them, each rendered with the tokenizer's chat template (or `chat_template`, Jinja
+        text), `tools` and `chat_template_kwargs` reaching the template as in transformers'
+        apply_chat_template, then generated as generate() does (the rendered text is tokenized
+        without special tokens: the template writes its own). The outputs in conversation order."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot render chat messages")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False (the last message is "
+                             "continued, no new one begins)")
+        single = bool(messages) and isinstance(messages[0], dict)
+        prompts = []
+        for conversation in ([messages] if single else messages):
+            text = tokenizer.apply_chat_template(list(conversation), tools=tools, chat_template=chat_template,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message, tokenize=False,
+                                                 **(chat_template_kwargs or {}))
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     async def _run_batch(self, items: list[str | list[int]], params: list[SamplingParams], priority: list[int],
                          start: int, use_tqdm: bool) -> list[RequestOutput]:
         """Submit every request in one message (the first step is then a full one) and read their
