@@ -630,3 +630,28 @@ def test_a_chat_template_setting_that_is_neither_file_nor_template_stops_start_u
     assert load_chat_template("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
     with pytest.raises(ValueError, match="server.chat_template: 'missing.jinja' is neither a file nor a Jinja template"):
         load_chat_template("missing.jinja")
+
+
+def test_unknown_fields_are_refused_and_openais_advisory_ones_accepted(server):
+    """OpenAI's API answers an unknown argument with a 400: so does this server, naming it; the
+    fields OpenAI documents as advisory are accepted; those it defines and this server cannot honour
+    are refused by name; messages a client sends back keep the fields they came with."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for url, body in ((f"{server.url}/v1/chat/completions", chat),
+                      (f"{server.url}/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
+                      (f"{server.url}/tokenize", {"prompt": "Hi"}), (f"{server.url}/detokenize", {"tokens": [5]})):
+        r = httpx.post(url, json={**body, "bad_words": ["x"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", url
+        assert "not a field of this request" in r.json()["error"]["message"]
+    advisory = {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+                "prompt_cache_key": "p", "safety_identifier": "s"}
+    assert httpx.post(f"{server.url}/v1/chat/completions", json={**chat, **advisory}).status_code == 200
+    for field, value in (("functions", [{"name": "f"}]), ("function_call", "auto"), ("audio", {"voice": "x"}),
+                         ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
+                         ("reasoning_effort", "low"), ("web_search_options", {})):
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, field
+    assert httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "modalities": ["text"]}).status_code == 200
+    echoed = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "yo", "refusal": None,
+                                                  "annotations": []}, {"role": "user", "content": "and?"}]
+    assert httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "messages": echoed}).status_code == 200

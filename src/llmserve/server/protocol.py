@@ -53,6 +53,9 @@ class APIError(Exception):
                 return cls(f"{param}: {err['input']!r} is not a valid value{forms}", param=param)
             param += f"[{part}]" if isinstance(part, int) else f".{part}" if param else str(part)
         param = param or None
+        if err["type"] == "extra_forbidden":
+            return cls(f"{param} is not a field of this request (an unknown field is refused, not ignored; "
+                       "docs/server.md lists the fields)", param=param)
         return cls(f"{param}: {err['msg']}" if param else err["msg"], param=param)
 
 
@@ -123,6 +126,12 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+_STRICT = ConfigDict(extra="forbid", strict=True)
+"""A request body's own fields: an unknown one is a 400 naming it, as OpenAI's API answers, never a
+200 that ignored what was asked. The objects inside a body (messages, tools) stay lenient: clients
+send back the assistant messages they received, with fields such as `refusal` or `annotations`."""
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
@@ -174,6 +183,12 @@ class _SamplingFields(_SamplingParamsFields):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # OpenAI's advisory fields: accepted, and they change nothing here (docs/server.md)
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                         defaults: dict[str, Any] | None = None,
@@ -212,6 +227,7 @@ class _SamplingFields(_SamplingParamsFields):
 
 
 class CompletionRequest(_SamplingFields):
+    model_config = _STRICT
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # token ids: no true, 2.0 or "2"
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -299,6 +315,7 @@ class _ChatTemplateFields(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
+    model_config = _STRICT
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -307,9 +324,30 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """Unset: "auto" with tools, none without (server/tool_calls.py has each mode)."""
     parallel_tool_calls: bool | None = None
+    # OpenAI fields this server does not implement: a 400 naming each when set (unsupported())
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+
+    def unsupported(self) -> None:
+        """A 400 for an OpenAI field set that this server cannot honour."""
+        if self.functions is not None or self.function_call is not None:
+            name = "functions" if self.functions is not None else "function_call"
+            raise APIError(f"{name} is OpenAI's deprecated form of tools: send tools and tool_choice", param=name)
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise APIError(f"modalities: only [\"text\"] is supported, got {self.modalities}", param="modalities")
+        for name in ("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity"):
+            if getattr(self, name) is not None:
+                raise APIError(f"{name} is not supported by this server", param=name)
 
 
 class TokenizeRequest(_ChatTemplateFields):
+    model_config = _STRICT
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -317,6 +355,7 @@ class TokenizeRequest(_ChatTemplateFields):
 
 
 class DetokenizeRequest(_Request):
+    model_config = _STRICT
     model: str | None = None
     tokens: list[int]
 

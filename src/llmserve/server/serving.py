@@ -221,6 +221,7 @@ class OpenAIServing:
 
     def chat_job(self, body: ChatCompletionRequest) -> _Job:
         self._check_model(body)
+        body.unsupported()
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer, so it cannot render chat messages", param="messages")
         self._check_limits(body, 1)
