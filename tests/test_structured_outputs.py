@@ -412,3 +412,9 @@ def test_json_object_admits_objects_only(checkpoint):
     assert not xgrammar.GrammarMatcher(grammar).accept_string("[")
     matcher = xgrammar.GrammarMatcher(grammar)
     assert matcher.accept_string('{"a": [1, {"b": null}], "c": "d"}') and matcher.is_completed()
+
+
+def test_the_dict_form_takes_jump_forward():
+    """HTTP bodies give structured_outputs as an object: jump_forward is one of its keys."""
+    params = SamplingParams(structured_outputs={"regex": "a+", "jump_forward": False})
+    assert params.structured_outputs.jump_forward is False and params.structured_outputs.regex == "a+"

@@ -35,6 +35,7 @@ DEFAULT_PLUGINS = {
     "int8": "llmserve.plugins.int8",
     "fp8": "llmserve.plugins.fp8",
     "structured_outputs": "llmserve.plugins.structured_outputs",
+    "token_masks": "llmserve.plugins.token_masks",
     "hermes": "llmserve.plugins.hermes",
 }
 

@@ -10,7 +10,7 @@ MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_pe
 """The fields a checkpoint's generation_config.json may default for requests that leave them unset."""
 REQUEST_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "logit_bias", "stop", "stop_token_ids", "include_stop_str_in_output",
-                  "ignore_eos", "min_tokens", "skip_special_tokens")
+                  "ignore_eos", "min_tokens", "skip_special_tokens", "allowed_token_ids", "bad_words")
 """The fields an HTTP request sets under their own names, with these defaults and types (the
 server's request bodies are derived from them). max_tokens, logprobs and prompt_logprobs are
 each endpoint's own (named, defaulted or derived differently)."""
@@ -128,6 +128,11 @@ class SamplingParams:
     """Top-k log-probabilities returned for each sampled token (plus the sampled one)."""
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be sampled (decoding strategy `token_masks`)."""
+    bad_words: list[str] | None = None
+    """Words never generated: a word's last token is masked where the output ends in its other
+    tokens (each word as it encodes alone and after a space; decoding strategy `token_masks`)."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, a regex, a choice or a grammar (decoding strategy
     `structured_outputs`)."""
@@ -180,12 +185,20 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_range(name, getattr(self, name), integer=True)
+        if self.allowed_token_ids is not None and not (
+                isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)):
+            _fail("allowed_token_ids", "a non-empty list of token ids >= 0", self.allowed_token_ids)
+        if self.bad_words is not None and not (isinstance(self.bad_words, list)
+                                               and all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            _fail("bad_words", "a list of non-empty strings", self.bad_words)
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             _fail("extra_args", "a mapping", self.extra_args)
         if isinstance(self.structured_outputs, dict):
-            if unknown := set(self.structured_outputs) - {"json", "regex", "choice", "grammar", "json_object"}:
-                _fail("structured_outputs", "an object of json, regex, choice, grammar or json_object",
-                      sorted(unknown))
+            if unknown := set(self.structured_outputs) - {"json", "regex", "choice", "grammar", "json_object",
+                                                          "jump_forward"}:
+                _fail("structured_outputs", "an object of json, regex, choice, grammar or json_object (and "
+                      "jump_forward)", sorted(unknown))
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
