@@ -295,7 +295,8 @@ def test_metrics(server):
     for name in ("llmserve_num_requests_running", "llmserve_num_requests_waiting", "llmserve_kv_cache_usage_perc",
                  "llmserve_prefix_cache_queries_total", "llmserve_prefix_cache_hits_total",
                  "llmserve_num_preemptions_total", "llmserve_prompt_tokens_total", "llmserve_generation_tokens_total",
-                 'llmserve_request_success_total{finished_reason="length"}',
+                 f'llmserve_request_success_total{{finished_reason="length",model_name="{MODEL}"}}',
+                 f'llmserve_num_requests_running{{model_name="{MODEL}"}}', "llmserve_jump_forward_tokens_total",
                  "llmserve_time_to_first_token_seconds_bucket", "llmserve_inter_token_latency_seconds_count",
                  "llmserve_e2e_request_latency_seconds_sum", "llmserve_request_queue_time_seconds_count"):
         assert name in text, name
@@ -640,8 +641,8 @@ def test_unknown_fields_are_refused_and_openais_advisory_ones_accepted(server):
     for url, body in ((f"{server.url}/v1/chat/completions", chat),
                       (f"{server.url}/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
                       (f"{server.url}/tokenize", {"prompt": "Hi"}), (f"{server.url}/detokenize", {"tokens": [5]})):
-        r = httpx.post(url, json={**body, "bad_words": ["x"]})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", url
+        r = httpx.post(url, json={**body, "use_beam_search": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search", url
         assert "not a field of this request" in r.json()["error"]["message"]
     advisory = {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
                 "prompt_cache_key": "p", "safety_identifier": "s"}
@@ -655,3 +656,16 @@ def test_unknown_fields_are_refused_and_openais_advisory_ones_accepted(server):
     echoed = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "yo", "refusal": None,
                                                   "annotations": []}, {"role": "user", "content": "and?"}]
     assert httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "messages": echoed}).status_code == 200
+
+
+def test_metrics_under_vllms_names_for_its_dashboards():
+    """server.metrics_prefix = "vllm:": the same series under vLLM's own names, with model_name."""
+    with running_server(metrics_prefix="vllm:", served_model_name="m") as s:
+        s.client().completions.create(model="m", prompt="Metrics", max_tokens=2)
+        text = httpx.get(f"{s.url}/metrics").text
+    for name in ('vllm:num_requests_waiting{model_name="m"}', 'vllm:kv_cache_usage_perc{model_name="m"}',
+                 'vllm:generation_tokens_total{model_name="m"}', 'vllm:request_success_total{finished_reason="length",model_name="m"}',
+                 'vllm:time_to_first_token_seconds_bucket{le="0.005",model_name="m"}',
+                 'vllm:e2e_request_latency_seconds_count{model_name="m"}'):
+        assert name in text, name
+    assert "llmserve_" not in text

@@ -130,6 +130,9 @@ class ServerConfig:
     chat_template: str | None = None
     """A Jinja chat template, or the path of a file holding one, used in place of the tokenizer's
     (a base checkpoint has none)."""
+    metrics_prefix: str = "llmserve_"
+    """How /metrics names its series: "llmserve_" (llmserve_num_requests_waiting) or "vllm:"
+    (vllm:num_requests_waiting, vLLM's own names, for dashboards written for vLLM)."""
     api_key: str | None = None
     """Required as `Authorization: Bearer KEY` when set (or when LLMSERVE_API_KEY is set)."""
     protect_health_metrics: bool = False
@@ -174,6 +177,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "server", "port", "in [0, 65535]", self.port)
+        _check(self.metrics_prefix in ("llmserve_", "vllm:"), "server", "metrics_prefix", "'llmserve_' or 'vllm:'",
+               self.metrics_prefix)
         _check(self.max_body_bytes >= 1024, "server", "max_body_bytes", ">= 1024", self.max_body_bytes)
         _check(self.max_waiting_requests >= 1, "server", "max_waiting_requests", ">= 1", self.max_waiting_requests)
         for name in ("max_choices", "max_stop_sequences", "max_stop_chars", "max_logit_bias", "max_ws_requests",

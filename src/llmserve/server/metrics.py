@@ -1,5 +1,10 @@
 """Prometheus metrics: engine gauges and counters read at scrape time, request latencies observed
-by the serving layer. One registry per app, so several servers can live in one process."""
+by the serving layer. One registry per app, so several servers can live in one process.
+
+Every series carries a `model_name` label (the served name) and is named as vLLM names it, under a
+prefix `server.metrics_prefix` chooses: `llmserve_` (the default: `llmserve_num_requests_waiting`)
+or `vllm:` (`vllm:num_requests_waiting`), so that dashboards, alerts and autoscalers written for
+vLLM read this server unchanged. Counters end in `_total` in the exposition, as vLLM's do."""
 
 from __future__ import annotations
 
@@ -11,48 +16,62 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from llmserve.engine import Frontend
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+PREFIXES = ("llmserve_", "vllm:")
 
 
 class _EngineCollector:
-    def __init__(self, engine: Frontend) -> None:
-        self.engine = engine
+    def __init__(self, engine: Frontend, prefix: str, model_name: str) -> None:
+        self.engine, self.prefix, self.model_name = engine, prefix, model_name
 
     def collect(self):
         s = self.engine.snapshot()
+        p, labels = self.prefix, [self.model_name]
         for name, doc, value in [
-            ("llmserve_num_requests_running", "Requests in the running set.", s.running),
-            ("llmserve_num_requests_waiting", "Requests waiting to be scheduled.", s.waiting),
-            ("llmserve_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s.kv_usage),
+            ("num_requests_running", "Requests in the running set.", s.running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", s.waiting),
+            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s.kv_usage),
         ]:
-            yield GaugeMetricFamily(name, doc, value=value)
+            family = GaugeMetricFamily(p + name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            yield family
         for name, doc, value in [
-            ("llmserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries),
-            ("llmserve_prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_hits),
-            ("llmserve_num_preemptions", "Requests preempted for lack of KV blocks.", s.preemptions),
-            ("llmserve_prompt_tokens", "Prompt tokens computed.", s.prompt_tokens),
-            ("llmserve_generation_tokens", "Tokens generated.", s.generation_tokens),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_hits),
+            ("num_preemptions", "Requests preempted for lack of KV blocks.", s.preemptions),
+            ("prompt_tokens", "Prompt tokens computed.", s.prompt_tokens),
+            ("generation_tokens", "Tokens generated.", s.generation_tokens),
+            ("jump_forward_tokens", "Generated tokens appended by jump-forward decoding, not sampled.",
+             s.jumped_tokens),
         ]:
-            yield CounterMetricFamily(name, doc, value=value)
+            family = CounterMetricFamily(p + name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            yield family
 
 
 class Metrics:
-    def __init__(self, engine: Frontend) -> None:
+    def __init__(self, engine: Frontend, model_name: str = "", prefix: str = "llmserve_") -> None:
+        if prefix not in PREFIXES:
+            raise ValueError(f"server.metrics_prefix must be one of {PREFIXES}, got {prefix!r}")
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
-        self.request_success = Counter("llmserve_request_success", "Finished requests by finish reason.",
-                                       ["finished_reason"], registry=self.registry)
-        self.request_errors = Counter("llmserve_request_errors", "Requests answered with an error (before or "
-                                      "during their stream), by HTTP status and error type.", ["status", "type"],
-                                      registry=self.registry)
-        h = lambda name, doc: Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)  # noqa: E731
-        self.ttft = h("llmserve_time_to_first_token_seconds", "Arrival to first output token.")
-        self.itl = h("llmserve_inter_token_latency_seconds", "Time between output tokens of a request.")
-        self.e2e = h("llmserve_e2e_request_latency_seconds", "Arrival to last output token.")
-        self.queue = h("llmserve_request_queue_time_seconds", "Arrival to first being scheduled.")
+        self.registry.register(_EngineCollector(engine, prefix, model_name))
+        self.model_name = model_name
+        self.request_success = Counter(prefix + "request_success", "Finished requests by finish reason.",
+                                       ["model_name", "finished_reason"], registry=self.registry)
+        self.request_errors = Counter(prefix + "request_errors", "Requests answered with an error (before or "
+                                      "during their stream), by HTTP status and error type.",
+                                      ["model_name", "status", "type"], registry=self.registry)
+
+        def h(name: str, doc: str):
+            return Histogram(prefix + name, doc, ["model_name"], buckets=_LATENCY_BUCKETS,
+                             registry=self.registry).labels(model_name)
+        self.ttft = h("time_to_first_token_seconds", "Arrival to first output token.")
+        self.itl = h("inter_token_latency_seconds", "Time between output tokens of a request.")
+        self.e2e = h("e2e_request_latency_seconds", "Arrival to last output token.")
+        self.queue = h("request_queue_time_seconds", "Arrival to first being scheduled.")
 
     def count_error(self, err) -> None:
         """Count an APIError sent to a client."""
-        self.request_errors.labels(str(err.status), err.type).inc()
+        self.request_errors.labels(self.model_name, str(err.status), err.type).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -87,4 +106,4 @@ class RequestTimer:
         if out.finished:
             self.m.e2e.observe(now - self.start)
             for c in out.outputs:
-                self.m.request_success.labels(c.finish_reason or "unknown").inc()
+                self.m.request_success.labels(self.m.model_name, c.finish_reason or "unknown").inc()
