@@ -302,6 +302,12 @@ def test_metrics(server):
         assert name in text, name
     gen = [line for line in text.splitlines() if line.startswith("llmserve_generation_tokens_total")]
     assert float(gen[0].split()[-1]) >= 3
+    value = lambda name: float(next(line for line in text.splitlines() if line.startswith(name)).split()[-1])  # noqa: E731
+    for name in ("llmserve_request_prefill_time_seconds_count", "llmserve_request_decode_time_seconds_count",
+                 "llmserve_request_inference_time_seconds_count", "llmserve_request_prompt_tokens_count",
+                 "llmserve_request_params_n_count", "llmserve_request_params_max_tokens_count"):
+        assert value(name) >= 1, name
+    assert value("llmserve_request_generation_tokens_sum") >= 3 and value("llmserve_request_params_max_tokens_sum") >= 3
 
 
 def test_openapi_document_matches_routes_and_bodies(server):

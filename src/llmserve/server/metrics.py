@@ -16,6 +16,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from llmserve.engine import Frontend
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                  480.0, 960.0, 1920.0, 7680.0)
+"""vLLM's buckets for a request's prefill, decode and inference time."""
+_COUNT_BUCKETS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5))
+"""1, 2, 5, 10, ... 500,000: vLLM's 1-2-5 buckets for tokens and parameters per request."""
 PREFIXES = ("llmserve_", "vllm:")
 
 
@@ -61,13 +66,22 @@ class Metrics:
                                       "during their stream), by HTTP status and error type.",
                                       ["model_name", "status", "type"], registry=self.registry)
 
-        def h(name: str, doc: str):
-            return Histogram(prefix + name, doc, ["model_name"], buckets=_LATENCY_BUCKETS,
+        def h(name: str, doc: str, buckets=_LATENCY_BUCKETS):
+            return Histogram(prefix + name, doc, ["model_name"], buckets=buckets,
                              registry=self.registry).labels(model_name)
         self.ttft = h("time_to_first_token_seconds", "Arrival to first output token.")
         self.itl = h("inter_token_latency_seconds", "Time between output tokens of a request.")
         self.e2e = h("e2e_request_latency_seconds", "Arrival to last output token.")
         self.queue = h("request_queue_time_seconds", "Arrival to first being scheduled.")
+        self.prefill = h("request_prefill_time_seconds", "First scheduled to first output token.", _PHASE_BUCKETS)
+        self.decode = h("request_decode_time_seconds", "First to last output token.", _PHASE_BUCKETS)
+        self.inference = h("request_inference_time_seconds", "First scheduled to last output token.", _PHASE_BUCKETS)
+        self.prompt_tokens = h("request_prompt_tokens", "Prompt tokens of a finished request.", _COUNT_BUCKETS)
+        self.generation_tokens = h("request_generation_tokens", "Tokens a finished request generated (all its "
+                                   "samples).", _COUNT_BUCKETS)
+        self.params_n = h("request_params_n", "The n of a finished request.", _COUNT_BUCKETS)
+        self.params_max_tokens = h("request_params_max_tokens", "The max_tokens of a finished request.",
+                                   _COUNT_BUCKETS)
 
     def count_error(self, err) -> None:
         """Count an APIError sent to a client."""
@@ -76,18 +90,21 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def timer(self) -> RequestTimer:
-        return RequestTimer(self)
+    def timer(self, params=None) -> RequestTimer:
+        """For one prompt's samples; `params` (their SamplingParams) for the per-request parameter series."""
+        return RequestTimer(self, params)
 
 
 class RequestTimer:
     """Observes one request's latencies from its stream of cumulative outputs."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, params=None) -> None:
         self.m = metrics
+        self.params = params
         self.start = self.last = time.monotonic()
+        self.first: float | None = None  # when the first output token came
         self.tokens = 0
-        self.queue_seen = False
+        self.queue_s: float | None = None
 
     def update(self, out) -> None:
         now = time.monotonic()
@@ -95,15 +112,27 @@ class RequestTimer:
         if tokens > self.tokens:
             if self.tokens == 0:
                 self.m.ttft.observe(now - self.start)
+                self.first = now
             else:
                 gap = (now - self.last) / (tokens - self.tokens)
                 for _ in range(tokens - self.tokens):
                     self.m.itl.observe(gap)
             self.tokens, self.last = tokens, now
-        if not self.queue_seen and out.queue_time_s is not None:
+        if self.queue_s is None and out.queue_time_s is not None:
             self.m.queue.observe(out.queue_time_s)
-            self.queue_seen = True
+            self.queue_s = out.queue_time_s
         if out.finished:
             self.m.e2e.observe(now - self.start)
+            scheduled = self.start + (self.queue_s or 0.0)
+            if self.first is not None:
+                self.m.prefill.observe(max(self.first - scheduled, 0.0))
+                self.m.decode.observe(now - self.first)
+            self.m.inference.observe(max(now - scheduled, 0.0))
+            self.m.prompt_tokens.observe(len(out.prompt_token_ids))
+            self.m.generation_tokens.observe(tokens)
+            if self.params is not None:
+                self.m.params_n.observe(self.params.n)
+                if self.params.max_tokens is not None:
+                    self.m.params_max_tokens.observe(self.params.max_tokens)
             for c in out.outputs:
                 self.m.request_success.labels(self.m.model_name, c.finish_reason or "unknown").inc()

@@ -299,7 +299,7 @@ class OpenAIServing:
         subs = [Submit(f"{job.id}-{i}", prompt, job.params, OutputSlot(partial(filled.put, i)),
                        job.body.priority, job.add_special_tokens, strict_length=True)
                 for i, prompt in enumerate(job.prompts)]
-        timers = [self.metrics.timer() for _ in subs]
+        timers = [self.metrics.timer(job.params) for _ in subs]
         finished = [False] * len(subs)
         held: dict[int, RequestOutput] | None = {}  # the latest of each prompt until all are taken in
         try:
