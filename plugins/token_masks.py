@@ -13,17 +13,9 @@ from typing import Any
 
 import torch
 
-from llmserve.decoding import mask_width
+from llmserve.decoding import pack_mask
 from llmserve.hookspecs import hookimpl
 from llmserve.sampling_params import SamplingParams
-
-
-def packed_row(token_ids: list[int], vocab_size: int) -> torch.Tensor:
-    """int32 [ceil(V / 32)]: bit t % 32 of word t // 32 set for each t in token_ids."""
-    bits = torch.zeros(mask_width(vocab_size) * 32, dtype=torch.bool)
-    bits[token_ids] = True
-    weights = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32)
-    return (bits.view(-1, 32).int() * weights).sum(-1, dtype=torch.int32)
 
 
 class TokenMasks:
@@ -61,7 +53,7 @@ class TokenMaskStrategy:
         if params.allowed_token_ids is not None:
             if bad := [t for t in params.allowed_token_ids if t >= vocab_size]:
                 raise ValueError(f"allowed_token_ids must be < vocab size {vocab_size}, got {bad}")
-            allowed = packed_row(params.allowed_token_ids, vocab_size)
+            allowed = pack_mask(params.allowed_token_ids, vocab_size)
         sequences: set[tuple[int, ...]] = set()
         for word in params.bad_words or []:
             if tokenizer is None:

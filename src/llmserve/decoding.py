@@ -73,3 +73,11 @@ class DecodingStrategy(Protocol):
 def mask_width(vocab_size: int) -> int:
     """int32 words of a packed mask row."""
     return -(-vocab_size // 32)
+
+
+def pack_mask(token_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """The packed mask row (int32 [mask_width(vocab_size)]) that allows exactly `token_ids`."""
+    bits = torch.zeros(mask_width(vocab_size) * 32, dtype=torch.bool)
+    bits[token_ids] = True
+    weights = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32)  # bit 31: the sign
+    return (bits.view(-1, 32).int() * weights).sum(-1, dtype=torch.int32)

@@ -92,7 +92,7 @@ class SamplingState:
         self.jump_forward = jump_forward  # scheduler.jump_forward: constraints may jump forward
         self.seqs: dict[str, SeqState] = {}
         self.host_sampled: set[str] = set()
-        """Requests whose sampling may read their tokens on the host (penalties, min_tokens)."""
+        """Requests whose sampling may read their tokens on the host (penalties, min_tokens, constraints)."""
 
     def add(self, req_id: str, new: NewSequence) -> None:
         """A request that (re)enters the running set: its state is built anew from the plan."""

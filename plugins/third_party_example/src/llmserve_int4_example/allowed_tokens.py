@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.decoding import mask_width
+from llmserve.decoding import pack_mask
 from llmserve.hookspecs import hookimpl
 from llmserve.sampling_params import SamplingParams
 
@@ -35,10 +35,7 @@ class AllowedTokenIds:
         ids = params.extra_args[KEY]
         if not (isinstance(ids, list) and ids and all(type(t) is int and 0 <= t < vocab_size for t in ids)):
             raise ValueError(f"extra_args.{KEY} must be a non-empty list of token ids in [0, {vocab_size}), got {ids!r}")
-        bits = torch.zeros(mask_width(vocab_size) * 32, dtype=torch.bool)
-        bits[ids] = True
-        weights = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32)
-        return (bits.view(-1, 32).int() * weights).sum(-1, dtype=torch.int32)
+        return pack_mask(ids, vocab_size)
 
     def start(self, prepared: torch.Tensor) -> FixedMask:
         return FixedMask(prepared)
