@@ -231,11 +231,29 @@ class _Loaded:
         return compiled
 
 
+@functools.cache
+def _keep_the_interpreter_for_token_calls(handle_type: type) -> None:
+    """xgrammar's calls (through tvm-ffi) release the interpreter lock by default. A matcher's
+    per-token calls take a microsecond; releasing the lock there hands it to any busy thread (the
+    event loop publishing outputs) and the executor waits to get it back, at every row of every
+    step (a step's accepts and jump checks for 256 rows: ~100 times longer beside a busy thread).
+    Only the batch fill, long and off the step's path (the mask thread), still releases it.
+    `handle_type`: the type of a matcher's tvm-ffi handle (without one, nothing changes)."""
+    for method in getattr(getattr(handle_type, "__tvm_ffi_type_info__", None), "methods", ()):
+        if method.name in _TOKEN_CALLS and hasattr(method.func, "release_gil"):
+            method.func.release_gil = False
+
+
+_TOKEN_CALLS = frozenset({"accept_token", "accept_string", "find_jump_forward_string", "rollback", "is_terminated",
+                          "is_completed", "fill_next_token_bitmask"})
+
+
 class GrammarConstraint:
     def __init__(self, compiled: Any) -> None:
         import xgrammar
 
         self.matcher = xgrammar.GrammarMatcher(compiled)
+        _keep_the_interpreter_for_token_calls(type(getattr(self.matcher, "_handle", None)))
 
     # Past the end (the end-of-sequence token accepted), the request is finished: a token planned
     # meanwhile (steps are planned ahead) is computed and discarded, so any token will do.

@@ -157,6 +157,12 @@ def structured_rows(figs) -> list[str]:
             parts.append(f"TPOT at batch ≥ 240: plain {plain[0]:.2f} / {plain[1]:.2f} ms, constrained "
                          f"{r['json_string']['tpot_ms']:.2f} ms: **{d['tpot']['tpot_ratio']:.2f}×** (target ≤ 1.10); "
                          f"host time in step() {r['plain']['step_call_ms']:.1f} vs {r['json_string']['step_call_ms']:.1f} ms")
+            base = fig.get("baseline_data", {}).get("tpot")
+            if base:  # the same call's run of the commit before
+                b = base["runs"]
+                parts.append(f"beside {fig.get('baseline_commit', 'the base')} in the same call: constrained "
+                             f"{b['json_string']['tpot_ms']:.2f} ms, **{base['tpot_ratio']:.2f}×**; json_object's own decode steps "
+                             f"{r['json_object']['tpot_ms']:.2f} ms against {b['json_object']['tpot_ms']:.2f} ms")
         rows.append(f"| {fig['name']} | {'<br>'.join(parts)} | {link(run)} |")
     return rows
 

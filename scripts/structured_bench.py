@@ -1,6 +1,6 @@
 """Structured outputs on the GPU: what a constraint costs, and what jump-forward saves.
 
-    python scripts/structured_bench.py [--mode tpot|jump|all] [--json out.json]
+    python scripts/structured_bench.py [--mode tpot|jump|phases|all] [--json out.json]
 
 Both on W-small's model (Qwen3-0.6B shape, dummy weights) with a tokenizer of its whole vocabulary
 in the checkpoint directory (llmserve.bench.workloads.synthetic_tokenizer: grammars are compiled
@@ -18,12 +18,16 @@ jump: the key-heavy ORDER schema (long keys, enums, bounded numbers and strings,
 objects), W-small's first B prompts, temperature 0.6, seed i, max_tokens 512, at B = 1 and 64,
 jump-forward on and off in turn: wall time, forward steps, output and jumped tokens; every output
 must validate with jsonschema in both.
+
+phases (not part of `all`): tpot's plain and JSON-string runs with the engine's parts timed
+(PHASES): per decode step, how long each thread spent where.
 """
 
 import argparse
 import cProfile
 import json
 import pstats
+import sys
 import tempfile
 import time
 
@@ -57,37 +61,44 @@ ORDER = {
 TPOT_MIN_BATCH = 240
 
 
-def timed(llm, prompts, params, profile: list | None = None) -> tuple[float, list, list]:
-    """(wall seconds, outputs, the runner's step records of the call). profile: a list to append
-    the functions the runner's step() spent most time in to (cProfile, the executor's thread)."""
+def timed(llm, prompts, params, profile: list | None = None) -> tuple[float, list, list, float]:
+    """(wall seconds, outputs, the runner's step records of the call, each with the CPU seconds
+    the executor's thread spent in that step() (less than its wall time by what it waited for:
+    the device, the interpreter lock), the CPU seconds of the whole process). profile: a list to
+    append the functions the runner's step() spent most time in to (cProfile, the executor's thread)."""
     timing = llm.engine.runner.timing
     timing.clear()
-    runner, step, prof = llm.engine.runner, llm.engine.runner.step, cProfile.Profile()
-    if profile is not None:
-        def profiled(plan):
+    runner, step, prof, cpu = llm.engine.runner, llm.engine.runner.step, cProfile.Profile(), []
+
+    def measured(plan):
+        start = time.thread_time()
+        if profile is not None:
             prof.enable()
-            try:
-                return step(plan)
-            finally:
+        try:
+            return step(plan)
+        finally:
+            if profile is not None:
                 prof.disable()
-        runner.step = profiled
+            cpu.append(time.thread_time() - start)
+    runner.step = measured
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    start, process_cpu = time.perf_counter(), time.process_time()
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
         runner.step = step
-    wall = time.perf_counter() - start
+    wall, process_cpu = time.perf_counter() - start, time.process_time() - process_cpu
     if profile is not None:
         stats = pstats.Stats(prof).stats
         top = sorted(stats.items(), key=lambda kv: -kv[1][3])[:40]
         profile += [{"function": f"{f}:{line}({name})", "calls": nc, "tottime_s": tt, "cumtime_s": ct}
                     for (f, line, name), (_, nc, tt, ct, _) in top]
-    return wall, outs, list(timing.records)
+    return wall, outs, list(zip(timing.records, cpu)), process_cpu
 
 
 def tpot_at_batch(records, min_batch: int) -> dict:
     """Mean interval between the ends of consecutive decode steps of >= min_batch requests."""
+    records = [r for r, _ in records]
     gaps = [b.end - a.end for a, b in zip(records, records[1:]) if b.tokens == b.requests >= min_batch]
     return {"steps": len(gaps), "tpot_ms": 1e3 * sum(gaps) / len(gaps) if gaps else None}
 
@@ -98,10 +109,11 @@ JSON_STRING = r'\{"text": "[^"\\\x00-\x1f]*'
 def decode_launch(records, min_batch: int) -> dict:
     """Mean host ms in step() launching, and in all, for decode steps of >= min_batch requests: a
     step() as long as the step's period means the host paces the device."""
-    rows = [r for r in records if r.tokens == r.requests >= min_batch]
+    rows = [(r, cpu) for r, cpu in records if r.tokens == r.requests >= min_batch]
     n = max(len(rows), 1)
-    return {"launch_ms": 1e3 * sum(r.launched - r.start for r in rows) / n,
-            "step_call_ms": 1e3 * sum(r.end - r.start for r in rows) / n}
+    return {"launch_ms": 1e3 * sum(r.launched - r.start for r, _ in rows) / n,
+            "step_call_ms": 1e3 * sum(r.end - r.start for r, _ in rows) / n,
+            "step_cpu_ms": 1e3 * sum(cpu for _, cpu in rows) / n}
 
 
 def tpot(llm, profile: bool = False) -> dict:
@@ -114,8 +126,9 @@ def tpot(llm, profile: bool = False) -> dict:
 
     for name, params in (("plain", w.params), ("json_string", constrained(regex=JSON_STRING)),
                          ("plain_again", w.params), ("json_object", constrained(json_object=True))):
-        wall, outs, records = timed(llm, w.prompts, params)
-        runs[name] = {"wall_s": wall, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        wall, outs, records, process_cpu = timed(llm, w.prompts, params)
+        runs[name] = {"wall_s": wall, "process_cpu_s": process_cpu,
+                      "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                       **tpot_at_batch(records, TPOT_MIN_BATCH), **decode_launch(records, TPOT_MIN_BATCH)}
         if name == "json_object":
             done = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
@@ -130,6 +143,73 @@ def tpot(llm, profile: bool = False) -> dict:
     return result
 
 
+PHASES = {  # where each runs: the executor's thread, the mask thread, the event loop
+    "executor: queue the sampler waiting for masks": ("llmserve.model.runner", "ModelRunner", "_queue_waiting"),
+    "executor: queue the forward pass": ("llmserve.model.runner", "ModelRunner", "_forward"),
+    "executor: finish the step before (wait, accept, jump)":
+        ("llmserve.model.runner", "ModelRunner", "_finish_or_fail"),
+    "executor: wait for the device": ("torch.cuda", "Event", "synchronize"),
+    "executor: build the sampling batch, start the masks": ("llmserve.model.runner", "ModelRunner", "_sample"),
+    "executor: wait for the masks": ("llmserve.model.sampling_state", "MaskFill", "send"),
+    "masks: fill": ("llmserve.model.sampling_state", None, "_fill_masks"),
+    "loop: scheduler applies results": ("llmserve.actors.scheduler_actor", "SchedulerActor", "_apply"),
+    "loop: scheduler plans": ("llmserve.actors.scheduler_actor", "SchedulerActor", "_schedule"),
+    "loop: request actor publishes outputs": ("llmserve.actors.request_actor", "RequestActor", "_on_outputs"),
+}
+
+
+def phases(llm) -> dict:
+    """Mean ms a decode step (>= TPOT_MIN_BATCH requests) spends in each of PHASES, plain and
+    constrained to a JSON string: where the constrained step's time goes, thread by thread."""
+    import importlib
+    import inspect
+
+    spans: list[tuple[str, float, float]] = []
+
+    def wrapped(fn, name):
+        if inspect.iscoroutinefunction(fn):
+            async def timed_async(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return await fn(*args, **kwargs)
+                finally:
+                    spans.append((name, start, time.perf_counter()))
+            return timed_async
+
+        def timed_sync(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spans.append((name, start, time.perf_counter()))
+        return timed_sync
+
+    originals = []
+    for name, (module, cls, attr) in PHASES.items():
+        owner = importlib.import_module(module)
+        owner = getattr(owner, cls) if cls else owner
+        originals.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, wrapped(getattr(owner, attr), name))
+    w, result = w_small(), {}
+    try:
+        for run, params in (("plain", w.params), ("json_string", [
+                SamplingParams(temperature=p.temperature, max_tokens=p.max_tokens, seed=i,
+                               structured_outputs=StructuredOutputsParams(regex=JSON_STRING))
+                for i, p in enumerate(w.params)])):
+            spans.clear()
+            _, _, records, _ = timed(llm, w.prompts, params)
+            rows = [r for r, _ in records if r.tokens == r.requests >= TPOT_MIN_BATCH]
+            t0, t1 = rows[0].start, rows[-1].end
+            result[run] = {"steps": len(rows), "period_ms": 1e3 * (t1 - t0) / len(rows)}
+            for name in PHASES:
+                inside = sum(min(e, t1) - max(s, t0) for n, s, e in spans if n == name and e > t0 and s < t1)
+                result[run][name] = 1e3 * inside / len(rows)
+    finally:
+        for owner, attr, original in originals:
+            setattr(owner, attr, original)
+    return result
+
+
 def jump(llm) -> dict:
     w = w_small()
     result = {}
@@ -138,12 +218,12 @@ def jump(llm) -> dict:
             params = [SamplingParams(temperature=0.6, seed=i, max_tokens=512, structured_outputs=StructuredOutputsParams(
                 json=ORDER, jump_forward=forward)) for i in range(batch)]
             jumped0 = llm.engine.scheduler.jumped_tokens
-            wall, outs, records = timed(llm, w.prompts[:batch], params)
+            wall, outs, records, _ = timed(llm, w.prompts[:batch], params)
             for o in outs:
                 assert o.outputs[0].finish_reason == "stop", o.outputs[0].finish_reason
                 jsonschema.validate(json.loads(o.outputs[0].text), ORDER)
             result[f"b{batch}_{'on' if forward else 'off'}"] = {
-                "wall_s": wall, "steps": sum(1 for r in records if r.requests),
+                "wall_s": wall, "steps": sum(1 for r, _ in records if r.requests),
                 "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                 "jumped_tokens": llm.engine.scheduler.jumped_tokens - jumped0, "valid": len(outs)}
         on, off = result[f"b{batch}_on"], result[f"b{batch}_off"]
@@ -154,9 +234,11 @@ def jump(llm) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=["tpot", "jump", "all"], default="all")
+    ap.add_argument("--mode", choices=["tpot", "jump", "phases", "all"], default="all")
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--profile", action="store_true", help="tpot: then a cProfile of the executor's step(), plain and constrained")
+    ap.add_argument("--switch-intervals", type=lambda s: [float(x) for x in s.split(",")], default=[],
+                    help="tpot: measured again under each sys.setswitchinterval (seconds, comma-separated)")
     args = ap.parse_args()
     w = w_small()
     with tempfile.TemporaryDirectory() as tmp:
@@ -165,10 +247,16 @@ def main() -> None:
         with LLM(model_dir, load_format="dummy", log_interval_s=0) as llm:
             llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
             result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
-            for mode, measure in (("jump", jump), ("tpot", lambda llm: tpot(llm, args.profile))):
-                if args.mode in (mode, "all"):
+            for mode, measure in (("jump", jump), ("tpot", lambda llm: tpot(llm, args.profile)), ("phases", phases)):
+                if args.mode == mode or (args.mode == "all" and mode != "phases"):
                     result[mode] = measure(llm)
                     report(result, args.json, echo=False)  # what is measured so far, should a later part fail
+            default = sys.getswitchinterval()
+            for interval in args.switch_intervals if args.mode in ("tpot", "all") else ():
+                sys.setswitchinterval(interval)
+                result[f"tpot_switch_{interval:g}"] = tpot(llm)
+                sys.setswitchinterval(default)
+                report(result, args.json, echo=False)
     report(result, args.json)
 
 

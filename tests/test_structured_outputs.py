@@ -223,15 +223,26 @@ def test_grammars_sent_to_another_process_keep_a_bounded_folder(checkpoint):
     constraint.accept(tokenizer.convert_tokens_to_ids("1"))  # a real matcher, read back from the files
 
 
-def test_a_constrained_step_queues_its_forward_pass_before_waiting_for_the_last_tokens(checkpoint):
+def test_a_constrained_step_queues_its_forward_pass_before_waiting_for_the_last_tokens(checkpoint, monkeypatch):
     """The mask needs the last token on the host, the forward pass does not: the runner launches a
-    step's forward pass, then finishes the step before it (building masks meanwhile), then samples.
-    The tokens are those of the strictly sequential engine."""
+    step's forward pass, then finishes the step before it, then has the masks filled on the mask
+    thread while the result goes back; the next launch samples first. The tokens are those of the
+    strictly sequential engine."""
+    import threading
+
+    from llmserve.plugins.structured_outputs import StructuredOutputs
+
+    fill_masks, threads = StructuredOutputs.fill_masks, set()
+
+    def recorded(self, *args):
+        threads.add(threading.current_thread().name)
+        return fill_masks(self, *args)
     params = [structured(1.0, s, json=SCHEMAS[0]) for s in range(3)] + [structured(0.0, 0, regex=r"[a-z]{2,9}")]
     prompts = ["one two", "three", "four five six", "seven"]
     with LLM(checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0, async_scheduling=False) as llm:
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     with LLM(checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0) as llm:
+        monkeypatch.setattr(StructuredOutputs, "fill_masks", recorded)
         runner, events = llm.engine.runner, []
         forward, finish = runner._forward, runner._finish
         runner._forward = lambda plan, *a: (events.append(("forward", plan.step_id)), forward(plan, *a))[1]
@@ -241,6 +252,7 @@ def test_a_constrained_step_queues_its_forward_pass_before_waiting_for_the_last_
     overlapped = [step for (kind, step), nxt in zip(events, events[1:])
                   if kind == "forward" and nxt == ("finish", step - 1)]
     assert len(overlapped) >= 5
+    assert any(name.startswith("llmserve-masks") for name in threads)
 
 
 # A tokenizer that has learnt JSON's punctuation (`",`, `": "`) as tokens: where a forced stretch
@@ -418,3 +430,88 @@ def test_the_dict_form_takes_jump_forward():
     """HTTP bodies give structured_outputs as an object: jump_forward is one of its keys."""
     params = SamplingParams(structured_outputs={"regex": "a+", "jump_forward": False})
     assert params.structured_outputs.jump_forward is False and params.structured_outputs.regex == "a+"
+
+
+def test_a_constraint_that_cannot_fill_its_mask_fails_its_request_alone(checkpoint, monkeypatch):
+    """Masks are filled on their own thread while the step's result goes back: a constraint whose
+    mask cannot be filled (the strategy's call for all rows fails, then its own row) ends its
+    request with the error; the others of its steps get the tokens of a run without it."""
+    from test_engine_failures import run_together
+
+    from llmserve.plugins.structured_outputs import GrammarConstraint, StructuredOutputs
+
+    poison = "[b]{3,9}"
+    prompts = [[5, 17, 33], [6, 17, 2], [7, 40, 3]]
+    params = [structured(1.0, 0, regex="[a-z]{4,12}"), structured(0.0, 1, json=SCHEMAS[0]),
+              structured(1.0, 2, regex=poison)]
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0) as llm:
+        expected = run_together(llm, prompts[:2], params[:2])
+        poisoned: set[int] = set()
+        prepare, start = StructuredOutputs.prepare, StructuredOutputs.start
+        fill_mask, fill_masks = GrammarConstraint.fill_mask, StructuredOutputs.fill_masks
+
+        def prepare_marked(self, p, *args):
+            prepared = prepare(self, p, *args)
+            if p.structured_outputs.regex == poison:
+                poisoned.add(id(prepared))
+            return prepared
+
+        def start_marked(self, prepared):
+            constraint = start(self, prepared)
+            constraint.poisoned = id(prepared) in poisoned
+            return constraint
+
+        def broken_fill_mask(self, bitmask, row):
+            if self.poisoned:
+                raise RuntimeError("this mask cannot be built")
+            fill_mask(self, bitmask, row)
+
+        def broken_fill_masks(self, constraints, bitmask, rows):
+            if any(c.poisoned for c in constraints):
+                raise RuntimeError("one of these masks cannot be built")
+            fill_masks(self, constraints, bitmask, rows)
+
+        monkeypatch.setattr(StructuredOutputs, "prepare", prepare_marked)
+        monkeypatch.setattr(StructuredOutputs, "start", start_marked)
+        monkeypatch.setattr(GrammarConstraint, "fill_mask", broken_fill_mask)
+        monkeypatch.setattr(StructuredOutputs, "fill_masks", broken_fill_masks)
+        got = run_together(llm, prompts, params)
+        assert got[:2] == expected
+        assert isinstance(got[2], Exception) and "this mask cannot be built" in str(got[2])
+        assert llm.engine.kv.pool.usage() == 0 and not llm.engine.kv.requests  # no block leaked
+
+
+def test_a_matchers_token_calls_keep_the_interpreter_beside_a_busy_thread(checkpoint):
+    """xgrammar's calls release the interpreter lock; for a matcher's microsecond calls that hands
+    it to any busy thread (the event loop) at every row. The strategy keeps it there: a step's
+    worth of accepts, jump checks and rollbacks takes about as long beside a busy thread as alone."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from llmserve.plugins.structured_outputs import StructuredOutputs
+
+    strategy, tokenizer = StructuredOutputs(), AutoTokenizer.from_pretrained(checkpoint("llama"))
+    prepared = strategy.prepare(structured(0.0, regex="[a-z]*"), tokenizer, 384, (2,))
+    matchers = [strategy.start(prepared).matcher for _ in range(256)]
+    letter = tokenizer.convert_tokens_to_ids("a")
+
+    def step_calls() -> float:
+        start = time.perf_counter()
+        for _ in range(4):
+            for m in matchers:
+                m.accept_token(letter)
+                m.find_jump_forward_string()
+                m.rollback(1)
+        return time.perf_counter() - start
+
+    alone = min(step_calls() for _ in range(3))
+    stop = threading.Event()
+    busy = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])
+    busy.start()
+    try:
+        beside = min(step_calls() for _ in range(3))
+    finally:
+        stop.set()
+        busy.join()
+    assert beside < 5 * alone + 0.005, (alone, beside)

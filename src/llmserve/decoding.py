@@ -11,8 +11,9 @@ sides of the engine:
                                                       strategy.start(prepared) ─▶ Constraint
                                                       each step the request samples in:
                                                         constraint.fill_mask(bitmask, row)
-                                                        (after its last token was accepted, while
-                                                        the device runs the step's forward pass)
+                                                        (on the mask thread, after its last token
+                                                        was accepted, while the device runs the
+                                                        step's forward pass)
                                                       each token it produced:
                                                         constraint.accept(token)
                                                         constraint.jump(token, limit): tokens
@@ -21,8 +22,11 @@ sides of the engine:
 The mask is packed: int32 words, bit t % 32 of word t // 32 set where token t may come next; the
 backend's apply_token_mask sets every other token's logit to -inf on the device. A request with a
 constraint reads its own last token on the host: the executor launches the next step's forward
-pass first (that token goes in on the device), then waits for the token, advances the constraint
-and builds the mask while the forward pass runs, then launches the sampler.
+pass first (that token goes in on the device), then waits for the token and advances the
+constraint; the mask is filled on the mask thread while the step's result goes back, and the next
+launch queues the sampler first. fill_mask is never called beside the same constraint's accept,
+but beside the engine's other threads: a call of a few microseconds should keep the interpreter
+lock (handing it to a busy thread costs far more than the call).
 """
 
 from __future__ import annotations

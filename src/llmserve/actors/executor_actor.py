@@ -30,7 +30,7 @@ class ExecutorActor:
                     plan = await self.inbox.receive()
                 except anyio.EndOfStream:
                     plan = None
-                if plan is None and self.runner.in_flight is None:
+                if plan is None and not self.runner.busy:
                     return  # inbox closed, nothing left to finish
                 if isinstance(plan, FinishInFlight):
                     plan = None

@@ -22,8 +22,8 @@ from llmserve.messages import PLACEHOLDER, StepPlan, StepResult
 from llmserve.model.cuda_graphs import StepGraphs
 from llmserve.model.kv_cache import KVCacheLayout
 from llmserve.model.loader import load_model
-from llmserve.model.sampler import gather_logprobs, sample, to_token_logprobs
-from llmserve.model.sampling_state import SamplingState, SeqState
+from llmserve.model.sampler import SamplingBatch, gather_logprobs, sample, to_token_logprobs
+from llmserve.model.sampling_state import MaskFill, SamplingState, SeqState
 from llmserve.model.spec import ModelSpec
 from llmserve.model.step_inputs import Staging, StepInputs
 from llmserve.model.step_timing import StepTiming
@@ -48,6 +48,7 @@ class InFlight:
     tokens_host: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
     logprob_parts: tuple[torch.Tensor, ...] | None = None
+    mask_errors: dict[int, str] = field(default_factory=dict)  # row -> why its constraint filled no mask
 
 
 @dataclass(slots=True)
@@ -56,6 +57,17 @@ class _Forward:
     result: StepResult
     req_ids: list[str]
     logits: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class _Sampling:
+    """A step whose forward pass is queued and whose sampler is ready to queue once its masks are."""
+    result: StepResult
+    req_ids: list[str]
+    logits: torch.Tensor
+    states: list[SeqState]
+    batch: SamplingBatch
+    masks: MaskFill | None
 
 
 class ModelRunner:
@@ -77,6 +89,8 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None
         self.timing = StepTiming()
         self.in_flight: InFlight | None = None
+        self.waiting: _Sampling | None = None
+        """The step launched last when its sampler waits for masks filling on the mask thread."""
         self.failed: set[str] = set()  # requests that failed a step, left out of the plans made before that was known
         self.dropped: set[str] = set()
         """Requests that jumped forward after the step being launched was planned: they sample nothing in it."""
@@ -108,6 +122,7 @@ class ModelRunner:
         self.graphs = None
         self.staging = None
         self.sampling.clear()
+        self.sampling.close()
         if self.device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
@@ -143,15 +158,21 @@ class ModelRunner:
     # N+1's inputs that are N's sampled tokens (PLACEHOLDER) are copied device to device from N's
     # token tensor. A request whose sampling needs N's token on the host (penalties, min_tokens, a
     # constraint's mask) splits the launch: N+1's forward pass is queued, N is finished while it
-    # runs, then N+1's sampling is built and queued:
+    # runs, then N+1's sampling is built. Its masks are filled on the mask thread while N's result
+    # goes back and N+2 is planned; the next call queues N+1's sampler first:
     #
-    #     host:    forward N+1 | finish N (wait), masks | sample N+1 | forward N+2 | finish N+1 ...
-    #     device:  ... N ..........| N+1 forward .................| sample |....
+    #     host:    forward N+1 | finish N (wait) | (masks on their thread) | sample N+1, forward N+2 | finish N+1 ...
+    #     device:  ... N ..........| N+1 forward ..................................| sample | N+2 ...
+
+    @property
+    def busy(self) -> bool:
+        """A launched step is still to finish."""
+        return self.in_flight is not None or self.waiting is not None
 
     def step(self, plan: StepPlan) -> list[StepResult]:
         """Launch `plan`; return the results finished meanwhile (the step before it), in order."""
         with self.timing.step(len(plan.req_ids), plan.num_tokens):
-            done: list[StepResult] = []
+            done = self._queue_waiting()
             previous, self.in_flight = self.in_flight, None
             wait = previous is not None and self.sampling.needs_host_tokens(plan.req_ids, previous.rows)
             if self.failed:
@@ -162,7 +183,11 @@ class ModelRunner:
                 if wait:  # its requests' tokens are inputs of the forward pass just queued
                     done.append(self._finish_or_fail(previous, previous.rows.keys() & set(plan.req_ids)))
                     previous = None
-                self.in_flight = self._sample(forward)
+                launched = self._sample(forward, background=wait)
+                if isinstance(launched, _Sampling):
+                    self.waiting = launched
+                else:
+                    self.in_flight = launched
                 self.timing.launched()
             except Exception:  # a failed step fails the requests that fail it alone, not the engine
                 log.exception("step failed; running it again to find its failing requests", step=plan.step_id,
@@ -225,8 +250,24 @@ class ModelRunner:
 
     def flush(self) -> list[StepResult]:
         """Finish the step in flight, if any."""
+        done = self._queue_waiting()
         previous, self.in_flight = self.in_flight, None
-        return [] if previous is None else [self._finish_or_fail(previous)]
+        return done if previous is None else done + [self._finish_or_fail(previous)]
+
+    def _queue_waiting(self) -> list[StepResult]:
+        """Queue the sampler of the step waiting for its masks, now in flight; if that fails, the
+        step's requests end with the error (its result)."""
+        waiting, self.waiting = self.waiting, None
+        if waiting is None:
+            return []
+        try:
+            self.in_flight = self._queue(waiting)
+            return []
+        except Exception as exc:
+            log.exception("step failed", step=waiting.result.step_id, num_reqs=len(waiting.req_ids))
+            self.failed.update(waiting.req_ids)
+            return [StepResult(waiting.result.step_id, [], [],
+                               failed={r: f"{type(exc).__name__}: {exc}" for r in waiting.req_ids})]
 
     def _launch(self, plan: StepPlan, previous: InFlight | None, holes: np.ndarray) -> InFlight:
         return self._sample(self._forward(plan, previous, holes))
@@ -274,8 +315,10 @@ class ModelRunner:
         return _Forward(result, list(plan.req_ids), logits)
 
     @torch.inference_mode()
-    def _sample(self, forward: _Forward) -> InFlight:
-        """Queue the sampling of a step whose forward pass is queued, and the copy of its tokens to the host."""
+    def _sample(self, forward: _Forward, background: bool = False) -> InFlight | _Sampling:
+        """Queue the sampling of a step whose forward pass is queued, and the copy of its tokens to
+        the host. background: a step with masks to fill has them filled on the mask thread and
+        comes back as _Sampling, for _queue() (its constraints must not move before)."""
         result, logits = forward.result, forward.logits
         if logits is None:
             return InFlight(result, forward.req_ids)
@@ -288,9 +331,22 @@ class ModelRunner:
             logits = logits[self.staging.to_device(np.array(keep, dtype=np.int64))]
         states = [self.sampling.seqs[r] for r in result.req_ids]
         batch = self.sampling.batch(states, logits.shape[-1])
+        masks = self.sampling.masks(states, logits.shape[-1], background=background)
+        sampling = _Sampling(result, forward.req_ids, logits, states, batch, masks)
+        return sampling if background and masks is not None else self._queue(sampling)
+
+    @torch.inference_mode()
+    def _queue(self, sampling: _Sampling) -> InFlight:
+        """Queue a step's sampler (its masks filled) and the copy of its tokens to the host."""
+        result, logits, states, batch = sampling.result, sampling.logits, sampling.states, sampling.batch
+        mask_errors = {}
+        if sampling.masks is not None:
+            batch.allowed = sampling.masks.send()
+            mask_errors = sampling.masks.errors()
         tokens = sample(logits, batch, self.backend.sample_rows, self.backend.sample_filtered_rows,
                         self.backend.apply_token_mask)
-        flight = InFlight(result, forward.req_ids, states, tokens, {r: i for i, r in enumerate(result.req_ids)})
+        flight = InFlight(result, sampling.req_ids, states, tokens, {r: i for i, r in enumerate(result.req_ids)},
+                          mask_errors=mask_errors)
         if batch.max_logprobs >= 0:
             flight.logprob_parts = gather_logprobs(torch.log_softmax(logits, -1, dtype=torch.float32), tokens,
                                                    batch.max_logprobs)
@@ -334,7 +390,11 @@ class ModelRunner:
                                                      [flight.states[i].params.logprobs for i in want])):
                 result.logprobs[result.req_ids[i]] = lp
         eos = frozenset(self.sampling.eos_token_ids) if self.sampling.host_sampled else ()
-        for req_id, state, token in zip(result.req_ids, flight.states, result.token_ids):
+        for i, (req_id, state, token) in enumerate(zip(result.req_ids, flight.states, result.token_ids)):
+            if i in flight.mask_errors:  # its constraint filled no mask: sampled from all, it fails alone
+                log.error("constraint failed to fill its mask", request_id=req_id, error=flight.mask_errors[i])
+                self._fail(result, req_id, flight.mask_errors[i])
+                continue
             try:  # harmless for a request freed meanwhile: its state is gone
                 state.accept(token)
                 if not state.constraints:
@@ -349,9 +409,13 @@ class ModelRunner:
                         self.dropped.add(req_id)
             except Exception as exc:  # a constraint that cannot take its own token: this request fails alone
                 log.exception("constraint failed", request_id=req_id)
-                result.failed[req_id] = f"{type(exc).__name__}: {exc}"
-                self.failed.add(req_id)
+                self._fail(result, req_id, f"{type(exc).__name__}: {exc}")
         return result
+
+    def _fail(self, result: StepResult, req_id: str, error: str) -> None:
+        """`req_id` fails alone in this step: its constraint failed."""
+        result.failed[req_id] = error
+        self.failed.add(req_id)
 
     def _fill_placeholders(self, plan: StepPlan, qsl: np.ndarray, previous: InFlight | None,
                            holes: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -10,10 +10,12 @@ queued before it. Here is where per-request constraints on the next token plug i
 from __future__ import annotations
 
 from array import array
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import structlog
 import torch
 
 from llmserve.decoding import Constraint, mask_width
@@ -22,6 +24,8 @@ from llmserve.messages import NewSequence
 from llmserve.model.sampler import Penalties, SamplingBatch
 from llmserve.model.step_inputs import Staging
 from llmserve.sampling_params import SamplingParams
+
+log = structlog.get_logger("llmserve.sampling")
 
 
 def penalized(p: SamplingParams) -> bool:
@@ -93,6 +97,7 @@ class SamplingState:
         self.seqs: dict[str, SeqState] = {}
         self.host_sampled: set[str] = set()
         """Requests whose sampling may read their tokens on the host (penalties, min_tokens, constraints)."""
+        self._mask_thread: ThreadPoolExecutor | None = None
 
     def add(self, req_id: str, new: NewSequence) -> None:
         """A request that (re)enters the running set: its state is built anew from the plan."""
@@ -154,39 +159,101 @@ class SamplingState:
         if banned:
             rows, toks = zip(*banned)
             batch.banned = (t(rows, np.int64), t(toks, np.int64))
-        constrained = [i for i, s in enumerate(states) if s.constraints]
-        if constrained:
-            batch.allowed = (t(constrained, np.int64), self._masks([states[i] for i in constrained], vocab))
         return batch
 
-    def _masks(self, states: list[SeqState], vocab: int) -> torch.Tensor:
-        """int32 [len(states), words] on the device: each row the tokens every constraint of its
-        state allows next. Filled where the copy to the device is queued from (pinned memory: 5 MB
-        a step for 256 rows of a 152k vocabulary, not copied again on the host). Each strategy
-        fills its constraints' rows in one call where it can (fill_masks: a grammar engine's
-        threads), else one fill_mask a row; a row under two strategies gets both ANDed."""
-        host, staged = self.staging.empty((len(states), mask_width(vocab)), np.int32)
-        masks = torch.from_numpy(host)
-        rows_of: dict[str, tuple[list[Constraint], list[int]]] = {}
-        for row, state in enumerate(states):
-            for name, constraint in state.constraints.items():
-                constraints, rows = rows_of.setdefault(name, ([], []))
+    def masks(self, states: list[SeqState], vocab: int, *, background: bool = False) -> MaskFill | None:
+        """The packed masks of the rows of `states` that have constraints (None: no such row),
+        written into pinned host memory for one copy to the device: 5 MB a step for 256 rows of a
+        152k vocabulary. Each strategy fills its constraints' rows in one call where it can
+        (fill_masks: a grammar engine's threads), else one fill_mask a row; a row under two
+        strategies gets both ANDed. background: filled on the mask thread while the caller goes
+        on (the constraints must not move until MaskFill.send() returned); else here."""
+        constrained = [i for i, s in enumerate(states) if s.constraints]
+        if not constrained:
+            return None
+        host = torch.empty((len(constrained), mask_width(vocab)), dtype=torch.int32,
+                           pin_memory=self.staging.device.type == "cuda")
+        groups: dict[str, tuple[list[Constraint], list[int]]] = {}
+        for row, i in enumerate(constrained):
+            for name, constraint in states[i].constraints.items():
+                constraints, rows = groups.setdefault(name, ([], []))
                 constraints.append(constraint)
                 rows.append(row)
-        alone = len(rows_of) == 1  # the common case: its strategy writes every row whole
-        if not alone:
-            host.fill(-1)
-        for name, (constraints, rows) in rows_of.items():
-            target = masks if alone else torch.full_like(masks, -1)  # several: each ANDed in
-            fill_masks = getattr(self.strategies[name], "fill_masks", None)
-            if fill_masks is not None:
-                fill_masks(constraints, target, rows)
-            else:
-                for constraint, row in zip(constraints, rows):
+        fill = MaskFill(self.staging.to_device(np.array(constrained, dtype=np.int64)), host, constrained, self.staging)
+        work = [(self.strategies[name], constraints, rows) for name, (constraints, rows) in groups.items()]
+        if background:
+            if self._mask_thread is None:
+                self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="llmserve-masks")
+            fill.job = self._mask_thread.submit(_fill_masks, work, host, fill.failed)
+        else:
+            _fill_masks(work, host, fill.failed)
+        return fill
+
+    def close(self) -> None:
+        """Stop the mask thread (after the last step)."""
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown(wait=False)
+            self._mask_thread = None
+
+
+@dataclass(slots=True)
+class MaskFill:
+    """A step's packed masks (int32 [rows, ceil(V / 32)], pinned host memory): one row per batch
+    row in `batch_rows` (also on the device as `rows`), being filled unless `job` is done."""
+    rows: torch.Tensor
+    host: torch.Tensor
+    batch_rows: list[int]
+    staging: Staging
+    job: Future | None = None
+    failed: dict[int, str] = field(default_factory=dict)
+    """Row of `host` -> the error its constraint raised filling its mask (the row allows every
+    token: the request fails when the step finishes)."""
+
+    def send(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, masks) on the device, once filled (the copy is queued after the fill)."""
+        if self.job is not None:
+            self.job.result()
+            self.job = None
+        return self.rows, self.staging.send(self.host)
+
+    def errors(self) -> dict[int, str]:
+        """Batch row -> the error its constraint raised filling its mask (after send())."""
+        return {self.batch_rows[row]: error for row, error in self.failed.items()}
+
+
+@torch.inference_mode()  # on the mask thread too: `host` was made in inference mode
+def _fill_masks(work: list[tuple[Any, list[Constraint], list[int]]], host: torch.Tensor,
+                failed: dict[int, str]) -> None:
+    """Fill `host`'s rows: `work` is (strategy, its constraints, their rows) per strategy. Where a
+    strategy's one call for all its rows fails, its rows are filled one by one: a row that fails
+    alone allows every token and is recorded in `failed` (row of `host` -> error)."""
+    alone = len(work) == 1  # the common case: its strategy writes every row whole
+    if not alone:
+        host.fill_(-1)
+    for strategy, constraints, rows in work:
+        target = host if alone else torch.full_like(host, -1)  # several: each ANDed in
+        if not _fill_all(strategy, constraints, target, rows):
+            for constraint, row in zip(constraints, rows):
+                try:
                     constraint.fill_mask(target, row)
-            if not alone:
-                masks &= target
-        return self.staging.send(staged)
+                except Exception as exc:
+                    failed[row] = f"{type(exc).__name__}: {exc}"
+                    target[row] = -1
+        if not alone:
+            host &= target
+
+
+def _fill_all(strategy: Any, constraints: list[Constraint], target: torch.Tensor, rows: list[int]) -> bool:
+    """Whether the strategy filled all its rows in one call (it has fill_masks, and it succeeded)."""
+    fill_masks = getattr(strategy, "fill_masks", None)
+    if fill_masks is None:
+        return False
+    try:
+        fill_masks(constraints, target, rows)
+        return True
+    except Exception:
+        log.exception("a strategy's fill_masks failed; filling its rows one by one")
+        return False
 
 
 def _scatter_rows(rows: list, vocab: int, dtype: torch.dtype, count: bool, staging: Staging) -> torch.Tensor:
