@@ -126,7 +126,7 @@ def _pick_token_kernel(logits_ptr, stride, temp_ptr, key_ptr, m_ptr, s_ptr, idx_
         target = u * total
         last = tl.max(tl.where(w > 0, j, 0), 0)  # rounding may leave target at or past the last sum
         hit = tl.minimum(tl.sum((cum <= target).to(tl.int32), 0), last)
-        rest = target - tl.sum(tl.where(j < hit, w, 0.0), 0)
+        rest = tl.maximum(target - tl.sum(tl.where(j < hit, w, 0.0), 0), 0.0)
         c = 1.4426950408889634 / t
         base = logits_ptr + row.to(tl.int64) * stride
         start = hit * SLICE
@@ -137,11 +137,14 @@ def _pick_token_kernel(logits_ptr, stride, temp_ptr, key_ptr, m_ptr, s_ptr, idx_
             idx = start + tl.arange(0, BLOCK)
             y = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32) * c
             p = tl.math.exp2(y - top)
-            below = tl.sum((tl.cumsum(p, 0) <= rest).to(tl.int32), 0)
-            if below < BLOCK:
-                token = start + below
+            run = tl.cumsum(p, 0)
+            # the first token of nonzero weight whose running sum passes rest: a remainder that
+            # rounding left at or below zero must not land on a token of zero weight (masked)
+            first = tl.min(tl.where((run > rest) & (p > 0), tl.arange(0, BLOCK), BLOCK), 0)
+            if first < BLOCK:
+                token = start + first
             else:
-                rest -= tl.sum(p, 0)
+                rest -= tl.max(run, 0)  # the running sum, not a sum rounded otherwise: rest stays >= 0
                 fallback = tl.max(tl.where(p > 0, idx, fallback), 0)
                 start += BLOCK
         if token < 0:  # target at the very end of the slice: its last token of nonzero weight

@@ -207,3 +207,20 @@ def test_token_mask_kernel_matches_reference():
     assert torch.equal(ours[1], logits[1]) and torch.equal(ours[2], logits[2])
     assert torch.equal(ours[3][allowed[0]], logits[3][allowed[0]]) and ours[3][~allowed[0]].eq(float("-inf")).all()
     assert torch.isfinite(ours[4]).sum() == 1 and ours[4].argmax() == 66 * 32 + 31
+
+
+def test_sample_rows_never_draws_a_token_of_zero_weight_past_a_block_whose_sums_disagree():
+    """A block's weights summed two ways (its running sum and its total) round apart when one
+    heavy token is followed by many light ones; a target between the two used to leave a negative
+    remainder for the next block, whose first token was then drawn even at zero weight (a masked
+    token: a constrained request's output broke its grammar). Targets swept across that gap: every
+    draw has nonzero weight."""
+    from llmserve.kernels.sampling import _U_SALT
+    ks = range(4194304 - 8, 4194304 + 24)  # u = (k + 0.5) / 2**23 around 1/2: targets around 1.0
+    keys = torch.tensor([_unhash32(k << 9) ^ _U_SALT for k in ks], device=DEVICE)
+    logits = torch.full((len(ks), 128), float("-inf"))
+    logits[:, 0] = 0.0  # weight 1, then 63 tokens of weight 1e-8 (their running sum stays 1.0)
+    logits[:, 1:64] = torch.log(torch.tensor(1e-8))
+    logits[:, 65] = 0.0  # past the block boundary: token 64 has zero weight, token 65 weight 1
+    out = sample_rows(logits.to(DEVICE), torch.ones(len(ks), device=DEVICE), keys, tiles=(128, 64))
+    assert not torch.isinf(logits[torch.arange(len(ks)), out.cpu()]).any(), str(out.tolist())
