@@ -19,8 +19,9 @@ objects), W-small's first B prompts, temperature 0.6, seed i, max_tokens 512, at
 jump-forward on and off in turn: wall time, forward steps, output and jumped tokens; every output
 must validate with jsonschema in both.
 
-phases (not part of `all`): tpot's plain and JSON-string runs with the engine's parts timed
-(PHASES): per decode step, how long each thread spent where.
+phases (not part of `all`): tpot's plain and JSON-string runs (the latter also with jump-forward
+off) with the engine's parts timed (PHASES): per decode step, how long each thread spent where
+(the per-row parts are inflated by their own timing).
 """
 
 import argparse
@@ -149,7 +150,12 @@ PHASES = {  # where each runs: the executor's thread, the mask thread, the event
     "executor: finish the step before (wait, accept, jump)":
         ("llmserve.model.runner", "ModelRunner", "_finish_or_fail"),
     "executor: wait for the device": ("torch.cuda", "Event", "synchronize"),
+    "executor: accept a token (a row)": ("llmserve.model.sampling_state", "SeqState", "accept"),
+    "executor: jump check (a row)": ("llmserve.model.sampling_state", "SeqState", "jump"),
     "executor: build the sampling batch, start the masks": ("llmserve.model.runner", "ModelRunner", "_sample"),
+    "executor: the batch's parameters": ("llmserve.model.sampling_state", "SamplingState", "batch"),
+    "executor: start the masks": ("llmserve.model.sampling_state", "SamplingState", "masks"),
+    "executor: queue the sampler": ("llmserve.model.runner", None, "sample"),
     "executor: wait for the masks": ("llmserve.model.sampling_state", "MaskFill", "send"),
     "masks: fill": ("llmserve.model.sampling_state", None, "_fill_masks"),
     "loop: scheduler applies results": ("llmserve.actors.scheduler_actor", "SchedulerActor", "_apply"),
@@ -191,11 +197,14 @@ def phases(llm) -> dict:
         originals.append((owner, attr, getattr(owner, attr)))
         setattr(owner, attr, wrapped(getattr(owner, attr), name))
     w, result = w_small(), {}
+
+    def constrained(jump_forward: bool) -> list[SamplingParams]:
+        return [SamplingParams(temperature=p.temperature, max_tokens=p.max_tokens, seed=i, structured_outputs=
+                               StructuredOutputsParams(regex=JSON_STRING, jump_forward=jump_forward))
+                for i, p in enumerate(w.params)]
     try:
-        for run, params in (("plain", w.params), ("json_string", [
-                SamplingParams(temperature=p.temperature, max_tokens=p.max_tokens, seed=i,
-                               structured_outputs=StructuredOutputsParams(regex=JSON_STRING))
-                for i, p in enumerate(w.params)])):
+        for run, params in (("plain", w.params), ("json_string", constrained(True)),
+                            ("json_string_no_jump", constrained(False))):
             spans.clear()
             _, _, records, _ = timed(llm, w.prompts, params)
             rows = [r for r, _ in records if r.tokens == r.requests >= TPOT_MIN_BATCH]
