@@ -17,6 +17,7 @@ from anyio.from_thread import start_blocking_portal
 from tqdm import tqdm
 
 from llmserve.actors.request_actor import OutputSlot, Submit
+from llmserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from llmserve.config import EngineConfig
 from llmserve.engine import Engine
 from llmserve.logging import configure_logging
@@ -102,6 +103,28 @@ class LLM:
                                                  **(chat_template_kwargs or {}))
             prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams, *,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search: for each prompt (as generate() takes them) the best
+        `params.beam_width` beams, best first, chosen as transformers' beam search chooses them
+        (llmserve/beam_search.py); beams share their prompt's and common prefix's KV blocks through
+        the prefix cache."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        tokenizer = self.get_tokenizer()
+        ids = []
+        for p in map(_prompt, prompts):
+            if isinstance(p, str):
+                if tokenizer is None:
+                    raise ValueError("this model has no tokenizer: give prompts as {'prompt_token_ids': [...]}")
+                p = tokenizer.encode(p)
+            ids.append(list(p))
+        decode = None if tokenizer is None else partial(tokenizer.decode, skip_special_tokens=True)
+        run = lambda batch, step: self.generate([{"prompt_token_ids": b} for b in batch], step,  # noqa: E731
+                                                use_tqdm=use_tqdm)
+        return beam_search(run, ids, params, frozenset(self.engine.scheduler.eos_token_ids), decode,
+                           self.engine.max_model_len)
 
     async def _run_batch(self, items: list[str | list[int]], params: list[SamplingParams], priority: list[int],
                          start: int, use_tqdm: bool) -> list[RequestOutput]:
