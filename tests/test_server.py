@@ -312,7 +312,7 @@ def test_metrics(server):
 
 def test_openapi_document_matches_routes_and_bodies(server):
     doc = httpx.get(f"{server.url}/openapi.json").json()
-    app_paths = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id}", "/v1/ws", "/health", "/version",
+    app_paths = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/v1/models/{model_id}", "/v1/ws", "/health", "/version",
                  "/metrics", "/tokenize", "/detokenize", "/openapi.json"}
     assert set(doc["paths"]) == app_paths
     schemas = {"components": doc["components"]}

@@ -2,7 +2,8 @@
 
 Every error leaves as OpenAI's error object ({"error": {"message", "type", "param", "code"}}); no
 traceback reaches a client, and no request can stop the engine. A stream that fails after it began
-ends with an error event, then `data: [DONE]`.
+ends with an error event, then `data: [DONE]` (a Responses stream: its `error` and `response.failed`
+events).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from llmserve.server.metrics import Metrics
 from llmserve.server.openapi import openapi_document
 from llmserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, decode_body, parse)
+from llmserve.server.responses import ResponsesRequest, ResponseWriter, responses_error
 from llmserve.server.security import Gate
 from llmserve.server.serving import OpenAIServing
 from llmserve.server.tool_calls import tool_parser
@@ -55,6 +57,27 @@ def _sse(chunks: AsyncIterator[dict], metrics: Metrics) -> AsyncIterator[bytes]:
             metrics.count_error(exc)
             yield f"data: {json.dumps(exc.body())}\n\n".encode()
         yield b"data: [DONE]\n\n"
+    return body()
+
+
+def _response_events(writer: ResponseWriter, chunks: AsyncIterator[dict], metrics: Metrics) -> AsyncIterator[bytes]:
+    """A Responses stream as OpenAI sends it: each event under its type's name, nothing after the
+    last (no `[DONE]`); a failure after it began ends it with the writer's error events."""
+    def frame(event: dict) -> bytes:
+        return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async with aclosing(writer.events(chunks)) as events:
+                async for event in events:
+                    yield frame(event)
+        except Exception as exc:
+            if not isinstance(exc, APIError):
+                log.exception("stream failed")
+                exc = APIError("internal error", status=500, type="server_error")
+            metrics.count_error(exc)
+            for event in writer.fail(responses_error(exc)):
+                yield frame(event)
     return body()
 
 
@@ -171,6 +194,23 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
     @app.post("/v1/chat/completions")
     async def chat_completions():
         return await respond(serving.chat_job(parse(ChatCompletionRequest, await body_json())))
+
+    @app.post("/v1/responses")
+    async def responses():
+        body = parse(ResponsesRequest, await body_json())
+        chat = body.chat_request()
+        try:  # the chat job names the fields as chat has them: the client is told the Responses names
+            job = serving.chat_job(chat)
+            job.cached_in_usage = True
+            serving.admit(job)
+            writer = ResponseWriter(body, model_name, job.params)
+            if body.stream:
+                chunks = await _first(serving.stream(job))
+                return Response(_response_events(writer, chunks, metrics), content_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache"})
+            return _json(await writer.complete(serving.stream(job)))
+        except APIError as exc:
+            raise responses_error(exc) from None
 
     @app.websocket("/v1/ws")
     async def ws():

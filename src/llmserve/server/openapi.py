@@ -12,9 +12,10 @@ from llmserve import __version__
 from llmserve.config import ServerConfig
 from llmserve.sampling_params import LOGIT_BIAS_RANGE, MAX_N, RANGES, Range
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from llmserve.server.responses import ResponsesRequest
 
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+           "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type"],
@@ -24,6 +25,8 @@ _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
 _DESCRIPTIONS = {
     "/v1/completions": "Text completion (OpenAI). With stream=true, Server-Sent Events ending in `data: [DONE]`.",
     "/v1/chat/completions": "Chat completion with the checkpoint's chat template (OpenAI). Streams like completions.",
+    "/v1/responses": "OpenAI's Responses API, stateless: input items and instructions rendered as chat messages. "
+                     "With stream=true, named Server-Sent Events (response.created ... response.completed).",
     "/v1/models": "The served model.",
     "/v1/models/{model_id}": "The served model's card, if model_id is its name (404 otherwise).",
     "/v1/ws": "WebSocket streaming. Send {\"id\": ..., \"endpoint\": \"/v1/completions\" | \"/v1/chat/completions\", "
@@ -72,6 +75,8 @@ def _state_limits(schemas: dict[str, Any], cfg: ServerConfig) -> None:
     for m in _members(schemas["CompletionRequest"]["properties"]["prompt"], "array"):
         m["maxItems"] = cfg.max_choices
     _bound(schemas["ChatCompletionRequest"]["properties"]["top_logprobs"], RANGES["logprobs"])
+    for name in ("temperature", "top_p"):
+        _bound(schemas["ResponsesRequest"]["properties"][name], RANGES[name])
 
 
 def openapi_document(app, cfg: ServerConfig) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """OpenAI wire format: request bodies (validated by pydantic, which also gives the OpenAPI schemas)
-and the error object. Unknown fields are ignored, as OpenAI-compatible servers do; known ones are
-taken strictly as their type ("stream": "yes" is not a boolean, 2.0 is not a token count)."""
+and the error object. A body's unknown fields are refused (_STRICT); known ones are taken strictly
+as their type ("stream": "yes" is not a boolean, 2.0 is not a token count). The Responses API's
+body is in responses.py."""
 
 from __future__ import annotations
 
@@ -168,13 +169,22 @@ REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided
 client written for them does not silently get unconstrained output."""
 
 
-class _SamplingFields(_SamplingParamsFields):
+class _AdvisoryFields(_Request):
+    """OpenAI's advisory fields: accepted, and they change nothing here (docs/server.md)."""
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+
+class _SamplingFields(_SamplingParamsFields, _AdvisoryFields):
     """Fields shared by both endpoints: SamplingParams' REQUEST_FIELDS (the engine's extras beyond
     OpenAI's among them) and the request's own."""
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     priority: int = 0
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -183,12 +193,6 @@ class _SamplingFields(_SamplingParamsFields):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    # OpenAI's advisory fields: accepted, and they change nothing here (docs/server.md)
-    metadata: dict[str, Any] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                         defaults: dict[str, Any] | None = None,

@@ -78,6 +78,10 @@ class _Job:
     sent: dict[int, _Sent] = field(default_factory=dict)
     queued: list[int] = field(default_factory=list)
     """Per prompt, its sequences still counted in OpenAIServing.queued (n until its first output)."""
+    cached_in_usage: bool = False
+    """usage also states prompt_tokens_details.cached_tokens, the prompt tokens the prefix cache
+    held: the Responses API reports them; chat and completions leave them out, so that their usage
+    does not depend on which requests ran before."""
 
 
 class _Filled:
@@ -350,7 +354,7 @@ class OpenAIServing:
                                         first=True)
         return {"id": job.id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
                 "created": job.created, "model": self.model_name, "choices": choices,
-                "usage": self._usage(finals.values())}
+                "usage": self._usage(job, finals.values())}
 
     async def stream(self, job: _Job) -> AsyncIterator[dict[str, Any]]:
         """Chunk objects, in order; the last one carries usage when stream_options.include_usage."""
@@ -370,7 +374,7 @@ class OpenAIServing:
                     yield self._chunk(job, choices)
         if job.body.include_usage_in_stream():
             chunk = self._chunk(job, [])
-            chunk["usage"] = self._usage(finals.values())
+            chunk["usage"] = self._usage(job, finals.values())
             yield chunk
 
     def _new_choices(self, job: _Job, i: int, out: RequestOutput) -> list[dict]:
@@ -398,10 +402,14 @@ class OpenAIServing:
         return {"id": job.id, "object": "text_completion" if job.kind == "completion" else "chat.completion.chunk",
                 "created": job.created, "model": self.model_name, "choices": choices}
 
-    def _usage(self, finals) -> dict[str, int]:
+    def _usage(self, job: _Job, finals) -> dict[str, Any]:
         prompt = sum(len(o.prompt_token_ids) for o in finals)
         completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}
+        if job.cached_in_usage:
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in finals)}
+        return usage
 
     def _choice(self, job: _Job, i: int, out: RequestOutput, c: CompletionOutput, text: str, token_ids: list[int],
                 logprobs: list[PositionLogprobs], finish: str | None, *, first: bool, offset: int = 0) -> list[dict]:
