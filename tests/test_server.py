@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -308,6 +309,11 @@ def test_metrics(server):
                  "llmserve_request_params_n_count", "llmserve_request_params_max_tokens_count"):
         assert value(name) >= 1, name
     assert value("llmserve_request_generation_tokens_sum") >= 3 and value("llmserve_request_params_max_tokens_sum") >= 3
+    assert value("llmserve_iteration_tokens_total_count") >= 2 and value("llmserve_iteration_tokens_total_sum") >= 3
+    assert value('llmserve_iteration_tokens_total_bucket{le="+Inf"') == value("llmserve_iteration_tokens_total_count")
+    info = next(line for line in text.splitlines() if line.startswith("llmserve_cache_config_info{"))
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info))
+    assert labels["block_size"] == "16" and int(labels["num_gpu_blocks"]) > 0 and info.endswith(" 1.0")
 
 
 def test_openapi_document_matches_routes_and_bodies(server):
@@ -672,6 +678,7 @@ def test_metrics_under_vllms_names_for_its_dashboards():
     for name in ('vllm:num_requests_waiting{model_name="m"}', 'vllm:kv_cache_usage_perc{model_name="m"}',
                  'vllm:generation_tokens_total{model_name="m"}', 'vllm:request_success_total{finished_reason="length",model_name="m"}',
                  'vllm:time_to_first_token_seconds_bucket{le="0.005",model_name="m"}',
-                 'vllm:e2e_request_latency_seconds_count{model_name="m"}'):
+                 'vllm:e2e_request_latency_seconds_count{model_name="m"}',
+                 'vllm:iteration_tokens_total_bucket{le="8.0",model_name="m"}', 'vllm:cache_config_info{block_size="16"'):
         assert name in text, name
     assert "llmserve_" not in text

@@ -56,6 +56,11 @@ class EngineSnapshot:
     generation_tokens: int
     jumped_tokens: int = 0
     """Of the generated tokens, those a decoding strategy forced in (jump-forward), not sampled."""
+    iteration_tokens: tuple[int, ...] = ()
+    """Steps by the tokens they computed, a count per bucket (Scheduler.iteration_tokens)."""
+    iteration_tokens_sum: int = 0
+    num_blocks: int = 0
+    """KV-cache blocks of the device side (0 until it has allocated them)."""
 
 
 def freeze_heap() -> None:
@@ -401,7 +406,8 @@ class Engine(Frontend):
     def snapshot(self) -> EngineSnapshot:
         s, kv = self.scheduler, self.kv
         return EngineSnapshot(s.num_running, s.num_waiting, kv.pool.usage(), kv.prefix_queries, kv.prefix_hits,
-                              s.num_preemptions, s.prompt_tokens, s.generation_tokens, s.jumped_tokens)
+                              s.num_preemptions, s.prompt_tokens, s.generation_tokens, s.jumped_tokens,
+                              tuple(s.iteration_tokens), s.iteration_tokens_sum, kv.pool.num_blocks)
 
     def release(self) -> None:
         """Give the device memory (weights, KV cache) back; the engine cannot run afterwards."""

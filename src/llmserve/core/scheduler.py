@@ -63,6 +63,10 @@ class Request:
         return self.num_tokens - self.prompt_len
 
 
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+"""Upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total)."""
+
+
 class Scheduler:
     def __init__(self, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  policy: str = "fcfs", eos_token_ids: frozenset[int] = frozenset(),
@@ -83,6 +87,10 @@ class Scheduler:
         self.prompt_tokens = 0  # prompt tokens computed (recomputation after preemption included)
         self.generation_tokens = 0  # tokens sampled or jumped
         self.jumped_tokens = 0  # tokens jump-forward appended beyond the sampled ones
+        self.iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        """Steps by the tokens they computed: a count per bucket of ITERATION_TOKEN_BUCKETS (a step
+        counts in the first bucket at or above it), then those above the last."""
+        self.iteration_tokens_sum = 0
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -162,6 +170,9 @@ class Scheduler:
 
     def on_feedback(self, fb: StepFeedback) -> EngineOutputs:
         """Follow what the KV manager did with the proposal; the requests it failed end here."""
+        if tokens := sum(n for _, n, _ in fb.scheduled.values()):
+            self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+            self.iteration_tokens_sum += tokens
         for req_id, (before, n, samples) in fb.scheduled.items():
             req = self.requests.get(req_id)
             if req is None:

@@ -114,7 +114,7 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
     app.config["BODY_TIMEOUT"] = 60
     draining = draining or anyio.Event()
     model_name = served_model_name(config)
-    metrics = Metrics(engine, model_name, cfg.metrics_prefix)
+    metrics = Metrics(engine, model_name, cfg.metrics_prefix, config)
     serving = OpenAIServing(engine, model_name, metrics, cfg, tool_parser(config))  # unknown: a start-up error
     gate = Gate(cfg, cfg.api_key or os.environ.get("LLMSERVE_API_KEY") or None)
     sockets_of: Counter[str] = Counter()  # open WebSockets per client address

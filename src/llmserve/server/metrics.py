@@ -8,11 +8,15 @@ vLLM read this server unchanged. Counters end in `_total` in the exposition, as 
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
+from llmserve.config import EngineConfig
+from llmserve.core.scheduler import ITERATION_TOKEN_BUCKETS
 from llmserve.engine import Frontend
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -25,8 +29,8 @@ PREFIXES = ("llmserve_", "vllm:")
 
 
 class _EngineCollector:
-    def __init__(self, engine: Frontend, prefix: str, model_name: str) -> None:
-        self.engine, self.prefix, self.model_name = engine, prefix, model_name
+    def __init__(self, engine: Frontend, prefix: str, model_name: str, config: EngineConfig | None) -> None:
+        self.engine, self.prefix, self.model_name, self.config = engine, prefix, model_name, config
 
     def collect(self):
         s = self.engine.snapshot()
@@ -51,14 +55,31 @@ class _EngineCollector:
             family = CounterMetricFamily(p + name, doc, labels=["model_name"])
             family.add_metric(labels, value)
             yield family
+        if s.iteration_tokens:
+            family = HistogramMetricFamily(p + "iteration_tokens_total", "Tokens computed per engine step.",
+                                           labels=["model_name"])
+            cumulative = list(itertools.accumulate(s.iteration_tokens))
+            family.add_metric(labels, [(floatToGoString(b), c) for b, c in zip(ITERATION_TOKEN_BUCKETS, cumulative)]
+                              + [("+Inf", cumulative[-1])], s.iteration_tokens_sum)
+            yield family
+        if self.config is not None:  # vLLM's info series: the cache's configuration as labels, value 1
+            c = self.config.cache
+            info = {"block_size": c.block_size, "cache_dtype": c.kv_cache_dtype,
+                    "enable_prefix_caching": c.enable_prefix_caching,
+                    "gpu_memory_utilization": c.gpu_memory_utilization, "num_gpu_blocks": s.num_blocks}
+            family = GaugeMetricFamily(p + "cache_config_info", "Information of the KV cache's configuration.",
+                                       labels=["model_name", *info])
+            family.add_metric(labels + [str(v) for v in info.values()], 1)
+            yield family
 
 
 class Metrics:
-    def __init__(self, engine: Frontend, model_name: str = "", prefix: str = "llmserve_") -> None:
+    def __init__(self, engine: Frontend, model_name: str = "", prefix: str = "llmserve_",
+                 config: EngineConfig | None = None) -> None:
         if prefix not in PREFIXES:
             raise ValueError(f"server.metrics_prefix must be one of {PREFIXES}, got {prefix!r}")
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, prefix, model_name))
+        self.registry.register(_EngineCollector(engine, prefix, model_name, config))
         self.model_name = model_name
         self.request_success = Counter(prefix + "request_success", "Finished requests by finish reason.",
                                        ["model_name", "finished_reason"], registry=self.registry)
