@@ -37,6 +37,7 @@ from llmserve.server.protocol import (_STRICT, APIError, ChatCompletionRequest, 
                                       FunctionDefinition, FunctionName, JsonSchemaFormat, NamedToolChoice,
                                       ResponseFormat, StreamOptions, ToolCall, ToolDefinition, _AdvisoryFields,
                                       _Request)
+from llmserve.server.tool_calls import json_arguments
 
 LOGPROBS = "message.output_text.logprobs"
 _NOTHING_TO_INCLUDE = frozenset({
@@ -177,8 +178,8 @@ class ResponsesRequest(_AdvisoryFields):
                 messages.append(ChatMessage(role=item.role, content=_text(item.content, f"{where}.content")))
             elif kind == "function_call":
                 item = _validated(FunctionCallItem, raw, where)
-                call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name,
-                                                                       arguments=_arguments(item.arguments, where)))
+                arguments = json_arguments(item.arguments, f"{where}.arguments")
+                call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=arguments))
                 calls[item.call_id] = item.name
                 if messages and messages[-1].role == "assistant":  # the calls of the turn that wrote it
                     messages[-1].tool_calls = (messages[-1].tool_calls or []) + [call]
@@ -256,18 +257,6 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
             raise APIError(f"{where}[{j}].text must be a string", param=f"{where}[{j}].text")
         texts.append(part["text"])
     return "".join(texts)
-
-
-def _arguments(arguments: str, where: str) -> dict[str, Any]:
-    """A function_call item's arguments as the chat template takes them: a JSON object."""
-    try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError as exc:
-        raise APIError(f"{where}.arguments is not JSON: {exc.msg} at position {exc.pos}",
-                       param=f"{where}.arguments") from None
-    if not isinstance(value, dict):
-        raise APIError(f"{where}.arguments must be a JSON object, got {arguments!r}", param=f"{where}.arguments")
-    return value
 
 
 _CHAT_NAMES = [(re.compile(r"\bmax_(?:completion_)?tokens\b"), "max_output_tokens"),

@@ -101,8 +101,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                                param=f"messages[{i}].tool_calls")
             msg["tool_calls"] = [{"id": call.id, "type": call.type,
                                   "function": {"name": call.function.name,
-                                               "arguments": _arguments(call.function.arguments,
-                                                                       f"messages[{i}].tool_calls[{j}]")}}
+                                               "arguments": json_arguments(
+                                                   call.function.arguments,
+                                                   f"messages[{i}].tool_calls[{j}].function.arguments")}}
                                  for j, call in enumerate(m.tool_calls)]
         if m.role == "tool":
             if m.tool_call_id is None:
@@ -117,17 +118,17 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def _arguments(arguments: str | dict[str, Any], where: str) -> dict[str, Any]:
+def json_arguments(arguments: str | dict[str, Any], param: str) -> dict[str, Any]:
+    """A call's arguments as a chat template takes them, a JSON object; a 400 naming `param` (the
+    field's path) if they are not one."""
     if isinstance(arguments, dict):
         return arguments
     try:
         value = json.loads(arguments)
     except json.JSONDecodeError as exc:
-        raise APIError(f"{where}.function.arguments is not JSON: {exc.msg} at position {exc.pos}",
-                       param=f"{where}.function.arguments") from None
+        raise APIError(f"{param} is not JSON: {exc.msg} at position {exc.pos}", param=param) from None
     if not isinstance(value, dict):
-        raise APIError(f"{where}.function.arguments must be a JSON object, got {arguments!r}",
-                       param=f"{where}.function.arguments")
+        raise APIError(f"{param} must be a JSON object, got {arguments!r}", param=param)
     return value
 
 
