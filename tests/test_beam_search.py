@@ -102,3 +102,31 @@ def test_a_beam_longer_than_the_model_allows_is_refused(checkpoint):
             llm.beam_search({"prompt_token_ids": list(range(3, 23))}, BeamSearchParams(beam_width=2, max_tokens=20))
         text = llm.beam_search("the quick brown", BeamSearchParams(beam_width=2, max_tokens=3))[0].sequences
         assert len(text) == 2 and all(isinstance(s.text, str) for s in text)
+
+
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_beam_search_over_http_gives_the_offline_beams(engine_process):
+    """vLLM's use_beam_search (n beams, length_penalty) on completions and chat: the choices are
+    the offline search's beams; what beam search cannot honour is a 400 naming the field."""
+    import httpx
+    from servers import MODEL, running_server
+
+    with LLM("builtin", dtype="float32", device="cpu", log_interval_s=0) as llm:
+        offline = llm.beam_search("The list type", BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5))
+        expected = [s.text for s in offline[0].sequences]
+    with running_server(engine_process) as server:
+        client = server.client()
+        out = client.completions.create(model=MODEL, prompt="The list type", max_tokens=6, n=3,
+                                        extra_body={"use_beam_search": True, "length_penalty": 0.5})
+        assert [c.text for c in out.choices] == expected and [c.index for c in out.choices] == [0, 1, 2]
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A dict is"}],
+                                              max_tokens=5, n=2, temperature=0, extra_body={"use_beam_search": True})
+        assert len(chat.choices) == 2 and all(c.message.content for c in chat.choices)
+        assert chat.choices[0].message.content != chat.choices[1].message.content
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "use_beam_search": True}
+        for extra, param in (({"stream": True}, "stream"), ({"top_p": 0.5}, "top_p"), ({"n": 11}, "n"),
+                             ({"temperature": 0.7}, "temperature"), ({"logprobs": 2}, "logprobs")):
+            r = httpx.post(f"{server.url}/v1/completions", json={**body, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "length_penalty": 2.0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty"

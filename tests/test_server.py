@@ -653,8 +653,8 @@ def test_unknown_fields_are_refused_and_openais_advisory_ones_accepted(server):
     for url, body in ((f"{server.url}/v1/chat/completions", chat),
                       (f"{server.url}/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
                       (f"{server.url}/tokenize", {"prompt": "Hi"}), (f"{server.url}/detokenize", {"tokens": [5]})):
-        r = httpx.post(url, json={**body, "use_beam_search": True})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search", url
+        r = httpx.post(url, json={**body, "beam_search_width": 2})  # no API has it
+        assert r.status_code == 400 and r.json()["error"]["param"] == "beam_search_width", url
         assert "not a field of this request" in r.json()["error"]["message"]
     advisory = {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
                 "prompt_cache_key": "p", "safety_identifier": "s"}

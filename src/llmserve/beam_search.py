@@ -22,7 +22,8 @@ The result is the finished beams, best first.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Callable, Generator
+from typing import Any
 
 from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams, _fail
 
@@ -97,20 +98,19 @@ class _Search:
         self.done = all(ends) or not self.open or not self.running
 
 
-def beam_search(generate: Callable[[list[list[int]], SamplingParams], list[Any]], prompts: list[list[int]],
-                params: BeamSearchParams, eos_token_ids: frozenset[int], decode: Callable[[list[int]], str] | None,
-                max_model_len: int) -> list[BeamSearchOutput]:
-    """Beam search for each prompt (token ids); `generate(prompts, params)` runs a batch on the
-    engine and returns its RequestOutputs in order."""
+def beam_steps(prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: frozenset[int],
+               decode: Callable[[list[int]], str] | None,
+               max_model_len: int) -> Generator[list[list[int]], list[Any], list[BeamSearchOutput]]:
+    """The search as a generator, for a synchronous or an asynchronous engine alike: it yields each
+    step's batch of token-id prompts (to run with step_params(params)), is sent their
+    RequestOutputs in order, and returns the beams of each prompt."""
     for i, prompt in enumerate(prompts):
         if len(prompt) + params.max_tokens > max_model_len:
             raise ValueError(f"prompt {i}: {len(prompt)} tokens + max_tokens {params.max_tokens} exceed "
                              f"max_model_len {max_model_len}")
     searches = [_Search(list(p)) for p in prompts]
-    step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width, ignore_eos=True)
     while live := [s for s in searches if not s.done]:
-        batch = [s.prompt + tokens for s in live for tokens, _ in s.running]
-        outputs = iter(generate(batch, step))
+        outputs = iter((yield [s.prompt + tokens for s in live for tokens, _ in s.running]))
         for s in live:
             tops = [{t: lp.logprob for t, lp in next(outputs).outputs[0].logprobs[0].items()} for _ in s.running]
             s.advance(tops, params, eos_token_ids)
@@ -119,3 +119,22 @@ def beam_search(generate: Callable[[list[list[int]], SamplingParams], list[Any]]
                            "stop" if tokens and not params.ignore_eos and tokens[-1] in eos_token_ids else "length",
                            decode(tokens) if decode is not None else None)
         for score, tokens, cum in s.finished]) for s in searches]
+
+
+def step_params(params: BeamSearchParams) -> SamplingParams:
+    """What each step asks of every running beam: one token and its top 2·W log-probabilities."""
+    return SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width, ignore_eos=True)
+
+
+def beam_search(generate: Callable[[list[list[int]], SamplingParams], list[Any]], prompts: list[list[int]],
+                params: BeamSearchParams, eos_token_ids: frozenset[int], decode: Callable[[list[int]], str] | None,
+                max_model_len: int) -> list[BeamSearchOutput]:
+    """Beam search for each prompt (token ids); `generate(prompts, params)` runs a batch on the
+    engine and returns its RequestOutputs in order."""
+    steps = beam_steps(prompts, params, eos_token_ids, decode, max_model_len)
+    try:
+        batch = next(steps)
+        while True:
+            batch = steps.send(generate(batch, step_params(params)))
+    except StopIteration as done:
+        return done.value

@@ -196,14 +196,19 @@ class Frontend(abc.ABC):
         """The checkpoint's tokenizer (None if it has none), once loaded; its loading error, if any."""
         return self._tokenizer.result()
 
-    def _request_actor(self, inbox: ObjectReceiveStream, to_scheduler: ObjectSendStream) -> RequestActor:
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that end a request: the checkpoint's and its tokenizer's."""
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
+        return frozenset(eos)
+
+    def _request_actor(self, inbox: ObjectReceiveStream, to_scheduler: ObjectSendStream) -> RequestActor:
         return RequestActor(self.tokenizer, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
                             seed=self.config.model.seed, inbox=inbox, to_scheduler=to_scheduler,
                             step_tokens=self.config.scheduler.max_num_batched_tokens, strategies=self.strategies,
-                            eos_token_ids=tuple(sorted(eos)))
+                            eos_token_ids=tuple(sorted(self.eos_token_ids)))
 
     @abc.abstractmethod
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:

@@ -123,7 +123,7 @@ class LLM:
         decode = None if tokenizer is None else partial(tokenizer.decode, skip_special_tokens=True)
         run = lambda batch, step: self.generate([{"prompt_token_ids": b} for b in batch], step,  # noqa: E731
                                                 use_tqdm=use_tqdm)
-        return beam_search(run, ids, params, frozenset(self.engine.scheduler.eos_token_ids), decode,
+        return beam_search(run, ids, params, self.engine.eos_token_ids, decode,
                            self.engine.max_model_len)
 
     async def _run_batch(self, items: list[str | list[int]], params: list[SamplingParams], priority: list[int],

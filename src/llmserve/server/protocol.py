@@ -193,6 +193,10 @@ class _SamplingFields(_SamplingParamsFields, _AdvisoryFields):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    use_beam_search: bool = False
+    """vLLM's: the n best beams of a beam search (llmserve/beam_search.py) as the choices."""
+    length_penalty: float = 1.0
+    """vLLM's, with use_beam_search: a finished beam scores sum(logprobs) / (its tokens ** length_penalty)."""
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                         defaults: dict[str, Any] | None = None,

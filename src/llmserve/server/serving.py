@@ -23,10 +23,11 @@ import structlog
 from transformers import PreTrainedTokenizerBase
 
 from llmserve.actors.request_actor import OutputSlot, ShuttingDown, Submit
+from llmserve.beam_search import BeamSearchParams, beam_steps, step_params
 from llmserve.config import ServerConfig
 from llmserve.engine import Frontend
 from llmserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import REQUEST_FIELDS, SamplingParams
 from llmserve.server.metrics import Metrics
 from llmserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest,
                                       _SamplingFields)
@@ -78,6 +79,8 @@ class _Job:
     sent: dict[int, _Sent] = field(default_factory=dict)
     queued: list[int] = field(default_factory=list)
     """Per prompt, its sequences still counted in OpenAIServing.queued (n until its first output)."""
+    beam: BeamSearchParams | None = None
+    """use_beam_search: its parameters (max_tokens None: to the context's end, set per job)."""
     cached_in_usage: bool = False
     """usage also states prompt_tokens_details.cached_tokens, the prompt tokens the prefix cache
     held: the Responses API reports them; chat and completions leave them out, so that their usage
@@ -105,6 +108,13 @@ class _Filled:
             self._event = None
         ready, self._ready = self._ready, []
         return ready
+
+
+_BEAM_TAKES = frozenset({"n", "ignore_eos", "temperature", "skip_special_tokens"})
+"""Of SamplingParams' request fields, those beam search honours (temperature only at 0)."""
+_BEAM_REFUSES = frozenset({"stream", "logprobs", "top_logprobs", "response_format", "structured_outputs", "tools",
+                           "suffix"})
+"""The request's own fields beam search cannot honour when set."""
 
 
 def _rounds(choices: list[dict]) -> list[list[dict]]:
@@ -209,7 +219,7 @@ class OpenAIServing:
         if body.suffix:
             raise APIError("suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
-            raise APIError("best_of must equal n (beam search is not supported)", param="best_of")
+            raise APIError("best_of must equal n (use_beam_search takes the n best beams)", param="best_of")
         if body.max_tokens == 0 and not body.echo:
             raise APIError("max_tokens must be >= 1 (0 only with echo, to score the prompt), got 0",
                            param="max_tokens")
@@ -221,7 +231,7 @@ class OpenAIServing:
         prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
         params = self._params(body, 1 if score else body.max_tokens, body.logprobs, prompt_lp)
         return _Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, params, body,
-                    echo=body.echo, score_prompt=score)
+                    echo=body.echo, score_prompt=score, beam=self._beam(body, body.max_tokens))
 
     def chat_job(self, body: ChatCompletionRequest) -> _Job:
         self._check_model(body)
@@ -236,7 +246,29 @@ class OpenAIServing:
         params = self._params(body, max_tokens, logprobs, constraint=tool_plan and tool_plan.constraint)
         prompt = self.render_chat(body, tools)
         return _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [prompt], params, body,
-                    add_special_tokens=False, tools=tool_plan)
+                    add_special_tokens=False, tools=tool_plan, beam=self._beam(body, max_tokens))
+
+    def _beam(self, body: _SamplingFields, max_tokens: int | None) -> BeamSearchParams | None:
+        """use_beam_search's parameters, or a 400 naming a field beam search cannot honour."""
+        if not body.use_beam_search:
+            if "length_penalty" in body.model_fields_set:
+                raise APIError("length_penalty applies to beam search only: send use_beam_search: true",
+                               param="length_penalty")
+            return None
+        fields = type(body).model_fields
+        asked = {name for name in body.model_fields_set if getattr(body, name) != fields[name].default}
+        unused = sorted(asked & (_BEAM_REFUSES | set(REQUEST_FIELDS) - _BEAM_TAKES))
+        if unused:
+            raise APIError(f"{unused[0]} does not apply to use_beam_search (it takes n, max_tokens, ignore_eos, "
+                           "length_penalty, and temperature 0)", param=unused[0])
+        try:
+            return BeamSearchParams(beam_width=body.n, max_tokens=max_tokens or 1, ignore_eos=body.ignore_eos,
+                                    temperature=body.temperature if "temperature" in asked else 0.0,
+                                    length_penalty=body.length_penalty)
+        except ValueError as exc:
+            error = APIError.from_value_error(exc)
+            param = "n" if error.param == "beam_width" else error.param
+            raise APIError(str(error).replace("beam_width", "n"), param=param) from None
 
     def render_chat(self, body: ChatCompletionRequest | TokenizeRequest,
                     tools: list[dict[str, Any]] | None = None) -> str:
@@ -342,6 +374,8 @@ class OpenAIServing:
                         await self.engine.abort(sub.req_id)
 
     async def full_response(self, job: _Job) -> dict[str, Any]:
+        if job.beam is not None:
+            return await self._beam_response(job)
         finals: dict[int, RequestOutput] = {}
         async with aclosing(self.outputs(job)) as outs:
             async for i, out in outs:
@@ -355,6 +389,57 @@ class OpenAIServing:
         return {"id": job.id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
                 "created": job.created, "model": self.model_name, "choices": choices,
                 "usage": self._usage(job, finals.values())}
+
+    async def _beam_response(self, job: _Job) -> dict[str, Any]:
+        """The n best beams of each prompt as its choices (llmserve/beam_search.py): each step's
+        beams run as one batch of requests, one token each."""
+        ids = [list(p) if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=job.add_special_tokens)
+               for p in job.prompts]
+        beam = job.beam
+        if job.params.max_tokens is None:  # to the end of the context, as a sampled request goes
+            beam = dataclasses.replace(beam, max_tokens=max(self.engine.max_model_len - max(map(len, ids)), 1))
+        try:
+            steps = beam_steps(ids, beam, self.engine.eos_token_ids, self._decode, self.engine.max_model_len)
+            batch, step = next(steps), 0
+            while True:
+                batch = steps.send(await self._finals(job, batch, step_params(beam), step))
+                step += 1
+        except StopIteration as done:
+            results = done.value
+        except ValueError as exc:
+            raise APIError(str(exc), param="max_tokens") from None
+        finals, choices = [], []
+        for i, (prompt, result) in enumerate(zip(job.prompts, results)):
+            out = RequestOutput(f"{job.id}-{i}", prompt if isinstance(prompt, str) else None, ids[i], [
+                CompletionOutput(j, s.text, s.tokens[len(ids[i]):], s.cum_logprob, finish_reason=s.finish_reason)
+                for j, s in enumerate(result.sequences)], finished=True)
+            finals.append(out)
+            for c in out.outputs:
+                choices += self._choice(job, i, out, c, c.text, c.token_ids, [], c.finish_reason, first=True)
+        return {"id": job.id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
+                "created": job.created, "model": self.model_name, "choices": choices,
+                "usage": self._usage(job, finals)}
+
+    async def _finals(self, job: _Job, prompts: list[list[int]], params: SamplingParams,
+                      step: int) -> list[RequestOutput]:
+        """One beam-search step: the finished outputs of `prompts`, in order (aborted if left early)."""
+        filled = _Filled()
+        subs = [Submit(f"{job.id}-beam{step}-{i}", prompt, params, OutputSlot(partial(filled.put, i)),
+                       job.body.priority, strict_length=True, final_only=True) for i, prompt in enumerate(prompts)]
+        finals: list[RequestOutput | None] = [None] * len(subs)
+        try:
+            await self.engine.submit(subs)
+            while None in finals:
+                for i in await filled.take():
+                    finals[i] = subs[i].slot.take()
+        except Exception as exc:
+            raise _api_error(exc) from None
+        finally:
+            with anyio.CancelScope(shield=True):
+                for sub, out in zip(subs, finals):
+                    if out is None:
+                        await self.engine.abort(sub.req_id)
+        return finals
 
     async def stream(self, job: _Job) -> AsyncIterator[dict[str, Any]]:
         """Chunk objects, in order; the last one carries usage when stream_options.include_usage."""
