@@ -301,6 +301,7 @@ def test_a_tool_conversation_continues_from_its_call_and_output(server):
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"type": "function", "name": "a b"}]}, "tools[0].name"),
     ({"tool_choice": {"type": "file_search"}, "tools": TOOLS}, "tool_choice"),
@@ -327,5 +328,6 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(server, body, param):
 def test_openais_advisory_fields_are_accepted(server):
     r = create(server, input="Hi", max_output_tokens=2, user="u", metadata={"k": "v"}, store=False,
                service_tier="auto", prompt_cache_key="p", safety_identifier="s", truncation="disabled",
-               include=["reasoning.encrypted_content"], tool_choice="auto", tools=[])
+               include=["reasoning.encrypted_content"], tool_choice="auto", tools=[],
+               reasoning={"effort": None, "summary": None})  # what clients that always send it send
     assert r.usage.output_tokens == 2 and r.metadata == {"k": "v"}

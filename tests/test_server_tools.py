@@ -376,3 +376,20 @@ def test_langchain_binds_tools_and_gets_the_calls(server):
     assert [(c["name"], c["args"]) for c in merged.tool_calls] == [(call["name"], call["args"])]
     anything = llm.bind_tools(TOOLS, tool_choice="any").invoke("Weather?")
     assert anything.tool_calls and all(c["name"] in SCHEMAS for c in anything.tool_calls)
+
+
+def test_litellm_gets_text_streams_and_tool_calls(server):
+    """litellm's OpenAI-compatible provider, as its users point it at a vLLM server."""
+    litellm = pytest.importorskip("litellm")
+    base = dict(model=f"openai/{MODEL}", api_base=f"{server.url}/v1", api_key="none", num_retries=0)
+    text = litellm.completion(messages=[{"role": "user", "content": "A list is"}], max_tokens=8, temperature=0, **base)
+    assert text.choices[0].message.content and text.usage.completion_tokens <= 8
+    pieces = litellm.completion(messages=[{"role": "user", "content": "A list is"}], max_tokens=8, temperature=0,
+                                stream=True, **base)
+    assert "".join(c.choices[0].delta.content or "" for c in pieces) == text.choices[0].message.content
+    called = litellm.completion(messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                                tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                max_tokens=120, temperature=0, **base)
+    (call,) = called.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)

@@ -131,7 +131,9 @@ class ResponsesRequest(_AdvisoryFields):
         if self.prompt is not None:
             raise APIError("prompt: stored prompt templates are not supported: send instructions and input",
                            param="prompt")
-        if self.reasoning is not None:
+        if self.reasoning is not None and (not isinstance(self.reasoning, dict)
+                                           or any(v is not None for v in self.reasoning.values())):
+            # (clients that always send it send {"effort": null, "summary": null}: nothing asked)
             raise APIError("reasoning is not supported by this server", param="reasoning")
         if self.truncation == "auto":
             raise APIError('truncation "auto" is not supported: an input longer than the context is a 400 '
