@@ -114,7 +114,7 @@ def test_beam_search_over_http_gives_the_offline_beams(engine_process):
     with LLM("builtin", dtype="float32", device="cpu", log_interval_s=0) as llm:
         offline = llm.beam_search("The list type", BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5))
         expected = [s.text for s in offline[0].sequences]
-    with running_server(engine_process) as server:
+    with running_server(engine_process, max_waiting_requests=3) as server:  # beams leave the queue: no 503
         client = server.client()
         out = client.completions.create(model=MODEL, prompt="The list type", max_tokens=6, n=3,
                                         extra_body={"use_beam_search": True, "length_penalty": 0.5})

@@ -402,12 +402,18 @@ class OpenAIServing:
             steps = beam_steps(ids, beam, self.engine.eos_token_ids, self._decode, self.engine.max_model_len)
             batch, step = next(steps), 0
             while True:
-                batch = steps.send(await self._finals(job, batch, step_params(beam), step))
+                outputs = await self._finals(job, batch, step_params(beam), step)
+                for i in range(len(job.prompts)):  # its beams have their first tokens: no longer waiting
+                    self._unqueue(job, i)
+                batch = steps.send(outputs)
                 step += 1
         except StopIteration as done:
             results = done.value
         except ValueError as exc:
             raise APIError(str(exc), param="max_tokens") from None
+        finally:
+            for i in range(len(job.prompts)):
+                self._unqueue(job, i)
         finals, choices = [], []
         for i, (prompt, result) in enumerate(zip(job.prompts, results)):
             out = RequestOutput(f"{job.id}-{i}", prompt if isinstance(prompt, str) else None, ids[i], [
