@@ -409,6 +409,8 @@ def test_websocket_cancel_close_and_errors(server):
         conn.send(json.dumps({"id": "bad", "body": {"prompt": "x", "temperature": -3}}))
         err = collect_ws(conn, ["bad"])["bad"][-1]
         assert err["error"]["param"] == "temperature"
+        conn.send(json.dumps({"id": "beams", "body": {"prompt": "x", "max_tokens": 2, "use_beam_search": True}}))
+        assert collect_ws(conn, ["beams"])["beams"][-1]["error"]["param"] == "use_beam_search"  # not streamed
         conn.send("not json")
         assert "error" in json.loads(conn.recv(timeout=10))
         before = server.engine.snapshot().generation_tokens

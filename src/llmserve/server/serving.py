@@ -302,8 +302,12 @@ class OpenAIServing:
     # ---- running -------------------------------------------------------------------------------
 
     def admit(self, job: _Job) -> None:
-        """Count the job's sequences as queued, or refuse it (503) when they would pass
-        server.max_waiting_requests; a job alone is always let in (it is within max_choices)."""
+        """Count the job's sequences as queued, or refuse it: a beam search asked to stream (400), or
+        sequences that would pass server.max_waiting_requests (503; a job alone is always let in:
+        it is within max_choices)."""
+        if job.beam is not None and job.body.stream:  # (a WebSocket request always streams)
+            raise APIError("use_beam_search answers once the search has ended: it cannot be streamed",
+                           param="use_beam_search")
         size = len(job.prompts) * job.params.n
         limit = self.limits.max_waiting_requests
         if self.queued and self.queued + size > limit:
