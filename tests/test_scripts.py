@@ -25,7 +25,7 @@ HELP_ONLY = [
 ]
 RUN = ["bench_page.py", "bench_summary.py", "train_builtin_model.py"]
 HELPERS = ["graph_timing.py"]  # imported by the GPU benchmarks above, so their --help imports it too
-SHELL = ["gpu_suite.sh", "run.sh", "test.sh"]
+SHELL = ["gpu_suite.sh", "run.sh", "setup_venv.sh", "test.sh"]  # setup_venv.sh: sourced by both, and by CI
 
 
 def start(name: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
