@@ -119,6 +119,9 @@ def test_beam_search_over_http_gives_the_offline_beams(engine_process):
         out = client.completions.create(model=MODEL, prompt="The list type", max_tokens=6, n=3,
                                         extra_body={"use_beam_search": True, "length_penalty": 0.5})
         assert [c.text for c in out.choices] == expected and [c.index for c in out.choices] == [0, 1, 2]
+        same = client.completions.create(model=MODEL, prompt="The list type", max_tokens=6, n=3, temperature=0, top_p=1,
+                                         extra_body={"use_beam_search": True, "length_penalty": 0.5, "stop_token_ids": []})
+        assert [c.text for c in same.choices] == expected  # fields sent at their defaults ask for nothing
         chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A dict is"}],
                                               max_tokens=5, n=2, temperature=0, extra_body={"use_beam_search": True})
         assert len(chat.choices) == 2 and all(c.message.content for c in chat.choices)

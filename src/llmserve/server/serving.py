@@ -256,7 +256,8 @@ class OpenAIServing:
                                param="length_penalty")
             return None
         fields = type(body).model_fields
-        asked = {name for name in body.model_fields_set if getattr(body, name) != fields[name].default}
+        asked = {name for name in body.model_fields_set
+                 if getattr(body, name) != fields[name].get_default(call_default_factory=True)}
         unused = sorted(asked & (_BEAM_REFUSES | set(REQUEST_FIELDS) - _BEAM_TAKES))
         if unused:
             raise APIError(f"{unused[0]} does not apply to use_beam_search (it takes n, max_tokens, ignore_eos, "
