@@ -89,7 +89,8 @@ def test_beams_share_their_prompts_kv_blocks(checkpoint):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(beam_width=0, max_tokens=4), "beam_width"), (dict(beam_width=11, max_tokens=4), "beam_width"),
-    (dict(beam_width=2, max_tokens=0), "max_tokens"), (dict(beam_width=2, max_tokens=4, temperature=0.7), "temperature"),
+    (dict(beam_width=2, max_tokens=0), "max_tokens"),
+    (dict(beam_width=2, max_tokens=4, temperature=0.7), "temperature"),
 ])
 def test_beam_search_params_are_validated(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -120,7 +121,8 @@ def test_beam_search_over_http_gives_the_offline_beams(engine_process):
                                         extra_body={"use_beam_search": True, "length_penalty": 0.5})
         assert [c.text for c in out.choices] == expected and [c.index for c in out.choices] == [0, 1, 2]
         same = client.completions.create(model=MODEL, prompt="The list type", max_tokens=6, n=3, temperature=0, top_p=1,
-                                         extra_body={"use_beam_search": True, "length_penalty": 0.5, "stop_token_ids": []})
+                                         extra_body={"use_beam_search": True, "length_penalty": 0.5,
+                                                     "stop_token_ids": []})
         assert [c.text for c in same.choices] == expected  # fields sent at their defaults ask for nothing
         chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A dict is"}],
                                               max_tokens=5, n=2, temperature=0, extra_body={"use_beam_search": True})
