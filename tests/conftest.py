@@ -11,6 +11,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from llmserve.hookspecs import hookimpl  # noqa: E402
+from llmserve.plugin_manager import get_plugin_manager  # noqa: E402
 from llmserve.testing import ARCHS, make_checkpoint, train_tokenizer  # noqa: E402,F401
 
 
@@ -63,3 +65,57 @@ def record_calls(obj, name: str) -> list[tuple]:
         return original(*args, **kwargs)
     setattr(obj, name, recorded)
     return calls
+
+
+class OracleProposer:
+    """Proposes the plain engine's own continuation of each request (found by its prompt and output
+    so far), with every `wrong`-th proposal's last draft changed: drafts kept whole, in part and not at all."""
+
+    def __init__(self, reference: dict[tuple, list[int]], wrong: int = 3) -> None:
+        self.reference, self.wrong, self.calls = reference, wrong, 0
+
+    def propose(self, sequences, limits):
+        out = []
+        for (prompt, output), limit in zip(sequences, limits):
+            self.calls += 1
+            ref = self.reference.get((tuple(prompt), tuple(output[:1])), [])
+            drafts = list(ref[len(output):len(output) + limit]) if ref[:len(output)] == output else []
+            if drafts and self.calls % self.wrong == 0:
+                drafts[-1] ^= 1  # another token of the vocabulary
+            out.append(drafts)
+        return out
+
+
+class Register:
+    def __init__(self, name, factory):
+        self.name, self.factory = name, factory
+
+    @hookimpl
+    def llmserve_register_proposers(self, register):
+        register(self.name, self.factory)
+
+
+@pytest.fixture
+def oracle():
+    """oracle(reference) -> the name of a proposer registered for this test."""
+    pm, plugins = get_plugin_manager(), []
+
+    def make(reference, wrong=3):
+        name = f"oracle{len(plugins)}"
+        plugin = Register(name, lambda config: OracleProposer(reference, wrong))
+        pm.register(plugin, name=name)
+        plugins.append(plugin)
+        return name
+    try:
+        yield make
+    finally:
+        for plugin in plugins:
+            pm.unregister(plugin)
+
+
+def hold_speculation_on(llm):
+    """Make every step of `llm` speculate: the controller's choice depends on measured times."""
+    control = llm.engine.scheduler.spec_control
+    control.active, control.wait = True, 0
+    control.record = lambda *args, **kwargs: None
+    return llm

@@ -43,13 +43,15 @@ class Server:
 @contextmanager
 def running_server(engine_process: bool = False, model: str = "builtin", model_opts: dict | None = None,
                    **server_opts):
-    """server_opts: [server] keys, and the sections "cache" and "scheduler" as dicts; model_opts: [model] keys."""
+    """server_opts: [server] keys, and the sections "cache", "scheduler" and "speculative" as dicts;
+    model_opts: [model] keys."""
     port = free_port()
-    sections = {name: server_opts.pop(name, {}) for name in ("cache", "scheduler")}
+    sections = {name: server_opts.pop(name, {}) for name in ("cache", "scheduler", "speculative")}
     config = EngineConfig.from_dict({
         "model": {"model": model, "device": "cpu", "dtype": "float32", **(model_opts or {})},
         "cache": {"num_blocks": 256, "block_size": 16, **sections["cache"]},
         "scheduler": {"log_interval_s": 0, **sections["scheduler"]},
+        "speculative": sections["speculative"],
         "server": {"port": port, **server_opts},
     })
     engine = ProcessEngine(config) if engine_process else Engine(config)

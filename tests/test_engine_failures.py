@@ -74,10 +74,10 @@ def test_a_request_that_fails_its_steps_fails_alone(checkpoint, monkeypatch, asy
         sampling = llm.engine.runner.sampling
         original = sampling.batch
 
-        def poisoned(states, vocab):
+        def poisoned(states, vocab, drafts=None):
             if any(s.params.seed == 13 for s in states):
                 raise IndexError("sampler index out of range")
-            return original(states, vocab)
+            return original(states, vocab, drafts)
 
         monkeypatch.setattr(sampling, "batch", poisoned)
         bad = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=13)

@@ -3,7 +3,7 @@ KV sizing from gpu_memory_utilization. Skipped without a GPU."""
 
 import pytest
 import torch
-from conftest import ARCHS, hf_greedy, record_calls
+from conftest import ARCHS, hf_greedy, hold_speculation_on, record_calls
 from test_equivalence import MAX_TOKENS, TEXTS, VARIANTS
 
 from llmserve import LLM, SamplingParams
@@ -224,3 +224,29 @@ def test_cuda_structured_outputs_validate_beside_unconstrained_requests(checkpoi
     for out, p in zip(outs[4:], constrained):
         assert out.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.outputs[0].text), p.structured_outputs.json)
+
+
+def test_cuda_speculation_gives_the_plain_engines_tokens_with_cuda_graphs(checkpoint, oracle):
+    """Drafts checked in graphed mixed steps (fp32): greedy and seeded outputs are the plain
+    engine's; the built-in model (bf16) keeps n-gram drafts on a text it was given twice."""
+    from test_speculative import COPY_PROMPT, PROMPTS, params_of, reference_of
+    from test_speculative import run as run_all
+
+    path = checkpoint("llama")
+    params = params_of("greedy") + params_of("sampled")
+    prompts = PROMPTS + PROMPTS
+    options = dict(dtype="float32", device="cuda", num_blocks=4096, log_interval_s=0)
+    with LLM(path, **options) as llm:
+        plain = run_all(llm, params, prompts)
+    name = oracle(reference_of(prompts, plain))
+    with LLM(path, **options, speculative_config={"method": name, "num_speculative_tokens": 4}) as llm:
+        hold_speculation_on(llm)
+        mixed = record_calls(llm.engine.runner.graphs, "run_mixed")
+        assert run_all(llm, params, prompts) == plain
+        assert llm.engine.scheduler.spec.accepted_tokens > 0 and mixed
+    with LLM("builtin", device="cuda", num_blocks=4096, log_interval_s=0,
+             speculative_config={"method": "ngram"}) as llm:
+        hold_speculation_on(llm)
+        llm.generate(COPY_PROMPT + "\n\n" + COPY_PROMPT[:300], SamplingParams(max_tokens=48, temperature=0),
+                     use_tqdm=False)
+        assert llm.engine.scheduler.spec.accepted_tokens > 0

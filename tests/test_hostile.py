@@ -381,18 +381,18 @@ def fault(site: str, engine, monkeypatch) -> None:
     if site == "sampler":
         original = engine.runner.sampling.batch
 
-        def sampling_batch(states, vocab):
+        def sampling_batch(states, vocab, drafts=None):
             if any(_poisoned(s) for s in states):
                 raise IndexError("index 151936 is out of bounds")
-            return original(states, vocab)
+            return original(states, vocab, drafts)
         monkeypatch.setattr(engine.runner.sampling, "batch", sampling_batch)
     elif site == "sampler, mid-stream":
         original = engine.runner.sampling.batch
 
-        def sampling_batch(states, vocab):
+        def sampling_batch(states, vocab, drafts=None):
             if any(_poisoned(s) and len(s.output_ids) >= 3 for s in states):
                 raise IndexError("index 151936 is out of bounds")
-            return original(states, vocab)
+            return original(states, vocab, drafts)
         monkeypatch.setattr(engine.runner.sampling, "batch", sampling_batch)
     elif site == "KV manager":
         original = engine.kv.admit

@@ -116,6 +116,27 @@ def test_llmserve_register_decoding_strategies():
                 pm.unregister(plugin)
 
 
+def test_llmserve_register_proposers():
+    class Reg:
+        @hookimpl
+        def llmserve_register_proposers(self, register):
+            register("toy", lambda config: None)
+
+    pm = get_plugin_manager()
+    reg, clash = Reg(), Reg()
+    pm.register(reg, name="reg")
+    try:
+        assert {"toy", "ngram"} <= set(Plugins().proposers())
+        assert {r["name"]: r["proposers"] for r in Plugins().describe()}["ngram"] == ["ngram"]
+        pm.register(clash, name="clash")
+        with pytest.raises(RuntimeError, match="'toy' registered by both"):
+            Plugins().proposers()
+    finally:
+        for plugin in (reg, clash):
+            if pm.is_registered(plugin):
+                pm.unregister(plugin)
+
+
 def test_llmserve_register_tool_parsers():
     class Reg:
         @hookimpl
@@ -244,7 +265,8 @@ def test_third_party_package_is_discovered_selectable_and_runs(example_installed
     assert rows["int4_example"] == {
         "name": "int4_example", "source": "llmserve-int4-example 0.1.0", "status": "loaded",
         "hooks": ["llmserve_register_decoding_strategies", "llmserve_register_quantization_methods"],
-        "quantization_methods": ["int4-rtn"], "decoding_strategies": ["allowed_token_ids"], "tool_parsers": []}
+        "quantization_methods": ["int4-rtn"], "decoding_strategies": ["allowed_token_ids"], "tool_parsers": [],
+        "proposers": []}
     generate = run_with(example_installed, f"""
 import json, torch
 from llmserve import LLM, SamplingParams

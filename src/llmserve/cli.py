@@ -77,6 +77,9 @@ def serve_parser(prog: str = "llmserve serve", positional: bool = True) -> argpa
                         help='checkpoint directory or "builtin" (the same as --model)')
     ap.add_argument("--config", metavar="FILE", help="TOML file (see config.example.toml); flags override its values")
     ap.add_argument("--version", action="version", version=f"llmserve {__version__}")
+    ap.add_argument("--speculative-config", metavar="JSON", type=_json_object,
+                    help='the [speculative] section as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                         '(the --speculative-* flags override its keys)')
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
                     help='accepted as vLLM takes it; tool_choice "auto" is always on here')
     offline = ap.add_argument_group("offline generation (instead of serving)")
@@ -101,6 +104,8 @@ def parse_serve(argv: list[str], prog: str = "llmserve serve",
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ValueError(f"--config {args.config}: {exc}") from exc
     given = overrides(args)
+    if args.speculative_config is not None:
+        given["speculative"] = {**args.speculative_config, **given.get("speculative", {})}
     model = getattr(args, "model_arg", None)
     if model is not None:
         if given.get("model", {}).get("model", model) != model:
@@ -111,6 +116,16 @@ def parse_serve(argv: list[str], prog: str = "llmserve serve",
             raise ValueError(f"--config {args.config}: [{section}] is not a table")
         data[section] = {**data.get(section, {}), **values}
     return EngineConfig.from_dict(data), args
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def _serve(argv: list[str], prog: str, positional: bool) -> int:
@@ -200,6 +215,7 @@ def _plugins(argv: list[str]) -> int:
         provides = [f"quantization: {', '.join(row['quantization_methods'])}"] if row["quantization_methods"] else []
         provides += [f"decoding: {', '.join(row['decoding_strategies'])}"] if row["decoding_strategies"] else []
         provides += [f"tool parsers: {', '.join(row['tool_parsers'])}"] if row["tool_parsers"] else []
+        provides += [f"proposers: {', '.join(row['proposers'])}"] if row["proposers"] else []
         provides += [f"hooks: {', '.join(row['hooks'])}"]
         print(f"{row['name']:<16} {row['status']:<22} {row['source'] or '-':<28} {'; '.join(provides)}")
     return 0

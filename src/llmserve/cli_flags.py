@@ -31,9 +31,10 @@ from typing import Any
 
 from llmserve.config import EngineConfig
 
-_PREFIXED = {"plugins"}
+_PREFIXED = {"plugins", "speculative"}
 """Sections whose keys alone would not say what they are about on a command line: `--block` would
-read as a KV-cache option."""
+read as a KV-cache option, `--method` as anything (`--speculative-method`, as vLLM spells its
+`--speculative-config` keys)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -98,7 +99,8 @@ def flags() -> tuple[Flag, ...]:
 
 def make_flags(secs: dict[str, type]) -> tuple[Flag, ...]:
     """One Flag per field of these section dataclasses ({section name: class})."""
-    counts = Counter(f.name for klass in secs.values() for f in dataclasses.fields(klass))
+    counts = Counter(f.name for section, klass in secs.items() if section not in _PREFIXED
+                     for f in dataclasses.fields(klass))
     out = []
     for section, klass in secs.items():
         hints, docs = typing.get_type_hints(klass), field_docs(klass)

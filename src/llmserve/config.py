@@ -120,6 +120,34 @@ class ParallelConfig:
 
 
 @dataclass(slots=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` keys (`LLM(speculative_config={...})`, `--speculative-config JSON`)."""
+    method: str | None = None
+    """Speculative decoding's proposer, by the name a plugin registered (built-in: ngram, which
+    looks the last tokens up in the prompt and output so far); None: no speculation."""
+    num_speculative_tokens: int = 4
+    """Most tokens proposed per request per step; each step checks them all in one forward pass."""
+    prompt_lookup_max: int = 4
+    """ngram: the longest run of last tokens looked up."""
+    prompt_lookup_min: int = 1
+    """ngram: the shortest run of last tokens looked up."""
+    disable_by_batch_size: int = 32
+    """Running requests above which no request speculates (a large batch's steps are already
+    compute-bound: checking proposals there costs more than it saves)."""
+
+    def __post_init__(self) -> None:
+        _check(self.method is None or (isinstance(self.method, str) and self.method != ""), "speculative", "method",
+               "the name of a registered proposer", self.method)
+        _check(1 <= self.num_speculative_tokens <= 16, "speculative", "num_speculative_tokens", "in [1, 16]",
+               self.num_speculative_tokens)
+        _check(self.prompt_lookup_min >= 1, "speculative", "prompt_lookup_min", ">= 1", self.prompt_lookup_min)
+        _check(self.prompt_lookup_max >= self.prompt_lookup_min, "speculative", "prompt_lookup_max",
+               f">= prompt_lookup_min ({self.prompt_lookup_min})", self.prompt_lookup_max)
+        _check(self.disable_by_batch_size >= 1, "speculative", "disable_by_batch_size", ">= 1",
+               self.disable_by_batch_size)
+
+
+@dataclass(slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     """Address to listen on (0.0.0.0: every IPv4 interface)."""
@@ -210,7 +238,8 @@ class PluginsConfig:
 
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-             "parallel": ParallelConfig, "server": ServerConfig, "plugins": PluginsConfig}
+             "parallel": ParallelConfig, "speculative": SpeculativeConfig, "server": ServerConfig,
+             "plugins": PluginsConfig}
 
 
 @dataclass(slots=True)
@@ -219,6 +248,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
 
@@ -244,10 +274,15 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Flat keyword form: each key goes to the one section that has a field of that name."""
+        """Flat keyword form: each key goes to the one section that has a field of that name;
+        `speculative_config` is the [speculative] section as a dict (vLLM's spelling)."""
         data: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        if (speculative := kwargs.pop("speculative_config", None)) is not None:
+            if not isinstance(speculative, dict):
+                raise ValueError(f"speculative_config must be a dict of [speculative] keys, got {speculative!r}")
+            data["speculative"] = dict(speculative)
         for key, value in kwargs.items():
-            owners = [n for n, k in _SECTIONS.items() if key in {f.name for f in dataclasses.fields(k)}]
+            owners = [n for n, k in _SECTIONS.items() if n != "speculative" and key in {f.name for f in dataclasses.fields(k)}]
             if not owners:
                 raise ValueError(f"unknown engine option {key!r}")
             data[owners[0]][key] = value

@@ -30,7 +30,7 @@ from llmserve.actors.executor_actor import ExecutorActor
 from llmserve.actors.kv_actor import KVActor
 from llmserve.actors.request_actor import Abort, EndAll, OutputSlot, RequestActor, Submit
 from llmserve.actors.scheduler_actor import EngineStats, SchedulerActor
-from llmserve.config import EngineConfig
+from llmserve.config import EngineConfig, SpeculativeConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.scheduler import Scheduler
 from llmserve.model.runner import ModelRunner
@@ -39,6 +39,7 @@ from llmserve.outputs import RequestOutput
 from llmserve.plugin_manager import Plugins
 from llmserve.quantization import QuantizationMethod, Unquantized
 from llmserve.sampling_params import SamplingParams
+from llmserve.speculative import Proposer, Speculation
 
 log = structlog.get_logger("llmserve.engine")
 
@@ -61,6 +62,12 @@ class EngineSnapshot:
     iteration_tokens_sum: int = 0
     num_blocks: int = 0
     """KV-cache blocks of the device side (0 until it has allocated them)."""
+    spec_drafts: int = 0
+    """Speculative decoding: steps of a request that checked drafts, the drafts checked, those kept,
+    and those kept at each draft position (empty without speculation)."""
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 def freeze_heap() -> None:
@@ -156,6 +163,17 @@ def resolve_quantization(name: str | None, spec: ModelSpec, plugins: Plugins) ->
         where = "model.quantization" if ckpt_method is None else "the checkpoint's quantization_config.quant_method"
         raise ValueError(f"{where} {name!r} is not available; registered methods: {sorted(methods) or 'none'}")
     return methods[name](ckpt)
+
+
+def resolve_proposer(config: SpeculativeConfig, plugins: Plugins) -> Proposer | None:
+    """The proposer speculative.method names (None: no speculation)."""
+    if config.method is None:
+        return None
+    proposers = plugins.proposers()
+    if config.method not in proposers:
+        raise ValueError(f"speculative.method {config.method!r} is not available; registered proposers: "
+                         f"{sorted(proposers) or 'none'}")
+    return proposers[config.method](config)
 
 
 class Frontend(abc.ABC):
@@ -329,7 +347,7 @@ class Engine(Frontend):
         lap("config")
         self.strategies = self.plugins.decoding_strategies()
         self.runner = ModelRunner(config, self.spec, self.backend, self.device, self.dtype, self.max_model_len,
-                                  self.quant, self.strategies)
+                                  self.quant, self.strategies, resolve_proposer(config.speculative, self.plugins))
         lap("weights")
         num_blocks = self.runner.determine_num_blocks()
         lap("profile_step")
@@ -354,7 +372,8 @@ class Engine(Frontend):
         self.scheduler = Scheduler(max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
                                    max_model_len=self.max_model_len, policy=s.policy,
                                    eos_token_ids=frozenset(self.spec.eos_token_ids),
-                                   enable_prefix_caching=config.cache.enable_prefix_caching)
+                                   enable_prefix_caching=config.cache.enable_prefix_caching,
+                                   speculation=Speculation.of(config.speculative))
         self.add_eos_token_id(None if self.tokenizer is None else self.tokenizer.eos_token_id)
         lap("tokenizer")  # what was left of its loading: the wait for its thread
         self.stats = EngineStats(s.log_interval_s)
@@ -412,7 +431,9 @@ class Engine(Frontend):
         s, kv = self.scheduler, self.kv
         return EngineSnapshot(s.num_running, s.num_waiting, kv.pool.usage(), kv.prefix_queries, kv.prefix_hits,
                               s.num_preemptions, s.prompt_tokens, s.generation_tokens, s.jumped_tokens,
-                              tuple(s.iteration_tokens), s.iteration_tokens_sum, kv.pool.num_blocks)
+                              tuple(s.iteration_tokens), s.iteration_tokens_sum, kv.pool.num_blocks,
+                              s.spec.drafts, s.spec.draft_tokens, s.spec.accepted_tokens,
+                              tuple(s.spec.accepted_per_pos))
 
     def release(self) -> None:
         """Give the device memory (weights, KV cache) back; the engine cannot run afterwards."""

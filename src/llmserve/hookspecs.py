@@ -64,6 +64,21 @@ def llmserve_register_decoding_strategies(register: Callable[[str, Any], None]) 
     """
 
 
+@hookspec
+def llmserve_register_proposers(register: Callable[[str, Any], None]) -> None:
+    """Register speculative-decoding proposers by calling ``register(name, factory)``.
+
+    Selected by ``speculative.method = "name"`` (``LLM(speculative_config={"method": "name"})``).
+    ``factory(config)`` takes the [speculative] config section and returns a proposer (the
+    `llmserve.speculative.Proposer` protocol), whose ``propose`` guesses the tokens that follow
+    each request's last one; the engine checks them all in the request's next step and keeps
+    those the model itself would have produced. Built-in: ``ngram``. Called for every plugin; a
+    name registered twice is a start-up error naming both plugins.
+
+    :param register: callback taking the proposer's name and its factory.
+    """
+
+
 # ---- Tool-call parsers (the chat API) ---------------------------------------------------------
 
 @hookspec

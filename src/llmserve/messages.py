@@ -69,8 +69,14 @@ class ScheduledRequest:
     admitted: "Admission | None" = None
     """Set when the request (re)enters the running set this step."""
     retract: int = 0
-    """Tokens at the end of those computed to take back first (a token jump-forward replaced
-    after a step had computed it: the KV manager's trailing PLACEHOLDER; never in a hashed block)."""
+    """Tokens at the end of those computed to take back first: a token jump-forward replaced after
+    a step had computed it (the KV manager's trailing PLACEHOLDER), or the drafts the last step
+    rejected. Never in a hashed block."""
+    drafts: int = 0
+    """The last `drafts` of new_token_ids are proposed, not known (speculative decoding): this step
+    computes them to check them; the KV manager drops them when the request's next tokens come."""
+    propose: int = 0
+    """Most drafts to propose for the request once this step's token is known (0: none)."""
 
 
 @dataclass(slots=True)
@@ -121,6 +127,11 @@ class StepPlan:
     new_sequences: dict[str, NewSequence] = field(default_factory=dict)
     freed: list[str] = field(default_factory=list)
     """Requests the executor can forget."""
+    drafts: dict[str, int] = field(default_factory=dict)
+    """Requests whose last tokens this step are drafts to check, and how many (speculative decoding):
+    they sample at each of their last drafts + 1 positions."""
+    propose: dict[str, int] = field(default_factory=dict)
+    """Requests to propose drafts for once this step's token is known, and at most how many."""
 
     @property
     def num_tokens(self) -> int:
@@ -142,7 +153,9 @@ class StepPlan:
                                 [np.empty(0, np.int64)])
         return StepPlan(self.step_id, req_ids, tokens, self.query_lens[rows], self.context_lens[rows],
                         self.block_tables[rows], self.sample[rows],
-                        {r: self.new_sequences[r] for r in req_ids if r in self.new_sequences}, list(self.freed))
+                        {r: self.new_sequences[r] for r in req_ids if r in self.new_sequences}, list(self.freed),
+                        {r: self.drafts[r] for r in req_ids if r in self.drafts},
+                        {r: self.propose[r] for r in req_ids if r in self.propose})
 
 
 # ---- KV manager -> scheduler ----------------------------------------------------------------
@@ -198,6 +211,11 @@ class StepResult:
     jumps: dict[str, list[int]] = field(default_factory=dict)
     """Requests whose constraint forced what follows their sampled token (jump-forward): the
     tokens that replace it (llmserve/decoding.py)."""
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    """Requests that checked drafts this step: the tokens each produced, the drafts it kept and the
+    token sampled after them (the first is its entry in token_ids); its other drafts were rejected."""
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    """Tokens proposed to follow each request's last one (speculative decoding; empty: none found)."""
     dropped_next: set[str] = field(default_factory=set)
     """Of `jumps`, those whose next step was launched before this one finished, with the sampled
     token as its input: they sample nothing there, and where the jump replaced that token, its

@@ -37,6 +37,7 @@ DEFAULT_PLUGINS = {
     "structured_outputs": "llmserve.plugins.structured_outputs",
     "token_masks": "llmserve.plugins.token_masks",
     "hermes": "llmserve.plugins.hermes",
+    "ngram": "llmserve.plugins.ngram",
 }
 
 
@@ -139,6 +140,10 @@ class Plugins:
         """name -> DecodingStrategy."""
         return {name: obj for name, (obj, _) in self._registry(self.pm.hook.llmserve_register_decoding_strategies).items()}
 
+    def proposers(self) -> dict[str, Any]:
+        """name -> factory(SpeculativeConfig) -> Proposer."""
+        return {name: obj for name, (obj, _) in self._registry(self.pm.hook.llmserve_register_proposers).items()}
+
     def tool_parsers(self) -> dict[str, Any]:
         """name -> factory(tools) -> ToolParser."""
         return {name: obj for name, (obj, _) in self._registry(self.pm.hook.llmserve_register_tool_parsers).items()}
@@ -148,6 +153,7 @@ class Plugins:
         quant = self._registry(self.pm.hook.llmserve_register_quantization_methods)
         decoding = self._registry(self.pm.hook.llmserve_register_decoding_strategies)
         parsers = self._registry(self.pm.hook.llmserve_register_tool_parsers)
+        proposers = self._registry(self.pm.hook.llmserve_register_proposers)
         sources = getattr(self.pm, "sources", {})
         rows = []
         for name, plugin in self.pm.list_name_plugin():
@@ -156,8 +162,9 @@ class Plugins:
                          "hooks": hooks,
                          "quantization_methods": sorted(m for m, (_, p) in quant.items() if p == name),
                          "decoding_strategies": sorted(d for d, (_, p) in decoding.items() if p == name),
-                         "tool_parsers": sorted(t for t, (_, p) in parsers.items() if p == name)})
+                         "tool_parsers": sorted(t for t, (_, p) in parsers.items() if p == name),
+                         "proposers": sorted(t for t, (_, p) in proposers.items() if p == name)})
         for name, why in getattr(self.pm, "skipped", {}).items():
             rows.append({"name": name, "source": "", "status": why, "hooks": [], "quantization_methods": [],
-                         "decoding_strategies": [], "tool_parsers": []})
+                         "decoding_strategies": [], "tool_parsers": [], "proposers": []})
         return rows

@@ -24,21 +24,27 @@ class EngineStats:
         self.kv_usage = 0.0
         self.prefix_queries = 0
         self.prefix_hits = 0
-        self._last = (time.monotonic(), 0, 0)
+        self._last = (time.monotonic(), 0, 0, 0, 0)
 
     def maybe_log(self, scheduler: Scheduler) -> None:
         now = time.monotonic()
-        t0, p0, g0 = self._last
+        t0, p0, g0, d0, a0 = self._last
         if not self.interval_s or now - t0 < self.interval_s:
             return
         dt = now - t0
+        spec = scheduler.spec
+        extra = {}
+        if scheduler.speculation is not None:  # the interval's drafts and the share kept
+            drafts = spec.draft_tokens - d0
+            extra = {"spec_draft_tokens": drafts,
+                     "spec_acceptance": round((spec.accepted_tokens - a0) / drafts, 3) if drafts else 0.0}
         log.info("engine", running=scheduler.num_running, waiting=scheduler.num_waiting,
                  kv_usage=round(self.kv_usage, 3),
                  prefix_hit_rate=round(self.prefix_hits / self.prefix_queries, 3) if self.prefix_queries else 0.0,
                  prompt_tok_s=round((scheduler.prompt_tokens - p0) / dt, 1),
                  gen_tok_s=round((scheduler.generation_tokens - g0) / dt, 1),
-                 preemptions=scheduler.num_preemptions)
-        self._last = (now, scheduler.prompt_tokens, scheduler.generation_tokens)
+                 preemptions=scheduler.num_preemptions, **extra)
+        self._last = (now, scheduler.prompt_tokens, scheduler.generation_tokens, spec.draft_tokens, spec.accepted_tokens)
 
 
 class SchedulerActor:
@@ -72,8 +78,9 @@ class SchedulerActor:
                     await self._handle(msg)
                 # The next step goes out before the last step's outputs: detokenizing and waking
                 # the requests' readers then happens while the device runs it.
+                # (A step whose requests speculate is the last one out: their drafts follow its tokens.)
                 if (self.in_flight < self.max_in_flight and not self.awaiting_feedback and not self.stalled
-                        and self.scheduler.has_work()):
+                        and self.scheduler.has_work() and not (self.in_flight and self.scheduler.must_wait())):
                     proposal = self._schedule()
                     if proposal is not None and (proposal.entries or proposal.freed):
                         self.in_flight += 1

@@ -58,6 +58,9 @@ class KVRequest:
     prompt_len: int = 0
     max_len: int = 0
     """Tokens it may reach: prompt + max_tokens, at most max_model_len (0: unknown)."""
+    num_drafts: int = 0
+    """The last tokens of token_ids that are drafts being checked (speculative decoding): never
+    hashed, dropped when the request's next tokens come (those kept come back among them)."""
 
 
 class KVCacheManager:
@@ -157,7 +160,7 @@ class KVCacheManager:
         if not req.use_prefix_cache:
             return
         B = self.block_size
-        known = len(req.token_ids) - (len(req.token_ids) > 0 and req.token_ids[-1] == PLACEHOLDER)
+        known = len(req.token_ids) - req.num_drafts - (len(req.token_ids) > 0 and req.token_ids[-1] == PLACEHOLDER)
         parent = req.block_hashes[-1] if req.block_hashes else req.root_hash
         for i in range(len(req.block_hashes), min(req.num_computed, known) // B):
             parent = chain_hash(parent, req.token_ids[i * B:(i + 1) * B])
@@ -183,8 +186,12 @@ class KVCacheManager:
         preempted.append(req.req_id)
 
     def _park(self, req_id: str) -> None:
-        """Keep the tokens of a request that gives up (or never got) its blocks."""
-        self.parked[req_id] = self.requests.pop(req_id).token_ids
+        """Keep the tokens of a request that gives up (or never got) its blocks (its drafts are not
+        its tokens: those it keeps come back with its next ones)."""
+        req = self.requests.pop(req_id)
+        if req.num_drafts:
+            del req.token_ids[-req.num_drafts:]
+        self.parked[req_id] = req.token_ids
 
     def _fit(self, req: KVRequest, num_tokens: int, *, admitting: bool, preempted: list[str],
              ahead: int | None = None) -> int | None:
@@ -306,11 +313,14 @@ class KVCacheManager:
                                                 max_len=min(budget, self.max_model_len))
         else:
             req = self.requests[e.req_id]
-            if req.token_ids[-1] == PLACEHOLDER:
+            if req.num_drafts:  # the drafts it kept lead the new tokens; rejected ones are retracted
+                del req.token_ids[-req.num_drafts:]
+            elif req.token_ids[-1] == PLACEHOLDER:
                 req.token_ids.pop()
-                req.num_computed -= e.retract  # its slot is computed again, with the token replacing it
+            req.num_computed -= e.retract  # those slots are computed again, with the tokens replacing them
             req.token_ids.extend(e.new_token_ids)
             self._hash_full_blocks(req)
+        self.requests[e.req_id].num_drafts = e.drafts
 
     def _fail(self, req_id: str, exc: Exception, failed: dict[str, str]) -> None:
         failed[req_id] = f"KV cache manager: {type(exc).__name__}: {exc}"
@@ -333,8 +343,13 @@ class KVCacheManager:
             b"".join([r.block_ids for r in reqs]), dtype=np.int32)
         # a bytearray: writable, the runner fills in placeholders
         token_ids = np.frombuffer(bytearray().join([r.token_ids[b:b + n] for r, b, n in scheduled]), dtype=np.int64)
-        new_sequences = {}
+        new_sequences, drafts, propose = {}, {}, {}
         for e in proposal.entries:
+            if (e.drafts or e.propose) and e.req_id in self.requests:
+                if e.drafts:
+                    drafts[e.req_id] = e.drafts
+                if e.propose:
+                    propose[e.req_id] = e.propose
             adm = e.admitted
             if adm is not None and e.req_id in self.requests:  # admitted and scheduled
                 tokens = self.requests[e.req_id].token_ids
@@ -350,6 +365,8 @@ class KVCacheManager:
             sample=(context_lens + query_lens) == totals,
             new_sequences=new_sequences,
             freed=list(proposal.freed),
+            drafts=drafts,
+            propose=propose,
         )
 
     # ---- accounting --------------------------------------------------------------------------

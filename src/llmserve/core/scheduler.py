@@ -16,6 +16,7 @@ from enum import IntEnum
 from llmserve.messages import (PLACEHOLDER, Admission, EngineOutputs, NewRequest, ScheduledRequest,
                                SequenceUpdate, StepFeedback, StepProposal, StepResult)
 from llmserve.sampling_params import SamplingParams
+from llmserve.speculative import SpecControl, SpecCounters, Speculation
 
 
 _PLACEHOLDER = array("q", [PLACEHOLDER])  # times the tokens in flight
@@ -56,7 +57,13 @@ class Request:
     prepared: dict = field(default_factory=dict)
     retract: int = 0
     """Computed tokens the KV manager is to take back with the next proposal (jump-forward
-    replaced a token a step had already computed)."""
+    replaced a token a step had already computed, or the drafts a step rejected)."""
+    drafts: list[int] | None = None
+    """Tokens proposed to follow its last one, to check in its next step (speculative decoding)."""
+    checking: int = 0
+    """Drafts the step in flight checks for it."""
+    proposing: bool = False
+    """Drafts are to be proposed for it once the step in flight has finished."""
 
     @property
     def num_output(self) -> int:
@@ -70,7 +77,7 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 class Scheduler:
     def __init__(self, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  policy: str = "fcfs", eos_token_ids: frozenset[int] = frozenset(),
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, speculation: Speculation | None = None) -> None:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -91,6 +98,9 @@ class Scheduler:
         """Steps by the tokens they computed: a count per bucket of ITERATION_TOKEN_BUCKETS (a step
         counts in the first bucket at or above it), then those above the last."""
         self.iteration_tokens_sum = 0
+        self.speculation = speculation
+        self.spec = SpecCounters(speculation.num_tokens if speculation else 0)
+        self.spec_control = SpecControl()
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -130,6 +140,12 @@ class Scheduler:
         With a step in flight (async scheduling), a request whose token is still being sampled is
         scheduled on a PLACEHOLDER for it, unless that token will be its last (max_tokens or
         max_model_len); a request with tokens in flight is not (re)admitted until they arrive.
+
+        Speculative decoding, while its controller says it pays and in steps of at most
+        disable_by_batch_size requests: a request with drafts gets them as extra tokens to compute,
+        from the budget the step left, within what it may still produce, and proposals are asked
+        for after the step. Drafts follow a request's last token, known only once its step has
+        finished: so meanwhile the next step is not planned (`must_wait`).
         """
         budget = self.max_num_batched_tokens
         seats = self.max_num_seqs - len(self.running)
@@ -159,8 +175,82 @@ class Scheduler:
             req.unsent = array("q")
             req.retract = 0
             budget -= n
+        step_id = next(self._step)
+        if self.speculation is not None:
+            control = self.spec_control
+            if len(entries) <= self.speculation.max_batch:
+                if control.active:
+                    for entry in entries:  # drafts take what the budget has left
+                        budget = self._speculate(self.requests[entry.req_id], entry, budget)
+                elif control.probe_due:
+                    self._probe(entries, step_id)
+            control.planned()
         freed, self._to_free = self._to_free, []
-        return StepProposal(next(self._step), entries, freed)
+        return StepProposal(step_id, entries, freed)
+
+    # ---- speculative decoding ------------------------------------------------------------------
+
+    def _speculate(self, req: Request, entry: ScheduledRequest, budget: int) -> int:
+        """Give a request's entry its drafts to check, and ask for proposals after it; returns the
+        budget left. Only for a request with nothing in flight: its step's result is then the next
+        one it gets, and carries what this step asked for."""
+        if req.pending or not self.speculation.serves(req.params, req.prepared):
+            req.drafts = None
+            return budget
+        room = self._room(req) - 1  # the step's own token comes first
+        drafts, req.drafts = req.drafts, None
+        if drafts and entry.num_tokens == 1:  # (not a prompt chunk)
+            k = min(len(drafts), room, budget)
+            if k > 0:
+                entry.new_token_ids.extend(drafts[:k])
+                entry.num_tokens += k
+                entry.drafts = req.checking = k
+                room -= k
+                budget -= k
+        if room > 0:
+            entry.propose = min(room, self.speculation.num_tokens)
+            req.proposing = True
+        return budget
+
+    def _probe(self, entries: list[ScheduledRequest], step_id: int) -> None:
+        """Ask for proposals after this step for every request that may speculate, only to learn
+        whether any would be found (SpecControl): the step overlaps as usual, its drafts unused."""
+        for entry in entries:
+            req = self.requests[entry.req_id]
+            if self.speculation.serves(req.params, req.prepared) and self._room(req) > 1:
+                entry.propose = self.speculation.num_tokens
+        self.spec_control.probe_sent(step_id)
+
+    def _room(self, req: Request) -> int:
+        """Tokens it may still produce (max_tokens, max_model_len)."""
+        room = self.max_model_len - req.num_tokens
+        if req.params.max_tokens is not None:
+            room = min(room, req.params.max_tokens - req.num_output)
+        return room
+
+    def must_wait(self) -> bool:
+        """The next step cannot be planned before the one in flight finishes: some request of it
+        checks drafts or is to get proposals, or speculation is to start again and a request that
+        may speculate has a token in flight (it needs its last token for proposals)."""
+        s = self.speculation
+        if s is None:
+            return False
+        if self.spec_control.active and len(self.running) <= s.max_batch:
+            return any(req.pending and s.serves(req.params, req.prepared) for req in self.running)
+        return any(req.pending and (req.checking or req.proposing) for req in self.running)
+
+    def _followed(self, req: Request, tokens: list[int], proposed: list[int] | None) -> int:
+        """Book a request's step under speculation: the drafts it checked (`tokens`: those it kept,
+        then the token after them) and those proposed to follow. Returns the drafts it kept."""
+        k, req.checking, req.proposing = req.checking, 0, False
+        kept = len(tokens) - 1 if k else 0
+        if k:
+            self.spec.record(k, kept)
+            if kept < k:  # the rejected drafts' slots are computed again
+                req.num_computed -= k - kept
+                req.retract += k - kept
+        req.drafts = proposed or None
+        return kept
 
     def _is_last(self, req: Request) -> bool:
         """The token in flight ends the request by length."""
@@ -196,6 +286,7 @@ class Scheduler:
                 bisect.insort(self.waiting, req, key=lambda r: r.key)
             req.status = RequestStatus.PREEMPTED
             req.num_computed = 0
+            req.checking, req.proposing, req.drafts = 0, False, None  # the KV manager dropped the drafts
             req.num_preemptions += 1
             self.num_preemptions += 1
         return self.fail(fb.failed)
@@ -212,6 +303,9 @@ class Scheduler:
         for req_id, prompt_lps in result.prompt_logprobs.items():
             if req_id in self.requests:
                 self.requests[req_id].held_prompt_logprobs.extend(prompt_lps)
+        if result.step_id == self.spec_control.probe_step:
+            self.spec_control.probed(len(result.drafts), sum(1 for d in result.drafts.values() if d))
+        speculated = kept = 0  # requests of the step that proposed or checked drafts; drafts kept
         for req_id, token in zip(result.req_ids, result.token_ids):
             req = self.requests.get(req_id)
             if req is None:
@@ -223,9 +317,14 @@ class Scheduler:
                 update.logprobs.append(result.logprobs[req_id])
             if req.held_prompt_logprobs:
                 update.prompt_logprobs, req.held_prompt_logprobs = req.held_prompt_logprobs, []
-            # jump-forward: the tokens that replace the sampled one, each counted and checked
+            # jump-forward: the tokens that replace the sampled one; speculation: the drafts kept
+            # and the token after them; each counted and checked
             tokens = result.jumps.get(req_id, (token,)) if result.jumps else (token,)
             self.jumped_tokens += len(tokens) - 1
+            if req.checking or req.proposing:
+                tokens = result.accepted.get(req_id, tokens)
+                speculated += 1
+                kept += self._followed(req, tokens, result.drafts.get(req_id))
             if req_id in result.dropped_next:  # the step after this one samples nothing for it
                 req.pending -= 1
                 if tokens[0] != token:  # and the token it computed is replaced: taken back
@@ -239,6 +338,8 @@ class Scheduler:
                 if self._check_stop(req, t, update):
                     break
             updates.append(update)
+        if speculated:
+            self.spec_control.record(speculated, kept)
         return EngineOutputs(updates)
 
     def _check_stop(self, req: Request, token: int, update: SequenceUpdate) -> bool:

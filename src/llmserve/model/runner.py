@@ -28,6 +28,7 @@ from llmserve.model.spec import ModelSpec
 from llmserve.model.step_inputs import Staging, StepInputs
 from llmserve.model.step_timing import StepTiming
 from llmserve.quantization import QuantizationMethod
+from llmserve.speculative import Proposer, kept_drafts
 
 log = structlog.get_logger("llmserve.runner")
 
@@ -49,6 +50,9 @@ class InFlight:
     ready: torch.cuda.Event | None = None
     logprob_parts: tuple[torch.Tensor, ...] | None = None
     mask_errors: dict[int, str] = field(default_factory=dict)  # row -> why its constraint filled no mask
+    drafts: list[list[int]] | None = None  # per sampling request, the drafts it checks (speculative decoding)
+    offsets: list[int] | None = None  # with drafts: each sampling request's first row of `tokens`
+    propose: dict[str, int] = field(default_factory=dict)  # StepPlan.propose
 
 
 @dataclass(slots=True)
@@ -57,6 +61,10 @@ class _Forward:
     result: StepResult
     req_ids: list[str]
     logits: torch.Tensor | None = None
+    drafts: list[list[int]] | None = None
+    """Per sampling request, the drafts it checks: its logits rows are their positions and the one
+    before them (len + 1 rows)."""
+    propose: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -68,12 +76,14 @@ class _Sampling:
     states: list[SeqState]
     batch: SamplingBatch
     masks: MaskFill | None
+    drafts: list[list[int]] | None = None
+    propose: dict[str, int] = field(default_factory=dict)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, backend: AttentionBackend, device: torch.device,
                  dtype: torch.dtype, max_model_len: int, quant: QuantizationMethod | None = None,
-                 strategies: dict[str, Any] | None = None) -> None:
+                 strategies: dict[str, Any] | None = None, proposer: Proposer | None = None) -> None:
         self.config, self.spec, self.backend, self.device, self.dtype = config, spec, backend, device, dtype
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
@@ -85,6 +95,8 @@ class ModelRunner:
         self.staging = Staging(device)
         self.sampling = SamplingState(list(spec.eos_token_ids), self.staging, strategies,
                                       jump_forward=config.scheduler.jump_forward)
+        self.proposer = proposer
+        """Speculative decoding's proposer (llmserve/speculative.py); None: no speculation."""
         self.num_blocks = 0
         self.graphs: StepGraphs | None = None
         self.timing = StepTiming()
@@ -230,6 +242,8 @@ class ModelRunner:
             merged.logprobs.update(result.logprobs)
             merged.prompt_logprobs.update(result.prompt_logprobs)
             merged.jumps.update(result.jumps)
+            merged.accepted.update(result.accepted)
+            merged.drafts.update(result.drafts)
         return merged
 
     def _run_now(self, plan: StepPlan) -> StepResult:
@@ -305,21 +319,27 @@ class ModelRunner:
         self._prompt_logprobs(plan, qsl, hidden, result)
         if not result.req_ids:
             return _Forward(result, list(plan.req_ids))
+        drafts = None
         if graphed and len(rows) == len(plan.req_ids):  # every row samples: lm_head at the captured size
             logits = self.model.compute_logits(hidden)[:len(rows)]
         else:
             last = qsl[1:][rows] - 1
-            if mixed_graphed:  # padded to a captured batch size, whose lm_head shape cuBLAS has met
-                last = np.pad(last, (0, self.graphs.batch_size(len(last)) - len(last)), mode="edge")
-            logits = self.model.compute_logits(hidden[self.staging.to_device(last)])[:len(rows)]
-        return _Forward(result, list(plan.req_ids), logits)
+            if plan.drafts:  # a request checking k drafts samples at its last k + 1 positions
+                ks = np.array([plan.drafts.get(r, 0) for r in result.req_ids], dtype=np.int64)
+                drafts = [plan.token_ids[end - k + 1:end + 1].tolist() for end, k in zip(last.tolist(), ks.tolist())]
+                last = _spread(last, ks)
+            num = len(last)
+            if mixed_graphed and self.graphs.fits(num):  # padded to a captured batch size: a shape cuBLAS has met
+                last = np.pad(last, (0, self.graphs.batch_size(num) - num), mode="edge")
+            logits = self.model.compute_logits(hidden[self.staging.to_device(last)])[:num]
+        return _Forward(result, list(plan.req_ids), logits, drafts, plan.propose)
 
     @torch.inference_mode()
     def _sample(self, forward: _Forward, background: bool = False) -> InFlight | _Sampling:
         """Queue the sampling of a step whose forward pass is queued, and the copy of its tokens to
         the host. background: a step with masks to fill has them filled on the mask thread and
         comes back as _Sampling, for _queue() (its constraints must not move before)."""
-        result, logits = forward.result, forward.logits
+        result, logits, drafts = forward.result, forward.logits, forward.drafts
         if logits is None:
             return InFlight(result, forward.req_ids)
         if ((self.failed and not self.failed.isdisjoint(result.req_ids))  # failed by the step finished meanwhile
@@ -328,11 +348,17 @@ class ModelRunner:
             result.req_ids = [result.req_ids[i] for i in keep]
             if not keep:
                 return InFlight(result, forward.req_ids)
-            logits = logits[self.staging.to_device(np.array(keep, dtype=np.int64))]
+            rows = np.array(keep, dtype=np.int64)
+            if drafts is not None:
+                spans = np.array([len(d) + 1 for d in drafts], dtype=np.int64)
+                rows = _spread(np.cumsum(spans)[rows] - 1, spans[rows] - 1)
+                drafts = [drafts[i] for i in keep]
+            logits = logits[self.staging.to_device(rows)]
         states = [self.sampling.seqs[r] for r in result.req_ids]
-        batch = self.sampling.batch(states, logits.shape[-1])
-        masks = self.sampling.masks(states, logits.shape[-1], background=background)
-        sampling = _Sampling(result, forward.req_ids, logits, states, batch, masks)
+        batch = self.sampling.batch(states, logits.shape[-1], drafts)
+        row_states = states if drafts is None else [s for s, d in zip(states, drafts) for _ in range(len(d) + 1)]
+        masks = self.sampling.masks(row_states, logits.shape[-1], background=background)
+        sampling = _Sampling(result, forward.req_ids, logits, states, batch, masks, drafts, forward.propose)
         return sampling if background and masks is not None else self._queue(sampling)
 
     @torch.inference_mode()
@@ -345,8 +371,11 @@ class ModelRunner:
             mask_errors = sampling.masks.errors()
         tokens = sample(logits, batch, self.backend.sample_rows, self.backend.sample_filtered_rows,
                         self.backend.apply_token_mask)
-        flight = InFlight(result, sampling.req_ids, states, tokens, {r: i for i, r in enumerate(result.req_ids)},
-                          mask_errors=mask_errors)
+        offsets = None if sampling.drafts is None else \
+            np.concatenate([[0], np.cumsum([len(d) + 1 for d in sampling.drafts])[:-1]]).tolist()
+        flight = InFlight(result, sampling.req_ids, states, tokens,
+                          {r: i for i, r in enumerate(result.req_ids)} if offsets is None else dict(zip(result.req_ids, offsets)),
+                          mask_errors=mask_errors, drafts=sampling.drafts, offsets=offsets, propose=sampling.propose)
         if batch.max_logprobs >= 0:
             flight.logprob_parts = gather_logprobs(torch.log_softmax(logits, -1, dtype=torch.float32), tokens,
                                                    batch.max_logprobs)
@@ -382,10 +411,22 @@ class ModelRunner:
             return result
         if flight.ready is not None:
             flight.ready.synchronize()
-        result.token_ids = flight.tokens_host.tolist()
+        drawn = flight.tokens_host.tolist()
+        if flight.drafts is None:
+            result.token_ids = drawn
+        else:  # each request keeps the drafts its draws confirm, then the draw after them
+            result.token_ids = []
+            for req_id, offset, drafts in zip(result.req_ids, flight.offsets, flight.drafts):
+                if drafts:
+                    tokens = drawn[offset:offset + kept_drafts(drawn[offset:], drafts) + 1]
+                    result.accepted[req_id] = tokens
+                    result.token_ids.append(tokens[0])
+                else:
+                    result.token_ids.append(drawn[offset])
         if flight.logprob_parts is not None:
             want = [i for i, s in enumerate(flight.states) if s.params.logprobs is not None]
-            parts = tuple(p[want] for p in flight.logprob_parts)
+            rows = want if flight.offsets is None else [flight.offsets[i] for i in want]
+            parts = tuple(p[rows] for p in flight.logprob_parts)
             for i, lp in zip(want, to_token_logprobs([result.token_ids[i] for i in want], parts,
                                                      [flight.states[i].params.logprobs for i in want])):
                 result.logprobs[result.req_ids[i]] = lp
@@ -397,6 +438,8 @@ class ModelRunner:
                 continue
             try:  # harmless for a request freed meanwhile: its state is gone
                 state.accept(token)
+                if result.accepted and req_id in result.accepted:  # (speculation serves no constraint)
+                    state.output_ids += result.accepted[req_id][1:]
                 if not state.constraints:
                     continue
                 if token in eos:  # it ends here (ignore_eos is refused with constraints, min_tokens bans it
@@ -410,7 +453,30 @@ class ModelRunner:
             except Exception as exc:  # a constraint that cannot take its own token: this request fails alone
                 log.exception("constraint failed", request_id=req_id)
                 self._fail(result, req_id, f"{type(exc).__name__}: {exc}")
+        if flight.propose and self.proposer is not None:
+            self._propose(result, flight.propose)
         return result
+
+    def _propose(self, result: StepResult, limits: dict[str, int]) -> None:
+        """Drafts for the requests of the step that asked (speculative decoding), now that their
+        tokens are known (the scheduler uses them where no step launched meanwhile computes the
+        request: otherwise they only tell it that proposals would be found). A proposer that fails
+        proposes nothing; drafts past a request's limit or from the first id outside the
+        vocabulary on are dropped."""
+        asked = [r for r in result.req_ids if r in limits and r not in result.failed]
+        if not asked:
+            return
+        states = [self.sampling.seqs[r] for r in asked]
+        try:
+            proposed = self.proposer.propose([(s.prompt_ids, s.output_ids) for s in states], [limits[r] for r in asked])
+            proposed = [[int(t) for t in drafts[:limits[r]]] for r, drafts in zip(asked, proposed, strict=True)]
+        except Exception:
+            log.exception("proposer failed; these requests go on without drafts", request_ids=asked[:8])
+            proposed = [[] for _ in asked]
+        vocab = self.spec.vocab_size
+        for req_id, drafts in zip(asked, proposed):
+            bad = next((i for i, t in enumerate(drafts) if not 0 <= t < vocab), None)
+            result.drafts[req_id] = drafts if bad is None else drafts[:bad]
 
     def _fail(self, result: StepResult, req_id: str, error: str) -> None:
         """`req_id` fails alone in this step: its constraint failed."""
@@ -454,3 +520,10 @@ class ModelRunner:
                 nxt = state.prompt_ids[start + 1:end + 1]
                 parts = gather_logprobs(logprobs, self.staging.to_device(np.array(nxt, dtype=np.int64)), k)
                 result.prompt_logprobs[req_id] = to_token_logprobs(nxt, parts, [k] * len(nxt))
+
+
+def _spread(ends: np.ndarray, ks: np.ndarray) -> np.ndarray:
+    """The positions ends[i] - ks[i] .. ends[i] of each i, in order (int64)."""
+    counts = ks + 1
+    first = np.repeat(ends - ks, counts)
+    return first + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)

@@ -121,9 +121,16 @@ class SamplingState:
         planned = set(req_ids)
         return any(r in planned and r in in_flight and self.seqs[r].reads_own_tokens() for r in self.host_sampled)
 
-    def batch(self, states: list[SeqState], vocab: int) -> SamplingBatch:
-        """The sampling parameters of `states` (one row each) as device tensors."""
+    def batch(self, states: list[SeqState], vocab: int, drafts: list[list[int]] | None = None) -> SamplingBatch:
+        """The sampling parameters of `states` as device tensors: one row each, or with `drafts`
+        (speculative decoding: per state, the drafts it checks), one row per position checked,
+        drafts + 1 of them: row i of a state draws as if its output went on with drafts[:i]."""
         to_device = self.staging.to_device
+        if drafts:
+            states = [s for s, d in zip(states, drafts) for _ in range(len(d) + 1)]
+            ahead = [d[:i] for d in drafts for i in range(len(d) + 1)]
+        else:
+            ahead = [()] * len(states)
         params = [s.params for s in states]
         t = lambda xs, dtype: to_device(np.array(xs, dtype=dtype))  # noqa: E731
         batch = SamplingBatch(
@@ -132,7 +139,8 @@ class SamplingState:
             top_p=t([p.top_p for p in params], np.float32),
             min_p=t([p.min_p for p in params], np.float32),
             keys=to_device(row_keys(np.array([p.seed for p in params], dtype=np.int64),
-                                    np.array([len(s.output_ids) + s.in_flight for s in states], dtype=np.int64))),
+                                    np.array([len(s.output_ids) + s.in_flight + len(a) for s, a in zip(states, ahead)],
+                                             dtype=np.int64))),
             all_greedy=all(p.temperature == 0 for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
         )
@@ -143,7 +151,8 @@ class SamplingState:
         if any(penalized(p) for p in params):
             scatter = lambda rows, dtype, count: _scatter_rows(rows, vocab, dtype, count, self.staging)  # noqa: E731
             batch.penalties = Penalties(
-                output_counts=scatter([s.output_ids for s in states], torch.float32, True),
+                output_counts=scatter([s.output_ids + list(a) if a else s.output_ids for s, a in zip(states, ahead)],
+                                      torch.float32, True),
                 prompt_mask=scatter([s.prompt_ids for s in states], torch.bool, False),
                 repetition=t([p.repetition_penalty for p in params], np.float32),
                 presence=t([p.presence_penalty for p in params], np.float32),
@@ -154,7 +163,7 @@ class SamplingState:
             rows = np.repeat(np.array([i for i, _ in biased], dtype=np.int64), [len(b[0]) for _, b in biased])
             batch.bias = (to_device(rows), to_device(np.concatenate([b[0] for _, b in biased])),
                           to_device(np.concatenate([b[1] for _, b in biased])))
-        banned = [(i, tok) for i, s in enumerate(states) if len(s.output_ids) < s.params.min_tokens
+        banned = [(i, tok) for i, (s, a) in enumerate(zip(states, ahead)) if len(s.output_ids) + len(a) < s.params.min_tokens
                   for tok in (s.params.stop_token_ids + ([] if s.params.ignore_eos else self.eos_token_ids))]
         if banned:
             rows, toks = zip(*banned)

@@ -55,6 +55,21 @@ class _EngineCollector:
             family = CounterMetricFamily(p + name, doc, labels=["model_name"])
             family.add_metric(labels, value)
             yield family
+        if s.spec_accepted_per_pos:  # speculative decoding is on
+            for name, doc, value in [
+                ("spec_decode_num_drafts", "Steps of a request that checked proposed tokens.", s.spec_drafts),
+                ("spec_decode_num_draft_tokens", "Proposed tokens checked.", s.spec_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Proposed tokens kept.", s.spec_accepted_tokens),
+            ]:
+                family = CounterMetricFamily(p + name, doc, labels=["model_name"])
+                family.add_metric(labels, value)
+                yield family
+            family = CounterMetricFamily(p + "spec_decode_num_accepted_tokens_per_pos",
+                                         "Proposed tokens kept, by their position among a step's proposals.",
+                                         labels=["model_name", "position"])
+            for position, value in enumerate(s.spec_accepted_per_pos):
+                family.add_metric(labels + [str(position)], value)
+            yield family
         if s.iteration_tokens:
             family = HistogramMetricFamily(p + "iteration_tokens_total", "Tokens computed per engine step.",
                                            labels=["model_name"])

@@ -1,0 +1,177 @@
+"""Speculative decoding: a proposer guesses the tokens that follow a request's last one, and one
+forward pass checks them all.
+
+    step N finishes: request r's output ends in t            (executor, host)
+        proposer.propose(...) -> drafts d1..dk
+    step N+1 computes [t, d1, ..., dk] for r (k + 1 positions, logits at each) and draws x0..xk,
+        each exactly as the plain engine would draw at that position: the request's seed and
+        output index, penalties and min_tokens counting d1..d(i-1) as output
+        kept: the longest run with x(i-1) == d(i), a of them; r produces x0..xa
+    the scheduler takes the k - a rejected drafts' KV slots back (ScheduledRequest.retract); the KV
+    manager never hashes a block while drafts are in it
+
+Why this is exact: the rejection sampler of Leviathan et al. (arXiv 2211.17192) accepts a draft d
+drawn from q with probability min(1, p(d) / q(d)) and otherwise draws from max(p - q, 0),
+normalised. Our proposers are deterministic (q puts all its mass on d): d is accepted with
+probability p(d), and a rejection draws from p without d. Drawing x from p and keeping d when
+x == d does exactly that, and x given x != d is the residual. Since x is the plain sampler's own
+draw (its counter-hash stream, model/sampler.py), a seeded request produces the same tokens with and
+without speculation, and greedy rows keep a draft while it is the argmax.
+
+When it pays: a step that checks k drafts reads the weights once for up to k + 1 tokens, a gain
+while the batch is small enough for the step to be bound by memory. Two costs are paid for it:
+the checked positions' compute, and the overlap of planning with the device (a request's drafts
+follow its last token, known only when its step has finished, so while the engine speculates,
+steps are planned one at a time). So nobody speculates above `disable_by_batch_size` running
+requests, and SpecControl turns speculation off for the whole engine while it keeps too few
+drafts to pay for those costs, and on again where a probe (an overlapped step whose proposals
+are only counted) finds proposals.
+
+A proposer is registered by name (hook `llmserve_register_proposers`) as a factory taking the
+[speculative] config; `speculative.method` selects it.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from llmserve.config import SpeculativeConfig
+from llmserve.sampling_params import SamplingParams
+
+
+class Proposer(Protocol):
+    def propose(self, sequences: list[tuple[array, list[int]]], limits: list[int]) -> list[list[int]]:
+        """For each request (prompt token ids as int64 array, output token ids so far): at most
+        `limits[i]` tokens that may follow its last one ([] when it has no guess). Called on the
+        executor's thread once a step's tokens are known, for the requests that asked."""
+
+
+class ProposerFactory(Protocol):
+    def __call__(self, config: SpeculativeConfig) -> Proposer: ...
+
+
+@dataclass(slots=True, frozen=True)
+class Speculation:
+    """What the scheduler needs of the [speculative] config."""
+    num_tokens: int
+    """Most drafts per request per step."""
+    max_batch: int
+    """Running requests above which nobody speculates."""
+
+    @classmethod
+    def of(cls, config: SpeculativeConfig) -> Speculation | None:
+        if config.method is None:
+            return None
+        return cls(config.num_speculative_tokens, config.disable_by_batch_size)
+
+    @staticmethod
+    def serves(params: SamplingParams, prepared: dict[str, Any]) -> bool:
+        """Whether a request speculates: not with a decoding strategy's constraint (its mask
+        follows each token) or logprobs (given for the sampled positions only)."""
+        return not prepared and params.logprobs is None
+
+
+class SpecControl:
+    """Whether the engine speculates now, from the drafts speculation keeps.
+
+    Speculating, its measure is a running mean (weight ALPHA a step) of the drafts kept per
+    speculating request per step, steps that only proposed counted as zero. Below MIN_GAIN it
+    stops: a step that checks drafts costs 1.2-1.4 plain steps (measured on an H100 from a 6M to
+    an 8B model: 1.19-1.25 for the lost overlap of planning with the device, the rest for the
+    checked positions; BENCHMARKS.md), so a request must gain about 0.4 tokens a step to pay.
+
+    Stopped, it waits `gap` planned steps, then probes: one step, overlapped as usual, asks for
+    proposals for every request that may speculate, only to count those found. Where at least
+    PROBE_SHARE of them found some, speculation starts again with the mean at START; else the gap
+    doubles (up to MAX_GAP). A spell that ends within SHORT steps doubles the gap too, a longer one
+    resets it. So a load the proposer cannot guess costs a proposal per request every 256 steps
+    or so and never a synchronous step; one it guesses but rarely right costs a few synchronous
+    steps per probe; one it guesses well speculates.
+    """
+
+    MIN_GAIN = 0.4
+    START = 0.8
+    ALPHA = 0.1
+    PROBE_SHARE = 0.5
+    FIRST_GAP, MAX_GAP, SHORT = 8, 256, 32
+
+    def __init__(self) -> None:
+        self.active = True
+        self.gain = self.START
+        self.gap = self.FIRST_GAP
+        self.wait = 0  # planned steps before the next probe
+        self.steps = 0  # steps of the current spell
+        self.probe_step: int | None = None  # the probe in flight
+        self.probe_age = 0  # steps planned since it went out
+
+    @property
+    def probe_due(self) -> bool:
+        return not self.active and self.wait <= 0 and self.probe_step is None
+
+    def planned(self) -> None:
+        """A step was planned."""
+        if not self.active and self.wait > 0:
+            self.wait -= 1
+        elif self.probe_step is not None:
+            self.probe_age += 1
+            if self.probe_age > 2 * self.FIRST_GAP:  # its result never came (the engine failed it): a miss
+                self.probed(0, 0)
+
+    def probe_sent(self, step_id: int) -> None:
+        self.probe_step, self.probe_age = step_id, 0
+
+    def probed(self, asked: int, found: int) -> None:
+        """The probe's result: `found` of the `asked` requests got proposals."""
+        self.probe_step = None
+        if asked and found >= self.PROBE_SHARE * asked:
+            self.active, self.gain, self.steps = True, self.START, 0
+        else:
+            self._stop()
+
+    def record(self, requests: int, kept: int) -> None:
+        """A step's result: `requests` of it speculated (proposed or checked drafts), keeping `kept` drafts."""
+        if not self.active or not requests:
+            return
+        self.steps += 1
+        self.gain += self.ALPHA * (kept / requests - self.gain)
+        if self.gain < self.MIN_GAIN:
+            if self.steps > self.SHORT:
+                self.gap = self.FIRST_GAP
+            self._stop()
+
+    def _stop(self) -> None:
+        self.active, self.wait = False, self.gap
+        self.gap = min(2 * self.gap, self.MAX_GAP)
+
+
+def kept_drafts(drawn: list[int], drafts: list[int]) -> int:
+    """How many of `drafts` (d1..dk) the draws at their positions (x0..xk) keep: the longest run
+    with x(i-1) == d(i)."""
+    for i, d in enumerate(drafts):
+        if drawn[i] != d:
+            return i
+    return len(drafts)
+
+
+@dataclass(slots=True)
+class SpecCounters:
+    """Speculation since start, under vLLM's metric names (spec_decode_num_drafts, ...)."""
+    num_positions: int
+    drafts: int = 0
+    """Steps of a request that checked drafts."""
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    """Drafts kept at each draft position (1st, 2nd, ...)."""
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.num_positions
+
+    def record(self, checked: int, kept: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += checked
+        self.accepted_tokens += kept
+        for i in range(min(kept, self.num_positions)):
+            self.accepted_per_pos[i] += 1

@@ -1,0 +1,458 @@
+"""Speculative decoding: the n-gram proposer, drafts as extra tokens in the scheduler and the KV
+manager, and engine outputs with speculation equal to those without it (greedy and seeded
+sampling), whatever the proposals are."""
+
+from __future__ import annotations
+
+from array import array
+from pathlib import Path
+
+import anyio
+import httpx
+import numpy as np
+import pytest
+import torch
+from conftest import Register, hold_speculation_on
+
+import llmserve
+from llmserve import LLM, SamplingParams
+from llmserve.cli import parse_serve
+from llmserve.config import EngineConfig, SpeculativeConfig
+from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.scheduler import Scheduler
+from llmserve.messages import Admission, NewRequest, ScheduledRequest, StepFeedback, StepProposal, StepResult
+from llmserve.plugin_manager import get_plugin_manager
+from llmserve.plugins.ngram import NgramProposer
+from llmserve.speculative import SpecControl, Speculation, kept_drafts
+
+COMMON = dict(dtype="float32", device="cpu", log_interval_s=0)
+
+
+# ---- the n-gram proposer ---------------------------------------------------------------------
+
+def ngram(n_max=4, n_min=1):
+    return NgramProposer(SpeculativeConfig(method="ngram", prompt_lookup_max=n_max, prompt_lookup_min=n_min))
+
+
+def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix():
+    p = ngram()
+    #                     a  b  c  d  e  x  a  b  c  f  g  .  b  c
+    tokens = np.array([1, 2, 3, 4, 5, 9, 1, 2, 3, 6, 7, 8, 2, 3], dtype=np.int64)
+    assert p.lookup(tokens, 3) == [6, 7, 8]  # "b c" last seen before "f g ."
+    assert p.lookup(np.array([1, 2, 3, 4, 1, 2, 3], dtype=np.int64), 2) == [4, 1]  # "1 2 3" beats "3"
+    assert p.lookup(np.array([1, 2, 3, 4, 5], dtype=np.int64), 4) == []  # nothing repeats
+    assert p.lookup(np.array([7, 7, 7], dtype=np.int64), 5) == [7]  # overlapping: what follows is known
+    assert ngram(n_max=3, n_min=2).lookup(np.array([1, 2, 9, 2], dtype=np.int64), 2) == []  # 1-grams not asked
+    prompt = array("q", [10, 11, 12, 13])
+    assert p.propose([(prompt, [10, 11]), (prompt, [])], [2, 2]) == [[12, 13], []]
+
+
+def test_ngram_lookup_equals_the_plain_search_over_every_length():
+    def plain(tokens, n_max, n_min, limit):  # longest n first, its latest earlier occurrence
+        total = len(tokens)
+        for n in range(min(n_max, total - 1), n_min - 1, -1):
+            for start in range(total - n - 1, -1, -1):
+                if tokens[start:start + n] == tokens[total - n:]:
+                    return tokens[start + n:start + n + limit]
+        return []
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        tokens = rng.integers(0, 4, int(rng.integers(1, 30))).tolist()
+        n_max = int(rng.integers(1, 6))
+        n_min = int(rng.integers(1, n_max + 1))
+        got = ngram(n_max, n_min).lookup(np.array(tokens, dtype=np.int64), 3)
+        assert got == plain(tokens, n_max, n_min, 3), (tokens, n_max, n_min)
+
+
+def test_kept_drafts_is_the_run_of_draws_that_confirm_them():
+    assert kept_drafts([5, 6, 7], [5, 6]) == 2
+    assert kept_drafts([5, 9, 7], [5, 6]) == 1
+    assert kept_drafts([4, 6, 7], [5, 6]) == 0
+
+
+# ---- scheduler and KV manager ----------------------------------------------------------------
+
+def make_scheduler(**kw):
+    args = dict(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, eos_token_ids=frozenset({0}),
+                speculation=Speculation(num_tokens=3, max_batch=4))
+    args.update(kw)
+    return Scheduler(**args)
+
+
+def feedback(s, proposal):
+    sched = {}
+    for e in proposal.entries:
+        req = s.requests[e.req_id]
+        before = req.num_computed - e.retract
+        sched[e.req_id] = (before, e.num_tokens, True)
+    s.on_feedback(StepFeedback(proposal.step_id, sched, [], [], {}, 0.0, 0, 0))
+
+
+def test_drafts_are_extra_tokens_and_rejected_ones_are_taken_back():
+    s = make_scheduler()
+    s.add(NewRequest("a", array("q", [1, 2, 3]), SamplingParams(seed=1, max_tokens=20)))
+    p = s.schedule()
+    assert p.entries[0].propose == 3 and p.entries[0].drafts == 0
+    feedback(s, p)
+    assert s.must_wait()  # its drafts follow the token in flight
+    s.on_result(StepResult(p.step_id, ["a"], [7], drafts={"a": [8, 9, 10]}))
+    p = s.schedule()
+    e = p.entries[0]
+    assert (e.num_tokens, list(e.new_token_ids), e.drafts, e.propose) == (4, [7, 8, 9, 10], 3, 3)
+    feedback(s, p)
+    assert s.requests["a"].num_computed == 7
+    # the draws keep 8, reject 9: the request produced 8 and 5; drafts 9, 10 are taken back
+    out = s.on_result(StepResult(p.step_id, ["a"], [8], accepted={"a": [8, 5]}, drafts={"a": []}))
+    assert out.updates[0].new_token_ids == [8, 5] and s.jumped_tokens == 0 and s.generation_tokens == 3
+    req = s.requests["a"]
+    assert (req.num_computed, req.num_tokens, req.retract) == (5, 6, 2)
+    assert (s.spec.drafts, s.spec.draft_tokens, s.spec.accepted_tokens, s.spec.accepted_per_pos) == (1, 3, 1, [1, 0, 0])
+    # no proposal this time: a plain step, proposals asked for again
+    p = s.schedule()
+    e = p.entries[0]
+    assert (list(e.new_token_ids), e.retract, e.drafts, e.propose) == ([8, 5], 2, 0, 3)
+    feedback(s, p)
+    assert s.must_wait()
+
+
+def test_speculation_stops_while_it_keeps_too_few_drafts_and_probes_before_it_starts_again():
+    c = SpecControl()
+    step = 0
+
+    def until_stopped(requests, kept, limit=100):
+        for taken in range(1, limit + 1):
+            c.planned()
+            c.record(requests, kept)
+            if not c.active:
+                return taken
+        return None
+
+    def probe(asked, found):
+        """Plan steps until a probe is due, send it and give its result; the steps waited."""
+        nonlocal step
+        waited = 0
+        while not c.probe_due:
+            assert not c.active
+            c.planned()
+            waited += 1
+        step += 1
+        c.probe_sent(step)
+        assert not c.probe_due
+        c.planned()
+        c.probed(asked, found)
+        return waited
+    assert c.active  # from the start
+    assert until_stopped(4, 0) == 7  # nothing kept: 0.8 * 0.9^7 < 0.4
+    assert probe(4, 1) == 8 and not c.active  # too few proposals found: no spell
+    assert probe(4, 0) == 16 and probe(0, 0) == 32 and probe(4, 0) == 64  # the gap doubles
+    assert probe(4, 2) == 128 and c.active and c.gain == SpecControl.START
+    assert until_stopped(4, 0) == 7  # a short spell: the gap doubles too
+    assert probe(4, 4) == 256 and c.active
+    assert until_stopped(4, 4) is None  # a draft kept a step per request: it stays on
+    assert until_stopped(4, 0) > 7 and probe(4, 4) == 8  # after a long spell the gap starts over
+    assert until_stopped(4, 1) == 13  # 0.25 a request: too few (0.8 falls towards 0.25)
+    while not c.probe_due:
+        c.planned()
+    c.probe_sent(99)  # its result never comes: after a while, a miss
+    for _ in range(2 * SpecControl.FIRST_GAP + 1):
+        c.planned()
+    assert c.probe_step is None and not c.active
+
+
+def test_a_probe_step_overlaps_and_its_proposals_only_decide():
+    s = make_scheduler()
+    s.spec_control.active, s.spec_control.wait = False, 0
+    s.add(NewRequest("a", array("q", [1, 2]), SamplingParams(seed=1)))
+    p = s.schedule()  # the probe
+    assert p.entries[0].propose == 3 and s.spec_control.probe_step == p.step_id
+    feedback(s, p)
+    assert not s.must_wait()  # overlapped: the next step may go out with its token in flight
+    s.on_result(StepResult(p.step_id, ["a"], [6], drafts={"a": [7, 8]}))
+    assert s.spec_control.active and s.requests["a"].drafts is None  # found: speculation is on; drafts unused
+
+
+def test_an_idle_engine_overlaps_its_steps_and_asks_for_nothing():
+    s = make_scheduler()
+    s.spec_control.active, s.spec_control.wait = False, 5
+    s.add(NewRequest("a", array("q", [1, 2]), SamplingParams(seed=1)))
+    p = s.schedule()
+    assert p.entries[0].propose == 0
+    feedback(s, p)
+    assert not s.must_wait()
+    s.spec_control.active = True  # starting again: the next step waits for the last token
+    assert s.must_wait()
+
+
+def test_drafts_never_pass_max_tokens_or_the_step_budget():
+    s = make_scheduler(max_num_batched_tokens=3)
+    s.add(NewRequest("a", array("q", [1, 2]), SamplingParams(seed=1, max_tokens=4)))
+    p = s.schedule()
+    feedback(s, p)
+    s.on_result(StepResult(p.step_id, ["a"], [7], drafts={"a": [8, 9, 10]}))
+    e = s.schedule().entries[0]
+    assert e.drafts == 2 and e.num_tokens == 3  # the budget: 3 tokens
+    s = make_scheduler()
+    s.add(NewRequest("a", array("q", [1, 2]), SamplingParams(seed=1, max_tokens=3)))
+    p = s.schedule()
+    feedback(s, p)
+    s.on_result(StepResult(p.step_id, ["a"], [7], drafts={"a": [8, 9, 10]}))
+    e = s.schedule().entries[0]
+    assert e.drafts == 1 and e.propose == 0  # 2 tokens left: its own and one draft
+
+
+def test_no_request_speculates_above_the_batch_limit_and_steps_overlap_again():
+    s = make_scheduler(speculation=Speculation(num_tokens=3, max_batch=1))
+    for r in "ab":
+        s.add(NewRequest(r, array("q", [1, 2]), SamplingParams(seed=1)))
+    p = s.schedule()
+    assert all(e.propose == 0 for e in p.entries)
+    feedback(s, p)
+    assert not s.must_wait()
+
+
+def test_requests_with_constraints_or_logprobs_do_not_speculate():
+    s = make_scheduler()
+    s.add(NewRequest("a", array("q", [1, 2]), SamplingParams(seed=1, logprobs=2)))
+    s.add(NewRequest("b", array("q", [1, 2]), SamplingParams(seed=1), prepared={"toy": object()}))
+    p = s.schedule()
+    assert [e.propose for e in p.entries] == [0, 0]
+    feedback(s, p)
+    assert not s.must_wait()
+
+
+def test_the_kv_manager_never_hashes_drafts_and_drops_them_when_the_next_tokens_come():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    key = (0, 0.0, 0)
+    kv.process(StepProposal(0, [ScheduledRequest("a", 3, array("q", [1, 2, 3]), key,
+                                                 Admission(3, SamplingParams(), True))]))
+    # token 4 and drafts 5 6 7: the first block is full of known tokens, the second holds drafts
+    plan, fb = kv.process(StepProposal(1, [ScheduledRequest("a", 4, array("q", [4, 5, 6, 7]), key, drafts=3)]))
+    assert plan.drafts == {"a": 3} and plan.sample.tolist() == [True] and fb.scheduled == {"a": (3, 4, True)}
+    req = kv.requests["a"]
+    assert len(req.block_hashes) == 1 and req.num_drafts == 3
+    # 5 kept, then 8: 6 and 7 are taken back; 5 8 come as the next tokens
+    plan, _ = kv.process(StepProposal(2, [ScheduledRequest("a", 1, array("q", [5, 8]), key, retract=2)]))
+    assert req.token_ids.tolist() == [1, 2, 3, 4, 5, 8] and req.num_drafts == 0
+    assert plan.context_lens.tolist() == [5] and plan.token_ids.tolist() == [8]
+    # preempted with drafts in it: what it keeps is its known tokens
+    kv.process(StepProposal(3, [ScheduledRequest("a", 3, array("q", [9, 9]), key, drafts=2)]))
+    kv._preempt(kv.requests["a"], [])
+    assert kv.parked["a"].tolist() == [1, 2, 3, 4, 5, 8]
+
+
+# ---- the engine: outputs equal those without speculation -------------------------------------
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], list(range(20, 60)), [3] * 10, [44, 45, 46]]
+
+
+def params_of(kind):
+    return {
+        "greedy": [SamplingParams(max_tokens=40, temperature=0)] * len(PROMPTS),
+        "sampled": [SamplingParams(max_tokens=40, temperature=0.9, seed=i, top_k=50 if i % 2 else 0,
+                                   top_p=0.9 if i == 2 else 1.0) for i in range(len(PROMPTS))],
+        "penalties": [SamplingParams(max_tokens=30, temperature=0.8, seed=i, repetition_penalty=1.3,
+                                     frequency_penalty=0.5, presence_penalty=0.2, min_tokens=20)
+                      for i in range(len(PROMPTS))],
+    }[kind]
+
+
+def run(llm, params, prompts=PROMPTS):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[o.token_ids for o in r.outputs] for r in outs]
+
+
+def reference_of(prompts, outputs):
+    return {(tuple(p), tuple(o[:1])): o for p, outs in zip(prompts, outputs) for o in outs}
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled", "penalties"])
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 8}, {"async_scheduling": False}],
+                         ids=["default", "chunked", "sync"])
+def test_outputs_with_speculation_are_the_plain_engines(checkpoint, oracle, kind, options):
+    ck = checkpoint("llama")
+    params = params_of(kind)
+    with LLM(ck, **COMMON, **options) as llm:
+        plain = run(llm, params)
+    name = oracle(reference_of(PROMPTS, plain))
+    with LLM(ck, **COMMON, **options, speculative_config={"method": name, "num_speculative_tokens": 3}) as llm:
+        hold_speculation_on(llm)
+        assert run(llm, params) == plain
+        spec = llm.engine.scheduler.spec
+    assert spec.accepted_tokens > 0 and spec.accepted_tokens < spec.draft_tokens  # kept some, rejected some
+    assert spec.accepted_per_pos[2] > 0  # whole runs kept
+
+
+def test_n_samples_stop_tokens_prefix_hits_and_preemption_with_speculation(checkpoint, oracle):
+    ck = checkpoint("llama")
+    prompts = PROMPTS + PROMPTS[:2]  # prefix hits
+    params = [SamplingParams(n=3, max_tokens=30, temperature=0.8, seed=i, stop_token_ids=[7]) for i in range(len(prompts))]
+    options = dict(num_blocks=24, block_size=4, max_model_len=80, reserve_growth=False)  # preempts
+    with LLM(ck, **COMMON, **options) as llm:
+        plain = run(llm, params, prompts)
+        assert llm.engine.scheduler.num_preemptions > 0
+    name = oracle(reference_of(prompts, plain), wrong=2)
+    with LLM(ck, **COMMON, **options, speculative_config={"method": name, "num_speculative_tokens": 4}) as llm:
+        hold_speculation_on(llm)
+        assert run(llm, params, prompts) == plain
+        assert llm.engine.scheduler.spec.accepted_tokens > 0
+        assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks  # nothing leaked
+
+
+def test_stop_strings_cut_speculated_outputs_where_they_cut_plain_ones(checkpoint, oracle):
+    ck = checkpoint("llama")
+    params = SamplingParams(max_tokens=40, temperature=0)
+    with LLM(ck, **COMMON) as llm:
+        full = run(llm, params)
+        tok = llm.get_tokenizer()
+        stops = [tok.decode(out[0][12:14]) for out in full]  # text in the middle of each output
+        stopped = [SamplingParams(max_tokens=40, temperature=0, stop=[stop]) for stop in stops]
+        plain = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], stopped, use_tqdm=False)
+    name = oracle(reference_of(PROMPTS, full))
+    with LLM(ck, **COMMON, speculative_config={"method": name, "num_speculative_tokens": 4}) as llm:
+        hold_speculation_on(llm)
+        spec = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], stopped, use_tqdm=False)
+        assert llm.engine.scheduler.spec.accepted_tokens > 0
+    assert [r.outputs[0].text for r in spec] == [r.outputs[0].text for r in plain]
+    assert [r.outputs[0].token_ids for r in spec] == [r.outputs[0].token_ids for r in plain]
+    assert all(r.outputs[0].finish_reason == "stop" for r in spec)
+
+
+def test_greedy_ngram_speculation_matches_the_plain_engine(checkpoint):
+    ck = checkpoint("llama")
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    with LLM(ck, **COMMON) as llm:
+        # prompts that hold text the output may repeat: a prompt, its own continuation, the prompt again
+        prompts = [p + out[0][:40] + p for p, out in zip(PROMPTS, run(llm, params))]
+        plain = run(llm, params, prompts)
+    with LLM(ck, **COMMON, speculative_config={"method": "ngram", "num_speculative_tokens": 4}) as llm:
+        assert run(llm, params, prompts) == plain
+        assert llm.engine.scheduler.spec.drafts > 0
+
+
+def test_aborted_requests_with_drafts_leave_the_pool_full(checkpoint, oracle):
+    ck = checkpoint("llama")
+    params = SamplingParams(max_tokens=40, temperature=0)
+    with LLM(ck, **COMMON) as llm:
+        plain = run(llm, params)
+    name = oracle(reference_of(PROMPTS, plain))
+    with LLM(ck, **COMMON, speculative_config={"method": name}) as llm:
+        hold_speculation_on(llm)
+        async def abort_some():
+            async def one(i):
+                outputs = 0
+                async for _ in llm.engine.generate(PROMPTS[i % len(PROMPTS)], params):
+                    outputs += 1
+                    if outputs > i % 5:
+                        break  # leaving the loop aborts the request
+            async with anyio.create_task_group() as tg:
+                for i in range(16):
+                    tg.start_soon(one, i)
+        llm._portal.call(abort_some)
+        assert llm.engine.scheduler.spec.drafts > 0
+        llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=2), use_tqdm=False)  # frees the last
+        assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
+
+
+def test_sampled_tokens_follow_the_plain_distribution(checkpoint, oracle):
+    """Two-sample chi-square on the second token over different seeds: with speculation (drafts
+    taken from other seeds' outputs, half of them changed) and without, on a vocabulary of 64."""
+    ck = checkpoint("llama", vocab_size=64)
+    prompts = [[5, 6, 7]] * 400
+    sampled = lambda seeds: [SamplingParams(max_tokens=3, temperature=1.0, top_k=20, top_p=0.95, seed=s)  # noqa: E731
+                             for s in seeds]
+    with LLM(ck, **COMMON) as llm:
+        plain = [o[0] for o in run(llm, sampled(range(400)), prompts)]
+        plain_other = [o[0] for o in run(llm, sampled(range(1000, 1400)), prompts)]
+    name = oracle(reference_of(prompts, [[o] for o in plain]), wrong=2)
+    config = {"method": name, "num_speculative_tokens": 2, "disable_by_batch_size": 400}
+    with LLM(ck, **COMMON, speculative_config=config) as llm:
+        hold_speculation_on(llm)
+        spec = [o[0] for o in run(llm, sampled(range(1000, 1400)), prompts)]
+        assert llm.engine.scheduler.spec.drafts > 100
+    assert spec == plain_other  # seeded draws are the plain engine's own
+    counts = np.zeros((2, 64))
+    for row, outs in enumerate((plain, spec)):
+        for o in outs:
+            counts[row, o[1]] += 1
+    assert chi_square_pvalue(counts[:, counts.sum(0) > 0]) > 0.001
+
+
+def chi_square_pvalue(counts: np.ndarray) -> float:
+    """Pearson's test that the rows of a contingency table share one distribution."""
+    expected = counts.sum(1, keepdims=True) * counts.sum(0, keepdims=True) / counts.sum()
+    stat = ((counts - expected) ** 2 / expected).sum()
+    dof = (counts.shape[0] - 1) * (counts.shape[1] - 1)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+# ---- configuration -----------------------------------------------------------------------------
+
+def test_speculative_config_is_vllms_and_is_validated(checkpoint):
+    config = EngineConfig.from_kwargs(speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    assert config.speculative.method == "ngram" and config.speculative.num_speculative_tokens == 5
+    with pytest.raises(ValueError, match="speculative.num_speculative_tokens must be in"):
+        EngineConfig.from_kwargs(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="prompt_lookup_max must be >= prompt_lookup_min"):
+        SpeculativeConfig(method="ngram", prompt_lookup_max=1, prompt_lookup_min=2)
+    with pytest.raises(ValueError, match="unknown key"):
+        EngineConfig.from_kwargs(speculative_config={"method": "ngram", "bogus": 1})
+    with pytest.raises(ValueError, match="speculative.method 'nope' is not available; registered proposers: .*ngram"):
+        LLM(checkpoint("llama"), **COMMON, speculative_config={"method": "nope"})
+
+
+def test_cli_takes_vllms_speculative_config_and_the_section_flags():
+    config, _ = parse_serve(["builtin", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                             "--speculative-prompt-lookup-max", "2"])
+    assert (config.speculative.method, config.speculative.num_speculative_tokens,
+            config.speculative.prompt_lookup_max) == ("ngram", 3, 2)
+    with pytest.raises(SystemExit):
+        parse_serve(["builtin", "--speculative-config", "[1]"])
+
+
+# ---- the server ----------------------------------------------------------------------------------
+
+COPY_PROMPT = (Path(llmserve.__file__).parent / "builtin_model" / "heldout.txt").read_text()[:600]
+
+
+def test_the_server_speculates_in_its_engine_process_and_reports_vllms_series():
+    """The built-in model asked to go on with a text it was given twice: n-gram proposals are
+    kept, the output is the plain engine's, and /metrics counts the drafts."""
+    from servers import running_server
+
+    prompt = COPY_PROMPT + "\n\n" + COPY_PROMPT[:300]
+    with LLM("builtin", **COMMON) as llm:
+        plain = llm.generate(prompt, SamplingParams(max_tokens=48, temperature=0), use_tqdm=False)[0].outputs[0].text
+    with running_server(engine_process=True, speculative={"method": "ngram"}) as s:
+        out = s.client().completions.create(model="llmserve-builtin", prompt=prompt, max_tokens=48, temperature=0)
+        text = httpx.get(f"{s.url}/metrics").text
+    assert out.choices[0].text == plain
+    counts = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("llmserve_spec_decode") and "{" in line and "position" not in line}
+    assert counts["llmserve_spec_decode_num_accepted_tokens_total"] > 0
+    assert counts["llmserve_spec_decode_num_draft_tokens_total"] >= counts["llmserve_spec_decode_num_accepted_tokens_total"]
+    assert 'llmserve_spec_decode_num_accepted_tokens_per_pos_total{model_name="llmserve-builtin",position="0"}' in text
+
+
+def test_a_failing_or_out_of_vocabulary_proposer_costs_no_request(checkpoint):
+    class Bad:
+        calls = 0
+
+        def propose(self, sequences, limits):
+            Bad.calls += 1
+            if Bad.calls % 2:
+                raise RuntimeError("proposer bug")
+            return [[1, 10 ** 6, 2]] * len(sequences)  # from the second draft on: not a token
+
+    pm, plugin = get_plugin_manager(), Register("bad", lambda config: Bad())
+    pm.register(plugin, name="bad")
+    try:
+        params = SamplingParams(max_tokens=20, temperature=0)
+        with LLM(checkpoint("llama"), **COMMON) as llm:
+            plain = run(llm, params)
+        with LLM(checkpoint("llama"), **COMMON, speculative_config={"method": "bad"}) as llm:
+            hold_speculation_on(llm)
+            assert run(llm, params) == plain
+            assert llm.engine.scheduler.spec.draft_tokens == llm.engine.scheduler.spec.drafts > 0  # one draft each
+    finally:
+        pm.unregister(plugin)
