@@ -56,6 +56,8 @@ def kind(data) -> str:
         return "quality"
     if "jump" in data or "tpot" in data:
         return "structured"
+    if "verify" in data or "ngram" in data or "load" in data:
+        return "speculative"
     return "serve" if "output_throughput" in data else "offline"
 
 
@@ -167,12 +169,37 @@ def structured_rows(figs) -> list[str]:
     return rows
 
 
+def speculative_rows(figs) -> list[str]:
+    """scripts/spec_bench.py: a verify step's cost, n-gram speed-up at batch 1, throughput under load."""
+    rows = ["| figure | measured | run |", "|---|---|---|"]
+    for fig, run in figs:
+        d = fig["file_data"]
+        parts = []
+        for b, r in d.get("verify", {}).items():
+            parts.append(f"8B shape, {b}: a step checking 4 drafts {r['on']['ms_per_step']:.2f} ms, one waiting for the "
+                         f"step before with nothing to check {r['sync']['ms_per_step']:.2f} ms, a plain decode step "
+                         f"{r['off']['ms_per_step']:.2f} ms: **{r['on']['step_cost_ratio']:.2f}×** (target ≤ 1.2), of "
+                         f"which {r['sync']['step_cost_ratio']:.2f}× the lost overlap")
+        for b, r in d.get("ngram", {}).items():
+            on = r["on"]
+            parts.append(f"built-in model, copy-heavy prompts, {b}: TPOT {r['off']['tpot_ms']:.2f} → {on['tpot_ms']:.2f} ms, "
+                         f"**{on['speedup']:.2f}×**; {on['verify_steps']} of {on['steps']} steps checked drafts, "
+                         f"{on.get('tokens_per_verify_step', 1):.2f} tokens each")
+        for b, r in d.get("load", {}).items():
+            on = r["on"]
+            parts.append(f"W-small's model and requests, {b}, proposals allowed: throughput on / off **{on['speedup']:.3f}** "
+                         f"({on['verify_steps']} steps checked drafts)")
+        rows.append(f"| {fig['name']} | {'<br>'.join(parts)} | {link(run)} |")
+    return rows
+
+
 def render(runs: list[dict]) -> str:
     figs = latest_figures(runs)
     parts = []
     for title, key, rows in (("Offline throughput", "offline", offline_rows), ("Serving", "serve", serve_rows),
                              ("Start-up", "startup", startup_rows), ("Quantization quality", "quality", quality_rows),
-                             ("Structured outputs", "structured", structured_rows)):
+                             ("Structured outputs", "structured", structured_rows),
+                             ("Speculative decoding", "speculative", speculative_rows)):
         if key in figs:
             parts.append(f"### {title}\n\n" + "\n".join(rows(figs[key])))
     index = ["| run | time | device | commit | command | what |", "|---|---|---|---|---|---|"]

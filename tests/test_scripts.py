@@ -21,7 +21,8 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 HELP_ONLY = [
     "attention_bench.py", "decode_gemm_bench.py", "filtered_bench.py", "first_step_bench.py", "gated_gemm_bench.py",
-    "gc_bench.py", "int8_sweep.py", "sampler_bench.py", "sass_stats.py", "startup_bench.py", "structured_bench.py",
+    "gc_bench.py", "int8_sweep.py", "sampler_bench.py", "sass_stats.py", "spec_bench.py", "startup_bench.py",
+    "structured_bench.py",
 ]
 RUN = ["bench_page.py", "bench_summary.py", "train_builtin_model.py"]
 HELPERS = ["graph_timing.py"]  # imported by the GPU benchmarks above, so their --help imports it too
