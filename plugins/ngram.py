@@ -17,14 +17,16 @@ import numpy as np
 
 from llmserve.config import SpeculativeConfig
 from llmserve.hookspecs import hookimpl
+from llmserve.speculative import ProposerContext
 
 
 class NgramProposer:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
         self.n_max = config.prompt_lookup_max
         self.n_min = config.prompt_lookup_min
 
-    def propose(self, sequences: list[tuple[array, list[int]]], limits: list[int]) -> list[list[int]]:
+    def propose(self, req_ids: list[str], sequences: list[tuple[array, list[int]]],
+                limits: list[int]) -> list[list[int]]:
         return [self.lookup(np.concatenate([np.frombuffer(prompt, dtype=np.int64), np.array(output, dtype=np.int64)]),
                             limit) for (prompt, output), limit in zip(sequences, limits)]
 

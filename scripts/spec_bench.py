@@ -21,6 +21,12 @@ repeating it), four in turn, 256 greedy tokens each; n-gram proposals with k = 4
 deciding (a fresh one each run). Reported: TPOT on and off, their ratio, and the tokens produced
 per verify step (1 + drafts kept / verify steps).
 
+pair (not in `all`; --target DIR): a target trained by `train_builtin_model.py --size target` on
+the built-in model's text and tokenizer, bf16, the built-in model as its draft (k = 4): eight
+held-out documents' first 400 characters, 256 tokens each, one at a time greedy and sampled
+(temperature 0.7), then all eight at once; then the target with n-gram proposals on copy-heavy
+prompts as in `ngram`. Outputs may part in bf16 (agreeing_prefix says how far they agree).
+
 load: W-small's model (Qwen3-0.6B shape, dummy weights) with W-small's first B prompts and
 lengths, B in (16, 64), n-gram proposals allowed up to batch 64: random prompts and weights, so
 proposals are rare and wrong; throughput on / off (speculation must not lose: at least 0.97).
@@ -28,6 +34,7 @@ proposals are rare and wrong; throughput on / off (speculation must not lose: at
 
 import argparse
 import json
+import math
 import random
 import sys
 import tempfile
@@ -51,10 +58,10 @@ class Oracle:
     reference: dict[tuple, list[int]] = {}
     k = 4
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, context) -> None:
         pass
 
-    def propose(self, sequences, limits):
+    def propose(self, req_ids, sequences, limits):
         out = []
         for (prompt, output), limit in zip(sequences, limits):
             ref = self.reference.get(tuple(prompt), [])
@@ -169,6 +176,36 @@ def ngram() -> dict:
         return {"b1": compare(llm, sides, prompts, params, "ngram b1", one_by_one=True)}
 
 
+def pair(target: str) -> dict:
+    """The trained target (train_builtin_model.py --size target) with the built-in model as its
+    draft, then with n-gram proposals on copy-heavy prompts; bf16."""
+    builtin = Path(llmserve.__file__).parent / "builtin_model"
+    docs = [d.strip() for d in (Path(target) / "heldout.txt").read_text().split("<|doc|>") if len(d.strip()) > 600]
+    out = {}
+    with LLM(target, dtype="bfloat16", log_interval_s=0, enable_prefix_caching=False,
+             speculative_config={"method": "draft", "model": str(builtin), "num_speculative_tokens": 4}) as llm:
+        tok = llm.get_tokenizer()
+        prompts = [tok.encode(d[:400]) for d in docs[:8]]
+        greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=256)
+        sampled = SamplingParams(temperature=0.7, seed=1, ignore_eos=True, max_tokens=256)
+        speculation = llm.engine.scheduler.speculation
+        sides = {"off": lambda: None, "on": lambda: speculation}
+        out["draft_b1"] = compare(llm, sides, prompts, greedy, "draft b1", exact=False, one_by_one=True)
+        out["draft_b1_sampled"] = compare(llm, sides, prompts, sampled, "draft b1 sampled", exact=False, one_by_one=True)
+        out["draft_b8"] = compare(llm, sides, prompts, greedy, "draft b8", exact=False)
+    with LLM(target, dtype="bfloat16", log_interval_s=0, enable_prefix_caching=False,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 4}) as llm:
+        tok = llm.get_tokenizer()
+        prompts = [tok.encode(d[:600] + "\n\n" + d[:150]) for d in docs[:4]]
+        speculation = llm.engine.scheduler.speculation
+        sides = {"off": lambda: None, "on": lambda: speculation}
+        out["ngram_b1"] = compare(llm, sides, prompts, greedy, "target ngram b1", exact=False, one_by_one=True)
+    training = json.loads((Path(target) / "training.json").read_text())
+    out["target"] = {"parameters": training["parameters"], "steps": training["steps"],
+                     "heldout_perplexity": math.exp(training["log"][-1]["heldout_loss"])}
+    return out
+
+
 def load(tmp: str) -> dict:
     w = w_small()
     with LLM(w.write_model_dir(tmp), load_format="dummy", log_interval_s=0, enable_prefix_caching=False,
@@ -181,7 +218,8 @@ def load(tmp: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", default="all", choices=["verify", "ngram", "load", "all"])
+    ap.add_argument("--mode", default="all", choices=["verify", "ngram", "load", "pair", "all"])
+    ap.add_argument("--target", help="pair: the trained target's directory")
     ap.add_argument("--json")
     args = ap.parse_args()
     results = {}
@@ -192,6 +230,8 @@ def main() -> None:
             results["ngram"] = ngram()
         if args.mode in ("load", "all"):
             results["load"] = load(tmp + "/small")
+        if args.mode == "pair":
+            results["pair"] = pair(args.target)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     json.dump(results, sys.stdout, indent=1)

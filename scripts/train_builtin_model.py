@@ -11,6 +11,12 @@ registry):
 `corpus` strips the markup to plain prose and writes one document per source file; every 50th
 document is held out (OUT_DIR/heldout.txt) for perplexity checks. `train` fits a byte-level BPE
 tokenizer (4096 tokens) and the model, and saves both with save_pretrained (bfloat16 safetensors).
+
+The same recipe trains a larger model on the same text with the built-in model's own tokenizer,
+the target whose draft the built-in model is (speculative decoding, scripts/spec_bench.py):
+
+    python scripts/train_builtin_model.py train corpus.txt OUT_DIR --size target \
+        --tokenizer src/llmserve/builtin_model --steps 1500     # ~139M parameters; a GPU takes ~3 min
 """
 
 from __future__ import annotations
@@ -51,7 +57,17 @@ def build_corpus(sources: Path, out: Path) -> None:
     print(f"{len(docs)} documents, {sum(map(len, docs)):,} characters -> {out}")
 
 
-def train(corpus: Path, out_dir: Path, steps: int, device: str, batch: int = 64, seed: int = 0) -> None:
+SIZES = {
+    "builtin": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
+                    num_key_value_heads=4, head_dim=32, lr=3e-3),
+    "target": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
+                   num_key_value_heads=4, head_dim=64, lr=1e-3),
+}
+"""Model shapes by name: the built-in model, and the target it drafts for."""
+
+
+def train(corpus: Path, out_dir: Path, steps: int, device: str, batch: int = 64, seed: int = 0,
+          size: str = "builtin", tokenizer: Path | None = None) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -62,15 +78,19 @@ def train(corpus: Path, out_dir: Path, steps: int, device: str, batch: int = 64,
     train_docs = [d for i, d in enumerate(docs) if i % 50 != 49]
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(train_docs, trainers.BpeTrainer(
-        vocab_size=4096, special_tokens=["<|endoftext|>", "<|pad|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                   pad_token="<|pad|>", model_max_length=512)
-    # The model only knows documentation prose: a chat renders as that prose, one message a paragraph.
-    fast.chat_template = ("{% for m in messages %}{{ m['content'] }}\n\n{% endfor %}")
+    if tokenizer is not None:  # another model's (a draft and its target share one)
+        fast = PreTrainedTokenizerFast.from_pretrained(tokenizer)
+    else:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.train_from_iterator(train_docs, trainers.BpeTrainer(
+            vocab_size=4096, special_tokens=["<|endoftext|>", "<|pad|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                       pad_token="<|pad|>", model_max_length=512)
+        # The model only knows documentation prose: a chat renders as that prose, one message a paragraph.
+        fast.chat_template = ("{% for m in messages %}{{ m['content'] }}\n\n{% endfor %}")
     fast.save_pretrained(out_dir)
 
     eos = fast.eos_token_id
@@ -82,13 +102,14 @@ def train(corpus: Path, out_dir: Path, steps: int, device: str, batch: int = 64,
         return torch.tensor(ids, dtype=torch.long)
 
     train_ids, held_ids = stream(train_docs), stream(heldout)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=256, intermediate_size=768, num_hidden_layers=6,
-                         num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=512,
+    shape = dict(SIZES[size])
+    lr = shape.pop("lr")
+    config = LlamaConfig(vocab_size=len(fast), **shape, max_position_embeddings=512,
                          rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos,
                          pad_token_id=fast.pad_token_id, initializer_range=0.02)
     model = LlamaForCausalLM(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    seq, lr, warmup = 256, 3e-3, 100
+    seq, warmup = 256, 100
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
@@ -151,11 +172,13 @@ def main() -> None:
     t.add_argument("--steps", type=int, default=3000)
     t.add_argument("--device", default="cuda")
     t.add_argument("--batch", type=int, default=64, help="sequences of 256 tokens a step")
+    t.add_argument("--size", choices=sorted(SIZES), default="builtin", help="the model's shape")
+    t.add_argument("--tokenizer", type=Path, help="use this directory's tokenizer instead of fitting one")
     args = ap.parse_args()
     if args.cmd == "corpus":
         build_corpus(args.sources, args.out)
     else:
-        train(args.corpus, args.out_dir, args.steps, args.device, args.batch)
+        train(args.corpus, args.out_dir, args.steps, args.device, args.batch, size=args.size, tokenizer=args.tokenizer)
 
 
 if __name__ == "__main__":

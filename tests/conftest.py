@@ -74,7 +74,7 @@ class OracleProposer:
     def __init__(self, reference: dict[tuple, list[int]], wrong: int = 3) -> None:
         self.reference, self.wrong, self.calls = reference, wrong, 0
 
-    def propose(self, sequences, limits):
+    def propose(self, req_ids, sequences, limits):
         out = []
         for (prompt, output), limit in zip(sequences, limits):
             self.calls += 1
@@ -102,7 +102,7 @@ def oracle():
 
     def make(reference, wrong=3):
         name = f"oracle{len(plugins)}"
-        plugin = Register(name, lambda config: OracleProposer(reference, wrong))
+        plugin = Register(name, lambda config, context: OracleProposer(reference, wrong))
         pm.register(plugin, name=name)
         plugins.append(plugin)
         return name

@@ -120,7 +120,7 @@ def test_llmserve_register_proposers():
     class Reg:
         @hookimpl
         def llmserve_register_proposers(self, register):
-            register("toy", lambda config: None)
+            register("toy", lambda config, context: None)
 
     pm = get_plugin_manager()
     reg, clash = Reg(), Reg()

@@ -156,3 +156,9 @@ def test_train_builtin_model_on_a_tiny_corpus(tmp_path):
     training = json.loads((out_dir / "training.json").read_text())
     assert training["steps"] == 1 and training["batch"] == 1 and len(training["log"]) == 1
     assert (out_dir / "model.safetensors").exists() and (out_dir / "tokenizer.json").exists()
+    # the target the first model drafts for: a larger shape on that model's own tokenizer
+    target = tmp_path / "target"
+    run_script("train_builtin_model.py", "train", str(corpus), str(target), "--steps", "1", "--device", "cpu",
+               "--batch", "1", "--size", "target", "--tokenizer", str(out_dir), timeout=240)
+    assert (target / "tokenizer.json").read_text() == (out_dir / "tokenizer.json").read_text()
+    assert json.loads((target / "training.json").read_text())["parameters"] > 10 * training["parameters"]

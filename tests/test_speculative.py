@@ -4,6 +4,7 @@ sampling), whatever the proposals are."""
 
 from __future__ import annotations
 
+import time
 from array import array
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from conftest import Register, hold_speculation_on
+from conftest import ARCHS, Register, hold_speculation_on
 
 import llmserve
 from llmserve import LLM, SamplingParams
@@ -44,7 +45,7 @@ def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_longe
     assert p.lookup(np.array([7, 7, 7], dtype=np.int64), 5) == [7]  # overlapping: what follows is known
     assert ngram(n_max=3, n_min=2).lookup(np.array([1, 2, 9, 2], dtype=np.int64), 2) == []  # 1-grams not asked
     prompt = array("q", [10, 11, 12, 13])
-    assert p.propose([(prompt, [10, 11]), (prompt, [])], [2, 2]) == [[12, 13], []]
+    assert p.propose(["a", "b"], [(prompt, [10, 11]), (prompt, [])], [2, 2]) == [[12, 13], []]
 
 
 def test_ngram_lookup_equals_the_plain_search_over_every_length():
@@ -211,14 +212,12 @@ def test_no_request_speculates_above_the_batch_limit_and_steps_overlap_again():
     assert not s.must_wait()
 
 
-def test_requests_with_constraints_or_logprobs_do_not_speculate():
+def test_requests_with_constraints_do_not_speculate():
     s = make_scheduler()
     s.add(NewRequest("a", array("q", [1, 2]), SamplingParams(seed=1, logprobs=2)))
     s.add(NewRequest("b", array("q", [1, 2]), SamplingParams(seed=1), prepared={"toy": object()}))
     p = s.schedule()
-    assert [e.propose for e in p.entries] == [0, 0]
-    feedback(s, p)
-    assert not s.must_wait()
+    assert [e.propose for e in p.entries] == [3, 0]
 
 
 def test_the_kv_manager_never_hashes_drafts_and_drops_them_when_the_next_tokens_come():
@@ -283,6 +282,19 @@ def test_outputs_with_speculation_are_the_plain_engines(checkpoint, oracle, kind
     assert spec.accepted_per_pos[2] > 0  # whole runs kept
 
 
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
+def test_every_architecture_speculates_to_the_plain_engines_tokens(checkpoint, oracle, arch):
+    ck = checkpoint(arch)
+    params = params_of("greedy")[:2] + params_of("sampled")[2:]
+    with LLM(ck, **COMMON) as llm:
+        plain = run(llm, params)
+    name = oracle(reference_of(PROMPTS, plain))
+    with LLM(ck, **COMMON, speculative_config={"method": name, "num_speculative_tokens": 3}) as llm:
+        hold_speculation_on(llm)
+        assert run(llm, params) == plain
+        assert llm.engine.scheduler.spec.accepted_tokens > 0
+
+
 def test_n_samples_stop_tokens_prefix_hits_and_preemption_with_speculation(checkpoint, oracle):
     ck = checkpoint("llama")
     prompts = PROMPTS + PROMPTS[:2]  # prefix hits
@@ -299,6 +311,26 @@ def test_n_samples_stop_tokens_prefix_hits_and_preemption_with_speculation(check
         assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks  # nothing leaked
 
 
+def test_logprobs_of_speculated_tokens_are_the_plain_engines(checkpoint, oracle):
+    ck = checkpoint("llama")
+    params = [SamplingParams(max_tokens=30, temperature=0, logprobs=3),
+              SamplingParams(max_tokens=30, temperature=0.8, seed=5, logprobs=0)] * 2
+    with LLM(ck, **COMMON) as llm:
+        plain = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    name = oracle(reference_of(PROMPTS, [[o.token_ids for o in r.outputs] for r in plain]))
+    with LLM(ck, **COMMON, speculative_config={"method": name, "num_speculative_tokens": 4}) as llm:
+        hold_speculation_on(llm)
+        spec = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert llm.engine.scheduler.spec.accepted_tokens > 0
+    for a, b in zip(spec, plain):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids and len(a.logprobs) == len(a.token_ids)
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
+        for pa, pb in zip(a.logprobs, b.logprobs):
+            assert pa.keys() == pb.keys()
+            assert all(pa[t].logprob == pytest.approx(pb[t].logprob, abs=1e-4) and pa[t].rank == pb[t].rank for t in pa)
+
+
 def test_stop_strings_cut_speculated_outputs_where_they_cut_plain_ones(checkpoint, oracle):
     ck = checkpoint("llama")
     params = SamplingParams(max_tokens=40, temperature=0)
@@ -306,7 +338,7 @@ def test_stop_strings_cut_speculated_outputs_where_they_cut_plain_ones(checkpoin
         full = run(llm, params)
         tok = llm.get_tokenizer()
         stops = [tok.decode(out[0][12:14]) for out in full]  # text in the middle of each output
-        stopped = [SamplingParams(max_tokens=40, temperature=0, stop=[stop]) for stop in stops]
+        stopped = [SamplingParams(max_tokens=40, temperature=0, stop=[stop], logprobs=1) for stop in stops]
         plain = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], stopped, use_tqdm=False)
     name = oracle(reference_of(PROMPTS, full))
     with LLM(ck, **COMMON, speculative_config={"method": name, "num_speculative_tokens": 4}) as llm:
@@ -316,6 +348,9 @@ def test_stop_strings_cut_speculated_outputs_where_they_cut_plain_ones(checkpoin
     assert [r.outputs[0].text for r in spec] == [r.outputs[0].text for r in plain]
     assert [r.outputs[0].token_ids for r in spec] == [r.outputs[0].token_ids for r in plain]
     assert all(r.outputs[0].finish_reason == "stop" for r in spec)
+    for a, b in zip(spec, plain):  # the logprobs of tokens past the stop string are dropped with them
+        assert len(a.outputs[0].logprobs) == len(a.outputs[0].token_ids)
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)
 
 
 def test_greedy_ngram_speculation_matches_the_plain_engine(checkpoint):
@@ -438,13 +473,13 @@ def test_a_failing_or_out_of_vocabulary_proposer_costs_no_request(checkpoint):
     class Bad:
         calls = 0
 
-        def propose(self, sequences, limits):
+        def propose(self, req_ids, sequences, limits):
             Bad.calls += 1
             if Bad.calls % 2:
                 raise RuntimeError("proposer bug")
             return [[1, 10 ** 6, 2]] * len(sequences)  # from the second draft on: not a token
 
-    pm, plugin = get_plugin_manager(), Register("bad", lambda config: Bad())
+    pm, plugin = get_plugin_manager(), Register("bad", lambda config, context: Bad())
     pm.register(plugin, name="bad")
     try:
         params = SamplingParams(max_tokens=20, temperature=0)
@@ -454,5 +489,75 @@ def test_a_failing_or_out_of_vocabulary_proposer_costs_no_request(checkpoint):
             hold_speculation_on(llm)
             assert run(llm, params) == plain
             assert llm.engine.scheduler.spec.draft_tokens == llm.engine.scheduler.spec.drafts > 0  # one draft each
+    finally:
+        pm.unregister(plugin)
+
+
+# ---- the draft-model proposer ----------------------------------------------------------------------
+
+def test_a_draft_model_that_is_the_model_itself_has_every_greedy_draft_kept(checkpoint):
+    ck = checkpoint("llama")
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with LLM(ck, **COMMON) as llm:
+        plain = run(llm, params)
+    config = {"method": "draft", "model": ck, "num_speculative_tokens": 4}
+    with LLM(ck, **COMMON, speculative_config=config, max_num_batched_tokens=32) as llm:  # chunked prompts
+        hold_speculation_on(llm)
+        assert run(llm, params) == plain
+        spec = llm.engine.scheduler.spec
+        proposer = llm.engine.runner.proposer
+    assert spec.drafts > 0 and spec.accepted_tokens == spec.draft_tokens  # its own argmax, every time
+    assert proposer.cached == {} and proposer.pool.num_free == proposer.pool.num_blocks  # forgotten at the end
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_small_draft_model_gives_the_plain_engines_tokens_with_preemption_and_n(checkpoint, temperature):
+    ck, draft = checkpoint("llama"), checkpoint("llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                                 num_attention_heads=2, num_key_value_heads=1, seed=3)
+    params = [SamplingParams(n=2, max_tokens=30, temperature=temperature, seed=i) for i in range(len(PROMPTS))]
+    options = dict(num_blocks=20, block_size=4, max_model_len=80, reserve_growth=False)
+    with LLM(ck, **COMMON, **options) as llm:
+        plain = run(llm, params)
+    with LLM(ck, **COMMON, **options, speculative_config={"method": "draft", "model": draft}) as llm:
+        hold_speculation_on(llm)
+        assert run(llm, params) == plain
+        assert llm.engine.scheduler.spec.drafts > 0 and llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
+
+
+def test_a_draft_model_needs_a_checkpoint_of_the_same_vocabulary(checkpoint):
+    with pytest.raises(ValueError, match="speculative.model must name the draft checkpoint"):
+        LLM(checkpoint("llama"), **COMMON, speculative_config={"method": "draft"})
+    other = checkpoint("llama", vocab_size=500)
+    with pytest.raises(ValueError, match="vocabulary of 500 tokens.*must share the model's tokenizer"):
+        LLM(checkpoint("llama"), **COMMON, speculative_config={"method": "draft", "model": other})
+
+
+def test_a_proposer_that_costs_more_than_it_can_gain_stops_speculation_for_good():
+    c = SpecControl(max_gain=4)
+    for _ in range(40):
+        c.record(4, 8, cost=0.1)  # two drafts kept a request, for a tenth of a step: it pays
+    assert c.active
+    c = SpecControl(max_gain=4)
+    c.record(4, 8, cost=30.0)  # ... for thirty steps: it does not
+    assert not c.active and c.cost == 30.0
+    for _ in range(1000):
+        c.planned()
+    assert not c.probe_due  # never tried again
+
+
+def test_the_executor_reports_what_its_proposer_costs(checkpoint):
+    class Slow:
+        def propose(self, req_ids, sequences, limits):
+            time.sleep(0.05)
+            return [[] for _ in req_ids]
+
+    pm, plugin = get_plugin_manager(), Register("slow", lambda config, context: Slow())
+    pm.register(plugin, name="slow")
+    try:
+        with LLM(checkpoint("llama"), **COMMON, speculative_config={"method": "slow"}) as llm:
+            run(llm, SamplingParams(max_tokens=20, temperature=0))
+            control = llm.engine.scheduler.spec_control
+            assert control.cost > 1 and not control.active  # a tiny model's step is far shorter than 50 ms
     finally:
         pm.unregister(plugin)

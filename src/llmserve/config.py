@@ -124,7 +124,10 @@ class SpeculativeConfig:
     """vLLM's `speculative_config` keys (`LLM(speculative_config={...})`, `--speculative-config JSON`)."""
     method: str | None = None
     """Speculative decoding's proposer, by the name a plugin registered (built-in: ngram, which
-    looks the last tokens up in the prompt and output so far); None: no speculation."""
+    looks the last tokens up in the prompt and output so far; draft, a small model of the same
+    tokenizer); None: no speculation."""
+    model: str | None = None
+    """draft: the draft checkpoint's directory."""
     num_speculative_tokens: int = 4
     """Most tokens proposed per request per step; each step checks them all in one forward pass."""
     prompt_lookup_max: int = 4

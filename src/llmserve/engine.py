@@ -39,7 +39,7 @@ from llmserve.outputs import RequestOutput
 from llmserve.plugin_manager import Plugins
 from llmserve.quantization import QuantizationMethod, Unquantized
 from llmserve.sampling_params import SamplingParams
-from llmserve.speculative import Proposer, Speculation
+from llmserve.speculative import Proposer, ProposerContext, Speculation
 
 log = structlog.get_logger("llmserve.engine")
 
@@ -165,7 +165,7 @@ def resolve_quantization(name: str | None, spec: ModelSpec, plugins: Plugins) ->
     return methods[name](ckpt)
 
 
-def resolve_proposer(config: SpeculativeConfig, plugins: Plugins) -> Proposer | None:
+def resolve_proposer(config: SpeculativeConfig, plugins: Plugins, context: ProposerContext) -> Proposer | None:
     """The proposer speculative.method names (None: no speculation)."""
     if config.method is None:
         return None
@@ -173,7 +173,7 @@ def resolve_proposer(config: SpeculativeConfig, plugins: Plugins) -> Proposer | 
     if config.method not in proposers:
         raise ValueError(f"speculative.method {config.method!r} is not available; registered proposers: "
                          f"{sorted(proposers) or 'none'}")
-    return proposers[config.method](config)
+    return proposers[config.method](config, context)
 
 
 class Frontend(abc.ABC):
@@ -346,8 +346,10 @@ class Engine(Frontend):
         self.backend = self.plugins.select_backend(self.device, config)
         lap("config")
         self.strategies = self.plugins.decoding_strategies()
+        context = ProposerContext(self.device, self.dtype, self.backend, self.spec.vocab_size, self.max_model_len,
+                                  config.scheduler.max_num_seqs, config.cache.block_size)
         self.runner = ModelRunner(config, self.spec, self.backend, self.device, self.dtype, self.max_model_len,
-                                  self.quant, self.strategies, resolve_proposer(config.speculative, self.plugins))
+                                  self.quant, self.strategies, resolve_proposer(config.speculative, self.plugins, context))
         lap("weights")
         num_blocks = self.runner.determine_num_blocks()
         lap("profile_step")

@@ -202,7 +202,9 @@ class StepResult:
     req_ids: list[str]
     """Requests that sampled this step, in plan order."""
     token_ids: list[int]
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    """req_id -> the logprobs of each token it produced this step (one; with drafts kept, one per
+    token), for the requests that asked for them."""
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     """req_id -> one entry per prompt position computed this step that has a next prompt token."""
     failed: dict[str, str] = field(default_factory=dict)
@@ -216,6 +218,9 @@ class StepResult:
     token sampled after them (the first is its entry in token_ids); its other drafts were rejected."""
     drafts: dict[str, list[int]] = field(default_factory=dict)
     """Tokens proposed to follow each request's last one (speculative decoding; empty: none found)."""
+    propose_cost: float = 0.0
+    """The proposer's time for these drafts over the rest of a step's (the executor's running mean
+    of the time between finished steps, less it)."""
     dropped_next: set[str] = field(default_factory=set)
     """Of `jumps`, those whose next step was launched before this one finished, with the sampled
     token as its input: they sample nothing there, and where the jump replaced that token, its

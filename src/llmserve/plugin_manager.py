@@ -38,6 +38,7 @@ DEFAULT_PLUGINS = {
     "token_masks": "llmserve.plugins.token_masks",
     "hermes": "llmserve.plugins.hermes",
     "ngram": "llmserve.plugins.ngram",
+    "draft_model": "llmserve.plugins.draft_model",
 }
 
 

@@ -42,14 +42,34 @@ from llmserve.sampling_params import SamplingParams
 
 
 class Proposer(Protocol):
-    def propose(self, sequences: list[tuple[array, list[int]]], limits: list[int]) -> list[list[int]]:
-        """For each request (prompt token ids as int64 array, output token ids so far): at most
-        `limits[i]` tokens that may follow its last one ([] when it has no guess). Called on the
-        executor's thread once a step's tokens are known, for the requests that asked."""
+    def propose(self, req_ids: list[str], sequences: list[tuple[array, list[int]]],
+                limits: list[int]) -> list[list[int]]:
+        """For each request (its id; prompt token ids as int64 array, output token ids so far): at
+        most `limits[i]` tokens that may follow its last one ([] when it has no guess). Called on
+        the executor's thread once a step's tokens are known, for the requests that asked; a
+        request's output may have lost tokens proposed before (drafts the model rejected)."""
+
+    # Optional: a proposer that keeps state per request defines
+    #   forget(req_ids: list[str]) -> None
+    # called when those requests end.
+    # A proposer that reads the model's hidden states (EAGLE-style heads) will get them through
+    # a further optional method; none does yet.
+
+
+@dataclass(slots=True, frozen=True)
+class ProposerContext:
+    """What a proposer may need of the engine it serves (a draft model runs on the same device)."""
+    device: Any  # torch.device
+    dtype: Any  # torch.dtype of the model
+    backend: Any  # the AttentionBackend
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int
 
 
 class ProposerFactory(Protocol):
-    def __call__(self, config: SpeculativeConfig) -> Proposer: ...
+    def __call__(self, config: SpeculativeConfig, context: ProposerContext) -> Proposer: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,18 +89,21 @@ class Speculation:
     @staticmethod
     def serves(params: SamplingParams, prepared: dict[str, Any]) -> bool:
         """Whether a request speculates: not with a decoding strategy's constraint (its mask
-        follows each token) or logprobs (given for the sampled positions only)."""
-        return not prepared and params.logprobs is None
+        follows each token, and drafts are not checked against it)."""
+        return not prepared
 
 
 class SpecControl:
     """Whether the engine speculates now, from the drafts speculation keeps.
 
     Speculating, its measure is a running mean (weight ALPHA a step) of the drafts kept per
-    speculating request per step, steps that only proposed counted as zero. Below MIN_GAIN it
-    stops: a step that checks drafts costs 1.2-1.4 plain steps (measured on an H100 from a 6M to
-    an 8B model: 1.19-1.25 for the lost overlap of planning with the device, the rest for the
-    checked positions; BENCHMARKS.md), so a request must gain about 0.4 tokens a step to pay.
+    speculating request per step, steps that only proposed counted as zero. Below MIN_GAIN plus
+    the proposer's cost it stops: a step that checks drafts costs 1.2-1.4 plain steps (measured on
+    an H100 from a 6M to an 8B model: 1.19-1.25 for the lost overlap of planning with the device,
+    the rest for the checked positions; BENCHMARKS.md), so a request must gain about 0.4 tokens a
+    step to pay, and as many more as the proposer takes of a step (a running mean of the
+    executor's measure, StepResult.propose_cost: n-gram lookups nearly nothing, a draft model run
+    eagerly several steps). A proposer that costs more than it could ever gain is not probed again.
 
     Stopped, it waits `gap` planned steps, then probes: one step, overlapped as usual, asks for
     proposals for every request that may speculate, only to count those found. Where at least
@@ -97,7 +120,9 @@ class SpecControl:
     PROBE_SHARE = 0.5
     FIRST_GAP, MAX_GAP, SHORT = 8, 256, 32
 
-    def __init__(self) -> None:
+    def __init__(self, max_gain: int = 0) -> None:
+        self.max_gain = max_gain  # drafts a step at most (num_speculative_tokens)
+        self.cost: float | None = None  # running mean of the proposer's cost, in steps (from its first measure)
         self.active = True
         self.gain = self.START
         self.gap = self.FIRST_GAP
@@ -108,7 +133,8 @@ class SpecControl:
 
     @property
     def probe_due(self) -> bool:
-        return not self.active and self.wait <= 0 and self.probe_step is None
+        return (not self.active and self.wait <= 0 and self.probe_step is None
+                and (not self.max_gain or self.MIN_GAIN + (self.cost or 0.0) < self.max_gain))
 
     def planned(self) -> None:
         """A step was planned."""
@@ -130,13 +156,15 @@ class SpecControl:
         else:
             self._stop()
 
-    def record(self, requests: int, kept: int) -> None:
-        """A step's result: `requests` of it speculated (proposed or checked drafts), keeping `kept` drafts."""
+    def record(self, requests: int, kept: int, cost: float = 0.0) -> None:
+        """A step's result: `requests` of it speculated (proposed or checked drafts), keeping `kept`
+        drafts; the proposer took `cost` steps for its drafts."""
         if not self.active or not requests:
             return
         self.steps += 1
         self.gain += self.ALPHA * (kept / requests - self.gain)
-        if self.gain < self.MIN_GAIN:
+        self.cost = cost if self.cost is None else self.cost + self.ALPHA * (cost - self.cost)
+        if self.gain < self.MIN_GAIN + self.cost:
             if self.steps > self.SHORT:
                 self.gap = self.FIRST_GAP
             self._stop()

@@ -327,7 +327,7 @@ class RequestActor:
                 if up.error is not None:
                     raise RequestFailed(f"the engine failed this request: {up.error}")
                 self._apply(req, i, up)
-                stop = _detokenize(req.detoks[i], comp.token_ids, up)
+                stop = _detokenize(req.detoks[i], comp, up)
             except Exception as exc:
                 if not isinstance(exc, RequestFailed):
                     log.exception("request failed on its output", request_id=req.req_id)
@@ -430,16 +430,21 @@ def _copy(c: CompletionOutput) -> CompletionOutput:
                             list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason)
 
 
-def _detokenize(detok: Detokenizer, token_ids: list[int], up: SequenceUpdate) -> str | None:
+def _detokenize(detok: Detokenizer, comp: CompletionOutput, up: SequenceUpdate) -> str | None:
     """Add an update's tokens to the text; returns the stop string found, if any. Where an update
     brings several tokens (speculative decoding, jump-forward), a stop string ends the output at
     the token that completes it, as it would one token at a time: those after it are dropped from
-    `token_ids` (the completion's, already extended with them)."""
+    the completion (already extended with them), their logprobs too."""
     new, final = up.new_token_ids, up.finish_reason is not None
     if len(new) == 1 or not detok.stop:
         return detok.add(new, final=final)
     for used, token in enumerate(new, 1):
         if (stop := detok.add([token], final=final and used == len(new))) is not None:
-            del token_ids[len(token_ids) - len(new) + used:]
+            drop = len(new) - used
+            if drop:
+                del comp.token_ids[-drop:]
+                if comp.logprobs is not None and len(up.logprobs) == len(new):
+                    del comp.logprobs[-drop:]
+                    comp.cumulative_logprob -= sum(lp.logprob for lp in up.logprobs[used:])
             return stop
     return None

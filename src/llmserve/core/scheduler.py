@@ -100,7 +100,7 @@ class Scheduler:
         self.iteration_tokens_sum = 0
         self.speculation = speculation
         self.spec = SpecCounters(speculation.num_tokens if speculation else 0)
-        self.spec_control = SpecControl()
+        self.spec_control = SpecControl(speculation.num_tokens if speculation else 0)
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -314,7 +314,7 @@ class Scheduler:
             update = SequenceUpdate(req_id, [], num_cached_tokens=req.num_cached_tokens,
                                     queue_time_s=req.queue_time_s)
             if req_id in result.logprobs:
-                update.logprobs.append(result.logprobs[req_id])
+                update.logprobs += result.logprobs[req_id]
             if req.held_prompt_logprobs:
                 update.prompt_logprobs, req.held_prompt_logprobs = req.held_prompt_logprobs, []
             # jump-forward: the tokens that replace the sampled one; speculation: the drafts kept
@@ -339,7 +339,7 @@ class Scheduler:
                     break
             updates.append(update)
         if speculated:
-            self.spec_control.record(speculated, kept)
+            self.spec_control.record(speculated, kept, result.propose_cost)
         return EngineOutputs(updates)
 
     def _check_stop(self, req: Request, token: int, update: SequenceUpdate) -> bool:

@@ -9,6 +9,7 @@ requests' sampling state (model/sampling_state.py); here, the step pipeline that
 from __future__ import annotations
 
 import gc
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,8 @@ class ModelRunner:
                                       jump_forward=config.scheduler.jump_forward)
         self.proposer = proposer
         """Speculative decoding's proposer (llmserve/speculative.py); None: no speculation."""
+        self._period: float | None = None  # running mean of the seconds between finished steps (with a proposer)
+        self._finished_at = 0.0
         self.num_blocks = 0
         self.graphs: StepGraphs | None = None
         self.timing = StepTiming()
@@ -291,6 +294,8 @@ class ModelRunner:
         """Queue the step's forward pass and its logits (rows that sample, in plan order)."""
         for req_id in plan.freed:
             self.sampling.drop(req_id)
+        if plan.freed and hasattr(self.proposer, "forget"):
+            self.proposer.forget(plan.freed)
         for req_id, new in plan.new_sequences.items():
             self.sampling.add(req_id, new)
         result = StepResult(plan.step_id, [], [])
@@ -423,13 +428,17 @@ class ModelRunner:
                     result.token_ids.append(tokens[0])
                 else:
                     result.token_ids.append(drawn[offset])
-        if flight.logprob_parts is not None:
+        if flight.logprob_parts is not None:  # one entry per token produced (drafts kept: several)
             want = [i for i, s in enumerate(flight.states) if s.params.logprobs is not None]
-            rows = want if flight.offsets is None else [flight.offsets[i] for i in want]
+            produced = [result.accepted.get(result.req_ids[i], [result.token_ids[i]]) for i in want]
+            first = want if flight.offsets is None else [flight.offsets[i] for i in want]
+            rows = [row + j for row, tokens in zip(first, produced) for j in range(len(tokens))]
             parts = tuple(p[rows] for p in flight.logprob_parts)
-            for i, lp in zip(want, to_token_logprobs([result.token_ids[i] for i in want], parts,
-                                                     [flight.states[i].params.logprobs for i in want])):
-                result.logprobs[result.req_ids[i]] = lp
+            lps = iter(to_token_logprobs([t for tokens in produced for t in tokens], parts,
+                                         [flight.states[i].params.logprobs for i, tokens in zip(want, produced)
+                                          for _ in tokens]))
+            for i, tokens in zip(want, produced):
+                result.logprobs[result.req_ids[i]] = [next(lps) for _ in tokens]
         eos = frozenset(self.sampling.eos_token_ids) if self.sampling.host_sampled else ()
         for i, (req_id, state, token) in enumerate(zip(result.req_ids, flight.states, result.token_ids)):
             if i in flight.mask_errors:  # its constraint filled no mask: sampled from all, it fails alone
@@ -453,8 +462,16 @@ class ModelRunner:
             except Exception as exc:  # a constraint that cannot take its own token: this request fails alone
                 log.exception("constraint failed", request_id=req_id)
                 self._fail(result, req_id, f"{type(exc).__name__}: {exc}")
-        if flight.propose and self.proposer is not None:
-            self._propose(result, flight.propose)
+        if self.proposer is not None:
+            now = time.perf_counter()
+            if 0 < (dt := now - self._finished_at) < 0.5:  # (longer: the engine was idle, not stepping)
+                self._period = dt if self._period is None else self._period + 0.1 * (dt - self._period)
+            if flight.propose:
+                self._propose(result, flight.propose)
+                took = time.perf_counter() - now
+                if self._period is not None:  # (the first step's cost is not known: none reported)
+                    result.propose_cost = took / max(self._period - took, 0.1 * self._period)
+            self._finished_at = time.perf_counter()
         return result
 
     def _propose(self, result: StepResult, limits: dict[str, int]) -> None:
@@ -468,7 +485,8 @@ class ModelRunner:
             return
         states = [self.sampling.seqs[r] for r in asked]
         try:
-            proposed = self.proposer.propose([(s.prompt_ids, s.output_ids) for s in states], [limits[r] for r in asked])
+            proposed = self.proposer.propose(asked, [(s.prompt_ids, s.output_ids) for s in states],
+                                             [limits[r] for r in asked])
             proposed = [[int(t) for t in drafts[:limits[r]]] for r, drafts in zip(asked, proposed, strict=True)]
         except Exception:
             log.exception("proposer failed; these requests go on without drafts", request_ids=asked[:8])
