@@ -56,7 +56,7 @@ def kind(data) -> str:
         return "quality"
     if "jump" in data or "tpot" in data:
         return "structured"
-    if "verify" in data or "ngram" in data or "load" in data:
+    if "verify" in data or "ngram" in data or "load" in data or "pair" in data:
         return "speculative"
     return "serve" if "output_throughput" in data else "offline"
 
@@ -185,6 +185,17 @@ def speculative_rows(figs) -> list[str]:
             parts.append(f"built-in model, copy-heavy prompts, {b}: TPOT {r['off']['tpot_ms']:.2f} → {on['tpot_ms']:.2f} ms, "
                          f"**{on['speedup']:.2f}×**; {on['verify_steps']} of {on['steps']} steps checked drafts, "
                          f"{on.get('tokens_per_verify_step', 1):.2f} tokens each")
+        pair = d.get("pair", {})
+        if pair:
+            t = pair["target"]
+            parts.append(f"trained target ({t['parameters'] / 1e6:.0f}M, held-out perplexity {t['heldout_perplexity']:.1f}), "
+                         f"the built-in model as its draft:")
+        for key, label in (("draft_b1", "draft, batch 1, greedy"), ("draft_b1_sampled", "draft, batch 1, T 0.7"),
+                           ("draft_b8", "draft, batch 8"), ("ngram_b1", "n-gram, batch 1, copy-heavy")):
+            if key in pair:
+                on = pair[key]["on"]
+                parts.append(f"{label}: TPOT {pair[key]['off']['tpot_ms']:.2f} → {on['tpot_ms']:.2f} ms, **{on['speedup']:.2f}×**; "
+                             f"{on['verify_steps']} steps checked drafts, {on['kept_tokens']} of {on['draft_tokens']} kept")
         for b, r in d.get("load", {}).items():
             on = r["on"]
             parts.append(f"W-small's model and requests, {b}, proposals allowed: throughput on / off **{on['speedup']:.3f}** "
