@@ -43,7 +43,7 @@ class _EngineCollector:
             family = GaugeMetricFamily(p + name, doc, labels=["model_name"])
             family.add_metric(labels, value)
             yield family
-        for name, doc, value in [
+        counters = [
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries),
             ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_hits),
             ("num_preemptions", "Requests preempted for lack of KV blocks.", s.preemptions),
@@ -51,19 +51,18 @@ class _EngineCollector:
             ("generation_tokens", "Tokens generated.", s.generation_tokens),
             ("jump_forward_tokens", "Generated tokens appended by jump-forward decoding, not sampled.",
              s.jumped_tokens),
-        ]:
-            family = CounterMetricFamily(p + name, doc, labels=["model_name"])
-            family.add_metric(labels, value)
-            yield family
+        ]
         if s.spec_accepted_per_pos:  # speculative decoding is on
-            for name, doc, value in [
+            counters += [
                 ("spec_decode_num_drafts", "Steps of a request that checked proposed tokens.", s.spec_drafts),
                 ("spec_decode_num_draft_tokens", "Proposed tokens checked.", s.spec_draft_tokens),
                 ("spec_decode_num_accepted_tokens", "Proposed tokens kept.", s.spec_accepted_tokens),
-            ]:
-                family = CounterMetricFamily(p + name, doc, labels=["model_name"])
-                family.add_metric(labels, value)
-                yield family
+            ]
+        for name, doc, value in counters:
+            family = CounterMetricFamily(p + name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            yield family
+        if s.spec_accepted_per_pos:
             family = CounterMetricFamily(p + "spec_decode_num_accepted_tokens_per_pos",
                                          "Proposed tokens kept, by their position among a step's proposals.",
                                          labels=["model_name", "position"])
