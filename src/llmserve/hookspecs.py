@@ -69,10 +69,11 @@ def llmserve_register_proposers(register: Callable[[str, Any], None]) -> None:
     """Register speculative-decoding proposers by calling ``register(name, factory)``.
 
     Selected by ``speculative.method = "name"`` (``LLM(speculative_config={"method": "name"})``).
-    ``factory(config)`` takes the [speculative] config section and returns a proposer (the
+    ``factory(config, context)`` takes the [speculative] config section and what a proposer may
+    need of the engine (`llmserve.speculative.ProposerContext`) and returns a proposer (the
     `llmserve.speculative.Proposer` protocol), whose ``propose`` guesses the tokens that follow
     each request's last one; the engine checks them all in the request's next step and keeps
-    those the model itself would have produced. Built-in: ``ngram``. Called for every plugin; a
+    those the model itself would have produced. Built-in: ``ngram``, ``draft``. Called for every plugin; a
     name registered twice is a start-up error naming both plugins.
 
     :param register: callback taking the proposer's name and its factory.

@@ -28,7 +28,8 @@ drafts to pay for those costs, and on again where a probe (an overlapped step wh
 are only counted) finds proposals.
 
 A proposer is registered by name (hook `llmserve_register_proposers`) as a factory taking the
-[speculative] config; `speculative.method` selects it.
+[speculative] config and a ProposerContext; `speculative.method` selects it. Built in: `ngram`
+(plugins/ngram.py) and `draft` (plugins/draft_model.py).
 """
 
 from __future__ import annotations
@@ -46,14 +47,13 @@ class Proposer(Protocol):
                 limits: list[int]) -> list[list[int]]:
         """For each request (its id; prompt token ids as int64 array, output token ids so far): at
         most `limits[i]` tokens that may follow its last one ([] when it has no guess). Called on
-        the executor's thread once a step's tokens are known, for the requests that asked; a
-        request's output may have lost tokens proposed before (drafts the model rejected)."""
+        the executor's thread once a step's tokens are known, for the requests that asked; what
+        it proposed before may be missing from the output (the model rejected it)."""
 
     # Optional: a proposer that keeps state per request defines
     #   forget(req_ids: list[str]) -> None
-    # called when those requests end.
-    # A proposer that reads the model's hidden states (EAGLE-style heads) will get them through
-    # a further optional method; none does yet.
+    # called when those requests end. (A proposer that reads the model's hidden states, as
+    # EAGLE-style heads do, needs a way to receive them that this protocol does not have yet.)
 
 
 @dataclass(slots=True, frozen=True)
