@@ -9,7 +9,8 @@ Per request it keeps the tokens its cache holds. Each call, for the requests ask
               (drafts the target rejected since fall away here)
     one forward pass over every request's known[common:] (a new request: its whole prompt), the
     argmax at each one's last position is its first draft; then limit - 1 passes of one token
-    per request, each feeding the draft before. The cache then holds known + drafts[:-1].
+    per request, each feeding the draft before from the device (the host reads all the drafts at
+    once, at the end). The cache then holds known + drafts[:-1].
 
 Drafts are the draft model's greedy choices: a deterministic proposal, which the engine checks
 exactly (llmserve/speculative.py) for greedy and sampled requests alike. A request whose blocks do
@@ -90,25 +91,35 @@ class DraftModelProposer:
             starts.append(common)
         if not rows:
             return drafts
-        last = self._step([req_ids[i] for i in rows], feeds, starts)
+        # pass 0 feeds what each request lacks; pass p > 0 its draft p - 1, straight from the
+        # device: the host waits once, for all the drafts
         ends = [s + len(f) for s, f in zip(starts, feeds)]
-        for step in range(max(limits[i] for i in rows)):
-            live = [j for j, i in enumerate(rows) if len(drafts[i]) < limits[i]]
-            for j in live:
-                drafts[rows[j]].append(last[j])
-            live = [j for j in live if len(drafts[rows[j]]) < limits[rows[j]]]
+        lives = [list(range(len(rows)))]
+        outs = [self._step([req_ids[i] for i in rows], feeds, starts)]
+        for p in range(1, max(limits[i] for i in rows)):
+            live = [j for j in lives[-1] if limits[rows[j]] > p]
             if not live:
                 break
-            fed = self._step([req_ids[rows[j]] for j in live], [np.array([last[j]], dtype=np.int64) for j in live],
-                             [ends[j] for j in live])
-            for j, token in zip(live, fed):
-                self.cached[req_ids[rows[j]]].tokens.append(last[j])
-                last[j], ends[j] = token, ends[j] + 1
+            at = {j: n for n, j in enumerate(lives[-1])}
+            fed = outs[-1][self.staging.to_device(np.array([at[j] for j in live], dtype=np.int64))]
+            outs.append(self._step([req_ids[rows[j]] for j in live], [np.zeros(1, dtype=np.int64)] * len(live),
+                                   [ends[j] + p - 1 for j in live], fed))
+            lives.append(live)
+        host = torch.cat(outs).tolist()
+        n = 0
+        for live in lives:
+            for j in live:
+                drafts[rows[j]].append(host[n])
+                n += 1
+        for i in rows:  # its cache now holds its known tokens and all drafts but the last
+            self.cached[req_ids[i]].tokens.extend(drafts[i][:-1])
         return drafts
 
-    def _step(self, req_ids: list[str], feeds: list[np.ndarray], starts: list[int]) -> list[int]:
-        """One forward pass of the draft model: each request's `feeds` from position `starts`;
-        returns the argmax token after each one's last."""
+    def _step(self, req_ids: list[str], feeds: list[np.ndarray], starts: list[int],
+              fed: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward pass of the draft model: each request's `feeds` from position `starts`
+        (`fed`: one token each, already on the device, in place of `feeds`); returns the argmax
+        token after each one's last (int64 [len(req_ids)], on the device)."""
         query_lens = np.array([len(f) for f in feeds], dtype=np.int32)
         blocks = [self.cached[r].blocks for r in req_ids]
         tables = np.zeros((len(blocks), max(map(len, blocks))), dtype=np.int32)
@@ -116,9 +127,10 @@ class DraftModelProposer:
             tables[row, :len(ids)] = ids
         inputs = StepInputs.build(np.concatenate(feeds), query_lens, np.array(starts, dtype=np.int32), tables,
                                   self.block_size)
-        hidden = self.model(*self.staging.forward_inputs(inputs))
+        input_ids, positions, meta = self.staging.forward_inputs(inputs)
+        hidden = self.model(input_ids if fed is None else fed, positions, meta)
         last = self.staging.to_device((inputs.query_start_loc[1:] - 1).astype(np.int64))
-        return self.model.compute_logits(hidden[last]).argmax(-1).tolist()
+        return self.model.compute_logits(hidden[last]).argmax(-1)
 
 
 def _common_prefix(a: array, b: array) -> int:
