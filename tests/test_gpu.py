@@ -250,3 +250,20 @@ def test_cuda_speculation_gives_the_plain_engines_tokens_with_cuda_graphs(checkp
         llm.generate(COPY_PROMPT + "\n\n" + COPY_PROMPT[:300], SamplingParams(max_tokens=48, temperature=0),
                      use_tqdm=False)
         assert llm.engine.scheduler.spec.accepted_tokens > 0
+
+
+def test_cuda_a_draft_model_that_is_the_model_itself_has_every_greedy_draft_kept(checkpoint):
+    """The draft proposer on CUDA (its passes fed from the device): fp32 outputs are the plain
+    engine's, and drafting with the model itself keeps every greedy draft."""
+    from test_speculative import run as run_all
+
+    path = checkpoint("llama")
+    options = dict(dtype="float32", device="cuda", num_blocks=4096, log_interval_s=0)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with LLM(path, **options) as llm:
+        plain = run_all(llm, params)
+    with LLM(path, **options, speculative_config={"method": "draft", "model": path, "num_speculative_tokens": 4}) as llm:
+        hold_speculation_on(llm)
+        assert run_all(llm, params) == plain
+        spec = llm.engine.scheduler.spec
+        assert spec.drafts > 0 and spec.accepted_tokens == spec.draft_tokens
