@@ -22,6 +22,9 @@ from llmserve.speculative import ProposerContext
 
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
+        if config.model is not None:
+            raise ValueError(f"speculative.model {config.model!r} is not used by method 'ngram' (a draft model is "
+                             "method 'draft')")
         self.n_max = config.prompt_lookup_max
         self.n_min = config.prompt_lookup_min
 

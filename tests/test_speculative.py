@@ -432,6 +432,10 @@ def test_speculative_config_is_vllms_and_is_validated(checkpoint):
         SpeculativeConfig(method="ngram", prompt_lookup_max=1, prompt_lookup_min=2)
     with pytest.raises(ValueError, match="unknown key"):
         EngineConfig.from_kwargs(speculative_config={"method": "ngram", "bogus": 1})
+    with pytest.raises(ValueError, match="speculative.model must be unset without speculative.method"):
+        EngineConfig.from_kwargs(speculative_config={"model": "small"})
+    with pytest.raises(ValueError, match="speculative.model 'small' is not used by method 'ngram'"):
+        LLM(checkpoint("llama"), **COMMON, speculative_config={"method": "ngram", "model": "small"})
     with pytest.raises(ValueError, match="speculative.method 'nope' is not available; registered proposers: .*ngram"):
         LLM(checkpoint("llama"), **COMMON, speculative_config={"method": "nope"})
 

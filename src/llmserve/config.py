@@ -141,6 +141,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         _check(self.method is None or (isinstance(self.method, str) and self.method != ""), "speculative", "method",
                "the name of a registered proposer", self.method)
+        _check(self.model is None or self.method is not None, "speculative", "model",
+               "unset without speculative.method (a draft model is used by method 'draft')", self.model)
         _check(1 <= self.num_speculative_tokens <= 16, "speculative", "num_speculative_tokens", "in [1, 16]",
                self.num_speculative_tokens)
         _check(self.prompt_lookup_min >= 1, "speculative", "prompt_lookup_min", ">= 1", self.prompt_lookup_min)

@@ -126,12 +126,14 @@ class SamplingState:
         (speculative decoding: per state, the drafts it checks), one row per position checked,
         drafts + 1 of them: row i of a state draws as if its output went on with drafts[:i]."""
         to_device = self.staging.to_device
+        ahead = None  # with drafts: per row, the drafts its draw follows
         if drafts:
             states = [s for s, d in zip(states, drafts) for _ in range(len(d) + 1)]
             ahead = [d[:i] for d in drafts for i in range(len(d) + 1)]
-        else:
-            ahead = [()] * len(states)
         params = [s.params for s in states]
+        produced = np.array([len(s.output_ids) for s in states], dtype=np.int64)  # before each row's draw
+        if ahead is not None:
+            produced += np.array([len(a) for a in ahead], dtype=np.int64)
         t = lambda xs, dtype: to_device(np.array(xs, dtype=dtype))  # noqa: E731
         batch = SamplingBatch(
             temperature=t([p.temperature for p in params], np.float32),
@@ -139,8 +141,7 @@ class SamplingState:
             top_p=t([p.top_p for p in params], np.float32),
             min_p=t([p.min_p for p in params], np.float32),
             keys=to_device(row_keys(np.array([p.seed for p in params], dtype=np.int64),
-                                    np.array([len(s.output_ids) + s.in_flight + len(a) for s, a in zip(states, ahead)],
-                                             dtype=np.int64))),
+                                    produced + np.array([s.in_flight for s in states], dtype=np.int64))),
             all_greedy=all(p.temperature == 0 for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
         )
@@ -151,8 +152,8 @@ class SamplingState:
         if any(penalized(p) for p in params):
             scatter = lambda rows, dtype, count: _scatter_rows(rows, vocab, dtype, count, self.staging)  # noqa: E731
             batch.penalties = Penalties(
-                output_counts=scatter([s.output_ids + list(a) if a else s.output_ids for s, a in zip(states, ahead)],
-                                      torch.float32, True),
+                output_counts=scatter([s.output_ids for s in states] if ahead is None else
+                                      [s.output_ids + a for s, a in zip(states, ahead)], torch.float32, True),
                 prompt_mask=scatter([s.prompt_ids for s in states], torch.bool, False),
                 repetition=t([p.repetition_penalty for p in params], np.float32),
                 presence=t([p.presence_penalty for p in params], np.float32),
@@ -163,7 +164,7 @@ class SamplingState:
             rows = np.repeat(np.array([i for i, _ in biased], dtype=np.int64), [len(b[0]) for _, b in biased])
             batch.bias = (to_device(rows), to_device(np.concatenate([b[0] for _, b in biased])),
                           to_device(np.concatenate([b[1] for _, b in biased])))
-        banned = [(i, tok) for i, (s, a) in enumerate(zip(states, ahead)) if len(s.output_ids) + len(a) < s.params.min_tokens
+        banned = [(i, tok) for i, (s, n) in enumerate(zip(states, produced.tolist())) if n < s.params.min_tokens
                   for tok in (s.params.stop_token_ids + ([] if s.params.ignore_eos else self.eos_token_ids))]
         if banned:
             rows, toks = zip(*banned)
