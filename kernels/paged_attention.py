@@ -63,13 +63,15 @@ from llmserve.kernels.hardware import pdl, pdl_start, sm_count
 @triton.jit(do_not_specialize=["ml_half", "stride_bt", "num_seqs"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    seq_order_ptr, k_scale_ptr, v_scale_ptr, part_ptr, ml_ptr, scale, num_heads, num_seqs, ml_half,
+    seq_order_ptr, k_scale_ptr, v_scale_ptr, part_ptr, ml_ptr, kv_start_ptr, levels_ptr, scale, num_heads, num_seqs,
+    ml_half,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt, stride_sb, stride_st,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, FP8: tl.constexpr, DOT_TY: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE: tl.constexpr, ORDERED: tl.constexpr, SEQS_P: tl.constexpr, PDL: tl.constexpr,
+    CASCADE: tl.constexpr, NUM_SLOTS: tl.constexpr, SLOT0: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
 ):
     pdl_start(PDL)
     if DECODE:  # a program per sequence; axis 1 numbers the key slices
@@ -110,22 +112,41 @@ def _paged_attention_kernel(
     kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
     kv = (k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, k_scale_ptr, v_scale_ptr, kv_head,
           stride_cb, stride_ct, stride_ch, stride_sb, stride_st)
+    kv_lo = 0
+    if CASCADE:  # the keys before kv_start are a shared prefix, attended by the cascade kernel
+        kv_lo = tl.load(kv_start_ptr + seq)
     if DECODE:  # every key is visible to the one query: only the last tile needs a mask
-        kv_lo = 0
         if NUM_SPLITS > 1:
-            chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-            kv_lo = split * chunk
+            chunk = tl.cdiv(tl.cdiv(kv_end - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            kv_lo = kv_lo + split * chunk
             kv_end = tl.minimum(kv_lo + chunk, kv_end)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv_lo, kv_end, kv_end, qk_scale, d, d_ok, *kv,
                                 BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=True, CAUSAL=False)
-    else:  # tiles every query row sees in full, then the tiles the causal diagonal crosses
-        full_end = tl.minimum((ctx_len + q_tile * BLOCK_Q + 1) // BLOCK_N * BLOCK_N, kv_end)
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, 0, full_end, kv_end, qk_scale, d, d_ok, *kv,
+    else:  # whole tiles every query row sees in full, then the tiles the causal diagonal crosses
+        full_end = kv_lo + tl.maximum(ctx_len + q_tile * BLOCK_Q + 1 - kv_lo, 0) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv_lo, full_end, kv_end, qk_scale, d, d_ok, *kv,
                                 BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=False, CAUSAL=False)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, full_end, kv_end, kv_end, qk_scale, d, d_ok, *kv,
                                 BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=True, CAUSAL=True)
-    if NUM_SPLITS > 1:  # partials [T, Hq, S, D] and (m, l) [2, T, Hq, S], float32
-        slot = ((q_start + tok) * num_heads + head) * NUM_SPLITS + split
+    if CASCADE and NUM_SPLITS == 1:  # fold in the prefix partials the cascade kernel left in slots [0, SLOT0)
+        base = ((q_start + tok) * num_heads + head) * NUM_SLOTS
+        covered = tl.load(levels_ptr + q_start + tok, mask=row_ok, other=0) * PREFIX_SPLITS
+        for s in tl.static_range(SLOT0):
+            ok = row_ok & (s < covered)
+            m_s = tl.load(ml_ptr + base + s, mask=ok, other=float("-inf"))
+            l_s = tl.load(ml_ptr + ml_half + base + s, mask=ok, other=0.0)
+            a_s = tl.load(part_ptr + (base + s)[:, None] * HEAD_D + d[None, :], mask=ok[:, None] & d_ok[None, :],
+                          other=0.0)
+            m_new = tl.maximum(m_i, m_s)  # finite on stored rows: the suffix holds the row's own key
+            alpha, beta = tl.math.exp2(m_i - m_new), tl.math.exp2(m_s - m_new)
+            acc = acc * alpha[:, None] + a_s * beta[:, None]
+            l_i = l_i * alpha + l_s * beta
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    elif NUM_SLOTS > 1:  # partials [T, Hq, NUM_SLOTS, D] and (m, l) [2, T, Hq, NUM_SLOTS], float32
+        slot = ((q_start + tok) * num_heads + head) * NUM_SLOTS + SLOT0 + split
         tl.store(part_ptr + slot[:, None] * HEAD_D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(ml_ptr + slot, m_i, mask=row_ok)
         tl.store(ml_ptr + ml_half + slot, l_i, mask=row_ok)
@@ -198,19 +219,40 @@ def _find_query_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["ml_half"])
-def _merge_splits_kernel(out_ptr, part_ptr, ml_ptr, num_heads, ml_half, stride_ot, stride_oh,
-                         NUM_SPLITS: tl.constexpr, HEAD_D: tl.constexpr, HEAD_P: tl.constexpr, PDL: tl.constexpr):
+def _merge_splits_kernel(out_ptr, part_ptr, ml_ptr, levels_ptr, num_heads, ml_half, stride_ot, stride_oh,
+                         NUM_SLOTS: tl.constexpr, SLOTS_P: tl.constexpr, PREFIX_SLOTS: tl.constexpr,
+                         PREFIX_SPLITS: tl.constexpr, HEAD_D: tl.constexpr, HEAD_P: tl.constexpr,
+                         PDL: tl.constexpr):
     pdl_start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
-    slot = (t * num_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    m = tl.load(ml_ptr + slot)
-    l = tl.load(ml_ptr + ml_half + slot)
+    s = tl.arange(0, SLOTS_P)
+    ok = s < NUM_SLOTS
+    if PREFIX_SLOTS > 0:  # a row's prefix slots hold partials only for the cascade levels covering it
+        ok = ok & ((s >= PREFIX_SLOTS) | (s < tl.load(levels_ptr + t) * PREFIX_SPLITS))
+    slot = (t * num_heads + h) * NUM_SLOTS + s
+    m = tl.load(ml_ptr + slot, mask=ok, other=float("-inf"))
+    l = tl.load(ml_ptr + ml_half + slot, mask=ok, other=0.0)
     d = tl.arange(0, HEAD_P)
-    acc = tl.load(part_ptr + slot[:, None] * HEAD_D + d[None, :], mask=d[None, :] < HEAD_D, other=0.0)
+    acc = tl.load(part_ptr + slot[:, None] * HEAD_D + d[None, :], mask=ok[:, None] & (d[None, :] < HEAD_D), other=0.0)
     w = tl.math.exp2(m - tl.max(m, 0))  # base-2 maxima; slices without keys have m = -inf: weight 0
     out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_D)
+
+
+def merge_partials(out: torch.Tensor, part: torch.Tensor, ml: torch.Tensor, levels: torch.Tensor | None = None,
+                   prefix_splits: int = 0, levels_count: int = 0) -> torch.Tensor:
+    """out [T, Hq, D] = the log-sum-exp merge of each row's partial results part [T, Hq, S, D]
+    with (m, l) ml [2, T, Hq, S]. With cascade levels: slots [0, levels_count * prefix_splits)
+    are prefix partials, of which row t has levels[t] * prefix_splits."""
+    num_tokens, num_heads, slots, head_dim = part.shape
+    on = pdl(out.device)
+    _merge_splits_kernel[(num_tokens, num_heads)](
+        out, part, ml, levels if levels is not None else ml, num_heads, num_tokens * num_heads * slots,
+        out.stride(0), out.stride(1), NUM_SLOTS=slots, SLOTS_P=triton.next_power_of_2(slots),
+        PREFIX_SLOTS=levels_count * prefix_splits, PREFIX_SPLITS=prefix_splits, HEAD_D=head_dim,
+        HEAD_P=max(triton.next_power_of_2(head_dim), 16), PDL=on, launch_pdl=on)
+    return out
 
 
 PREFILL_BLOCK_M, DECODE_BLOCK_M = 64, 16  # rows (query tokens x group heads) of a program
@@ -253,13 +295,21 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None,
                     num_splits: int | None = None, block_m: int | None = None,
-                    seq_order: torch.Tensor | None = None) -> torch.Tensor:
+                    seq_order: torch.Tensor | None = None, kv_start: torch.Tensor | None = None,
+                    partials: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                    levels: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Same contract as reference.paged_attention_reference. `max_query_len` 1 says every query
     length is 1 (a decode step, a program per sequence); any other value, that some may be longer
     (its exact value does not matter). `tiles` overrides (BLOCK_N, num_warps, num_stages);
     `num_splits` the decode key slices (a power of two; decode steps only); `block_m` the rows
     (query tokens x group heads) of a program; `seq_order` int32 [num_seqs], a permutation: the
-    order in which decode programs take the sequences."""
+    order in which decode programs take the sequences.
+
+    Cascade (kernels/cascade.py): `kv_start` int32 [num_seqs] leaves each sequence's keys before it
+    out; `partials` (part [T, Hq, S, D], ml [2, T, Hq, S], first slot) holds the prefix partials in
+    the slots before `first`, of which row t has levels[0][t] * levels[1] (`levels`). With one key
+    slice a sequence, each program merges them into its result and writes `out`; with more, the
+    unnormalised results go to slots first .. first + splits - 1 (the caller merges them all)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and query.stride(2) == 1
@@ -279,20 +329,28 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     fp32 = query.dtype == torch.float32
     block_n, warps, stages = tiles or (decode_tiles(fp8) if decode else prefill_tiles(fp32))
     splits = 1 if not decode else (num_splits or decode_splits(num_seqs, num_kv_heads, query.device))
-    if splits > 1:
+    if partials is not None:
+        part, ml, slot0 = partials
+        assert slot0 + (splits if splits > 1 else 0) <= part.shape[2] and kv_start is not None and levels is not None
+    elif splits > 1:
         part = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
         ml = torch.empty(2, num_tokens, num_heads, splits, dtype=torch.float32, device=query.device)
+        slot0 = 0
     else:
         part = ml = out  # unused
+        slot0 = 0
+    num_slots = part.shape[2] if part is not out else 1
     if decode:
         grid = (num_seqs, splits, num_kv_heads)
     else:  # an upper bound on the query tiles: each sequence's last tile may be partial
         grid = (triton.cdiv(num_tokens, block_q) + num_seqs, 1, num_kv_heads)
-    ml_half = num_tokens * num_heads * splits
+    ml_half = num_tokens * num_heads * num_slots
     on = pdl(query.device)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        seq_order if seq_order is not None else seq_lens, *scales, part, ml, scale, num_heads, num_seqs, ml_half,
+        seq_order if seq_order is not None else seq_lens, *scales, part, ml,
+        kv_start if kv_start is not None else seq_lens, levels[0] if levels is not None else seq_lens, scale,
+        num_heads, num_seqs, ml_half,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
@@ -301,11 +359,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         PRECISION="ieee" if fp32 else "tf32", FP8=fp8,
         DOT_TY=tl.float32 if fp32 else tl.float16, NUM_SPLITS=splits,
         DECODE=decode, ORDERED=seq_order is not None, SEQS_P=0 if decode else max(16, triton.next_power_of_2(num_seqs)),
-        PDL=on, num_warps=warps, num_stages=stages, launch_pdl=on,
+        PDL=on, CASCADE=kv_start is not None, NUM_SLOTS=num_slots, SLOT0=slot0,
+        PREFIX_SPLITS=levels[1] if levels is not None else 0,
+        num_warps=warps, num_stages=stages, launch_pdl=on,
     )
-    if splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            out, part, ml, num_heads, ml_half, out.stride(0), out.stride(1),
-            NUM_SPLITS=splits, HEAD_D=head_dim, HEAD_P=max(triton.next_power_of_2(head_dim), 16),
-            PDL=on, launch_pdl=on)
+    if splits > 1 and partials is None:
+        merge_partials(out, part, ml)
     return out

@@ -79,3 +79,45 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         probs = torch.softmax(scores, dim=-1)
         out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
+
+
+def cascade_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                                scale: float, cascade, k_scale: torch.Tensor | None = None,
+                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_attention_reference's result computed the cascade way (attention.CascadeMetadata):
+    each row attends its groups' prefix keys read through the group's own block table (seq[g]'s),
+    then its sequence's keys from kv_start on, in one softmax. Equal to plain attention exactly
+    when the groups are right (their members' tables do hold the same blocks there)."""
+    out = torch.empty_like(query)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    block_size = k_cache.shape[1]
+    group = query.shape[1] // num_kv_heads
+    row_start, rows = cascade.row_start.tolist(), cascade.rows.tolist()
+    row_groups: dict[int, list[int]] = {}
+    for g in range(len(cascade.seq)):
+        for r in rows[row_start[g]:row_start[g + 1]]:
+            row_groups.setdefault(r, []).append(g)
+
+    def keys(seq: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(lo, hi, device=block_tables.device)
+        slots = block_tables[seq, pos // block_size].long() * block_size + pos % block_size
+        k = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].float()
+        v = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].float()
+        if k_scale is not None:
+            k = k * k_scale.reshape(-1, num_kv_heads)[slots][..., None]
+            v = v * v_scale.reshape(-1, num_kv_heads)[slots][..., None]
+        return k, v
+
+    starts, lens, kv_start = query_start_loc.tolist(), seq_lens.tolist(), cascade.kv_start.tolist()
+    for i, seq_len in enumerate(lens):
+        q_len = starts[i + 1] - starts[i]
+        for j in range(q_len):
+            t, pos = starts[i] + j, seq_len - q_len + j
+            parts = [keys(int(cascade.seq[g]), int(cascade.lo[g]), int(cascade.hi[g])) for g in row_groups.get(t, [])]
+            parts.append(keys(i, kv_start[i], pos + 1))
+            k = torch.cat([p[0] for p in parts]).repeat_interleave(group, dim=1)
+            v = torch.cat([p[1] for p in parts]).repeat_interleave(group, dim=1)
+            probs = torch.softmax(torch.einsum("hd,khd->hk", query[t].float(), k) * scale, dim=-1)
+            out[t] = torch.einsum("hk,khd->hd", probs, v).to(query.dtype)
+    return out

@@ -8,18 +8,22 @@ import torch
 
 from llmserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from llmserve.hookspecs import hookimpl
-from llmserve.kernels.reference import paged_attention_reference, write_kv_reference
+from llmserve.kernels.reference import cascade_attention_reference, paged_attention_reference, write_kv_reference
 from llmserve.kernels.fused import rms_norm_reference, rotary_reference, silu_and_mul_reference
 from llmserve.kernels.sampling import sample_filtered_rows_reference, sample_rows_reference
 
 
 class CPUBackend(AttentionBackend):
     name = "cpu"
+    supports_cascade = True  # the reference; its cost model never picks it (plain torch gains nothing)
 
     def write_kv(self, key, value, cache: KVCache, slot_mapping) -> None:
         write_kv_reference(key, value, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale)
 
     def attention(self, query, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.cascade is not None:
+            return cascade_attention_reference(query, cache.k, cache.v, meta.block_tables, meta.query_start_loc,
+                                               meta.seq_lens, scale, meta.cascade, cache.k_scale, cache.v_scale)
         return paged_attention_reference(query, cache.k, cache.v, meta.block_tables, meta.query_start_loc,
                                          meta.seq_lens, scale, cache.k_scale, cache.v_scale)
 

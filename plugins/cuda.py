@@ -10,16 +10,18 @@ from llmserve.hookspecs import hookimpl
 
 class CUDABackend(AttentionBackend):
     name = "cuda"
+    supports_cascade = True
 
     def __init__(self) -> None:
         # Imported here: Triton's CUDA driver is only needed when this backend is chosen.
-        from llmserve.kernels import fused
+        from llmserve.kernels import cascade, fused
         from llmserve.kernels.cache_write import write_kv
         from llmserve.kernels.paged_attention import paged_attention
         from llmserve.kernels.sampling import sample_filtered_rows, sample_rows
         from llmserve.kernels.token_mask import apply_token_mask
         self._write_kv = write_kv
         self._paged_attention = paged_attention
+        self._cascade = cascade
         self._sample_rows = sample_rows
         self._sample_filtered_rows = sample_filtered_rows
         self._fused = fused
@@ -29,9 +31,18 @@ class CUDABackend(AttentionBackend):
         self._write_kv(key, value, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale)
 
     def attention(self, query, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.cascade is not None:
+            return self._cascade.cascade_attention(query, cache.k, cache.v, meta.block_tables, meta.query_start_loc,
+                                                   meta.seq_lens, scale, meta.max_query_len, meta.cascade,
+                                                   k_scale=cache.k_scale, v_scale=cache.v_scale,
+                                                   seq_order=meta.seq_order)
         return self._paged_attention(query, cache.k, cache.v, meta.block_tables, meta.query_start_loc,
                                      meta.seq_lens, scale, meta.max_query_len, k_scale=cache.k_scale,
                                      v_scale=cache.v_scale, seq_order=meta.seq_order)
+
+    def cascade_pays(self, sizes, lengths, num_heads, num_kv_heads, head_dim, device) -> bool:
+        from llmserve.kernels.hardware import sm_count
+        return self._cascade.worth_it(sizes, lengths, num_heads, num_kv_heads, head_dim, sm_count(device))
 
     def rms_norm(self, x, weight, eps, residual=None):
         return self._fused.rms_norm(x, weight, eps, residual)

@@ -15,6 +15,7 @@ the page's figures:
     file = "w-small-vllm.json"
     baseline = "w-small-none.json"    # optional: the same call's unmodified run, for a ratio
     offline = "w-small.json"          # W-serve rows: the same call's offline run it is a fraction of
+    same_call = "..."                 # optional: what the same call measured beside it (from its log)
 
 A figure's kind follows from its file: `bench throughput` (offline), `bench serve`, the start-up
 benchmark's rows, or `bench quality`.
@@ -58,6 +59,8 @@ def kind(data) -> str:
         return "structured"
     if "verify" in data or "ngram" in data or "load" in data or "pair" in data:
         return "speculative"
+    if "rows" in data and all("cascade_us" in r for r in data["rows"]):
+        return "cascade"
     return "serve" if "output_throughput" in data else "offline"
 
 
@@ -97,6 +100,8 @@ def offline_rows(figs) -> list[str]:
         if "baseline_data" in fig:
             b = fig["baseline_data"]
             peers.append(f"unquantized {b['wall_s']:.2f} s: **{b['wall_s'] / d['wall_s']:.2f}×**")
+        if "same_call" in fig:  # figures of the same call whose files did not come back, as its log shows them
+            peers.append(fig["same_call"])
         rows.append(f"| {fig['name']} | {d['wall_s']:.3f} | {d['output_tok_s']:,.0f} | {roof} | "
                     f"{'; '.join(peers) or '—'} | {link(run)} |")
     return rows
@@ -204,13 +209,32 @@ def speculative_rows(figs) -> list[str]:
     return rows
 
 
+def cascade_rows(figs) -> list[str]:
+    """scripts/cascade_bench.py: cascade against the plain decode kernel, one layer; with --sweep,
+    how often the cost model picked the faster."""
+    rows = ["| figure | measured | run |", "|---|---|---|"]
+    for fig, run in figs:
+        d = fig["file_data"]
+        parts = [f"batch {r['batch']}, {r['groups']} group(s), {r['prefix']:,}-token prefix, {r['suffix']} own tokens, "
+                 f"{r['heads']} query / {r['kv_heads']} KV heads: plain {r['plain_us']:.0f} µs, cascade "
+                 f"{r['cascade_us']:.0f} µs: **{r['speedup']:.1f}×**" for r in d["rows"] if r["prefix"] >= 32768]
+        if "cost_model_right" in d:
+            wins = sum(r["speedup"] > 1 for r in d["rows"])
+            parts.append(f"{len(d['rows'])} decode layouts (batch 2-256, 1 or 8 groups, prefixes 32-8,192, 16 and 32 "
+                         f"query heads over 8 KV heads): cascade faster in {wins}; the cost model picked the faster "
+                         f"path in **{100 * d['cost_model_right']:.0f}%**")
+        rows.append(f"| {fig['name']} | {'<br>'.join(parts)} | {link(run)} |")
+    return rows
+
+
 def render(runs: list[dict]) -> str:
     figs = latest_figures(runs)
     parts = []
     for title, key, rows in (("Offline throughput", "offline", offline_rows), ("Serving", "serve", serve_rows),
                              ("Start-up", "startup", startup_rows), ("Quantization quality", "quality", quality_rows),
                              ("Structured outputs", "structured", structured_rows),
-                             ("Speculative decoding", "speculative", speculative_rows)):
+                             ("Speculative decoding", "speculative", speculative_rows),
+                             ("Cascade attention", "cascade", cascade_rows)):
         if key in figs:
             parts.append(f"### {title}\n\n" + "\n".join(rows(figs[key])))
     index = ["| run | time | device | commit | command | what |", "|---|---|---|---|---|---|"]

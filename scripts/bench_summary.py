@@ -22,7 +22,7 @@ def main() -> None:
                 if "device_busy_s" in d else "")
         print(f"{path.rsplit('/', 1)[-1]}: {r['wall_s']:.3f} s, {r['output_tok_s']:.0f} tok/s, "
               f"{100 * r.get('roofline_fraction', 0):.1f}% of roofline{held}{busy}, start-up {r['startup_s']:.1f} s, "
-              f"GC {r['stalls']['gc']['ms']:.0f} ms")
+              f"GC {r['stalls']['gc']['ms']:.0f} ms" + (f", cascade steps {r['cascade_steps']}" if r.get('cascade_steps') else ""))
         print("   " + "; ".join(f"{b['steps']}: {b['count']} in {b['total_s']:.3f} s"
                                 + (f" (device {b['device_s']:.3f}, idle {b['idle_s']:.3f})" if "device_s" in b else "")
                                 + f" launch {b['launch_ms']:.1f} ms" for b in d["by_batch"]))

@@ -19,6 +19,8 @@
 #          commits only this way, boxes of one kind differ by ~4%;
 #          ab-serve: W-serve at rate inf the same way, AB_RUNS (2) rounds, with the engine process
 #          and on one loop;
+#          w-prefix: W-prefix with prefix caching off, on, on + cascade attention, then
+#          scripts/cascade_bench.py (the kernel in FlashInfer's setting, the cost model's sweep);
 #          figures: decode-b1 bf16 and int8, W-small with an FP8 cache and W-large fp8 beside bf16,
 #          the server's start-up (BENCHMARKS.md's figures without a peer);
 #          peers: W-small and W-large (PEER_WORKLOADS) with vLLM 0.24.0 as the peer in the same
@@ -70,7 +72,7 @@ run)
     { nvidia-smi; "$PY" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'; } \
         > "$OUT/env.txt" 2>&1
     set +e
-    [ -n "${SKIP_TESTS:-}" ] || timeout 480 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 tests/test_gpu.py tests/test_kernels.py tests/test_sampling_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    [ -n "${SKIP_TESTS:-}" ] || timeout 480 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 tests/test_gpu.py tests/test_kernels.py tests/test_sampling_kernels.py tests/test_cascade.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     # COLD=1: the benchmark starts on an empty Triton cache (a fresh machine's start-up: every kernel compiled)
     [ -z "${COLD:-}" ] || export TRITON_CACHE_DIR="$(mktemp -d)"
     bench=${2:-w-small}
@@ -159,6 +161,22 @@ run)
             echo "$w $v: exit $?"; "$PY" scripts/bench_summary.py "$OUT/$w-$v.json"
         done
         timeout 150 "$PY" scripts/startup_bench.py --runs 2 --cold --json "$OUT/startup.json" 2>&1 | tail -4
+    elif [ "$bench" = w-prefix ]; then
+        # W-prefix with prefix caching off, on, and on with cascade attention (auto), in one call;
+        # then cascade against the plain decode kernel in FlashInfer's setting, and the cost
+        # model's sweep (CASCADE_MODES: "sweep", also "tune", or "").
+        for run in off:--no-prefix-caching:never on::never cascade::auto; do
+            name=${run%%:*} rest=${run#*:}; flag=${rest%%:*} cascade=${rest#*:}
+            timeout 200 "$PY" -m llmserve.bench.throughput --workload w-prefix $flag --cascade-attention "$cascade" \
+                ${BENCH_ARGS:-} --json "$OUT/w-prefix-$name.json" > "$OUT/w-prefix-$name.log" 2>&1
+            echo "w-prefix $name: exit $?"; "$PY" scripts/bench_summary.py "$OUT/w-prefix-$name.json"
+        done
+        (cd scripts && PYTHONPATH=/tmp/site:. timeout 200 "$PY" cascade_bench.py --json "$OUT/cascade-kernel.json") \
+            > "$OUT/cascade-kernel.log" 2>&1; tail -3 "$OUT/cascade-kernel.log"
+        for mode in ${CASCADE_MODES:-sweep}; do  # sweep: the cost model's; tune: the prefix kernel's tiles
+            (cd scripts && PYTHONPATH=/tmp/site:. timeout 300 "$PY" cascade_bench.py --$mode \
+                --json "$OUT/cascade-$mode.json") > "$OUT/cascade-$mode.log" 2>&1
+        done
     elif [ "$bench" = script ]; then
         script=$3; shift 3
         (cd scripts && PYTHONPATH=/tmp/site:. timeout 500 "$PY" "$script" "$@" --json "$OUT/${script%.py}.json") \

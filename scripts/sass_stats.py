@@ -39,7 +39,7 @@ from triton.compiler import ASTSource
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-INT_POINTERS = {"block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr", "seq_order_ptr"}
+INT_POINTERS = {"block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr", "seq_order_ptr", "kv_start_ptr", "levels_ptr"}
 F32_POINTERS = {"k_scale_ptr", "v_scale_ptr", "part_ptr", "ml_ptr"}
 
 
@@ -82,7 +82,8 @@ def compile_paged_attention(module: types.ModuleType, v: dict):
                   BLOCK_Q=block_m // v["group"], BLOCK_N=block_n, PRECISION="ieee" if fp32 else "tf32", FP8=fp8,
                   DOT_TY=tl.float32 if fp32 else tl.float16,
                   NUM_SPLITS=v["splits"], DECODE=v["decode"], ORDERED=v["decode"],
-                  SEQS_P=0 if v["decode"] else 256, PDL=True)
+                  SEQS_P=0 if v["decode"] else 256, PDL=True,
+                  CASCADE=False, NUM_SLOTS=v["splits"], SLOT0=0, PREFIX_SPLITS=0)  # (plain attention, no cascade)
     names = list(fn.arg_names)
     consts = {k: c for k, c in consts.items() if k in names}
     unspecialized = {names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}

@@ -267,3 +267,20 @@ def test_cuda_a_draft_model_that_is_the_model_itself_has_every_greedy_draft_kept
         assert run_all(llm, params) == plain
         spec = llm.engine.scheduler.spec
         assert spec.drafts > 0 and spec.accepted_tokens == spec.draft_tokens
+
+
+def test_cuda_cascade_forced_on_gives_transformers_tokens_through_its_graphs(checkpoint):
+    """Prompts sharing a 42-token prefix (float32): with cascade attention forced on, the decode
+    steps replay cascade graphs, and the tokens are transformers' and the plain engine's."""
+    from test_cascade import PROMPTS
+    path = checkpoint("qwen3")
+    options = dict(dtype="float32", device="cuda", num_blocks=2048, block_size=4, max_num_seqs=8, log_interval_s=0)
+    with LLM(path, cascade_attention="never", **options) as plain:
+        expected = run(plain, PROMPTS * 2)
+        assert plain.engine.runner.cascade_steps == 0
+    assert expected[:len(PROMPTS)] == hf_greedy(path, PROMPTS, MAX_TOKENS, device="cuda")
+    with LLM(path, cascade_attention="always", **options) as cascade:
+        replays = record_calls(cascade.engine.runner.graphs, "_replay")
+        assert run(cascade, PROMPTS * 2) == expected
+        assert sum(kind == "cascade" for kind, _ in replays) >= MAX_TOKENS // 2
+        assert cascade.engine.kv.num_free_blocks() == cascade.engine.kv.pool.num_blocks

@@ -200,3 +200,33 @@ def test_an_entry_that_fails_fails_alone_and_its_blocks_go_back(monkeypatch):
     assert plan.req_ids == ["a", "c"] and set(plan.new_sequences) == {"a", "c"}
     assert fb.failed == {"b": "KV cache manager: KeyError: 'bug'"} and set(fb.scheduled) == {"a", "c"}
     assert "b" not in kv.requests and kv.pool.num_free == 8 - 2 - 1
+
+
+def test_tentative_admissions_take_only_the_budget_cache_hits_left():
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    shared = list(range(100, 116))  # four blocks
+    kv.process(StepProposal(0, [admit("warm", shared + [1], 17)], token_budget=20))
+    kv.free("warm")
+    tentative = lambda r, tokens: ScheduledRequest(r, len(tokens), list(tokens), (0, 1.0, len(r)),  # noqa: E731
+                                                   Admission(len(tokens), SamplingParams(), True), tentative=True)
+    entries = [admit("a", shared + [2, 3], 18),  # charged 18, computes 2 (16 cached)
+               tentative("b", shared + [4]),  # computes 1
+               tentative("c", list(range(50, 70))),  # nothing cached: 20 tokens, 17 left: a chunk of 17
+               tentative("d", shared + [5])]  # the budget is spent
+    plan, fb = kv.process(StepProposal(1, entries, token_budget=20))
+    assert fb.scheduled == {"a": (16, 2, True), "b": (16, 1, True), "c": (0, 17, False)}
+    assert fb.not_admitted == ["d"] and "d" in kv.parked and plan.num_tokens == 20
+
+
+def test_plans_report_rows_sharing_prefix_blocks_when_asked():
+    shared = list(range(100, 112))  # three blocks
+    for groups in (False, True):
+        kv = KVCacheManager(num_blocks=32, block_size=4, prefix_groups=groups)
+        kv.process(StepProposal(0, [admit("a", shared + [1], 13)]))
+        plan, _ = kv.process(StepProposal(1, [decode("a", 7, (0, 0.0, 0)), admit("b", shared + [2], 13, (0, 1.0, 1)),
+                                               admit("c", [9] * 13, 13, (0, 2.0, 2))]))
+        if not groups:
+            assert plan.prefix_groups is None
+            continue
+        g = plan.prefix_groups  # b's context is its three cached blocks: it joins a at once
+        assert g.starts.tolist() == [0, 2] and g.members.tolist() == [0, 1] and g.hi.tolist() == [12]

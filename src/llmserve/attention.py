@@ -7,8 +7,13 @@ Backends are plugins (see hookspecs.py); the model calls them through this inter
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from llmserve.messages import PrefixGroups
 
 
 @dataclass(slots=True)
@@ -20,6 +25,63 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # int32 [num_seqs]
     max_query_len: int  # 1: a decode step (every query length 1)
     seq_order: torch.Tensor | None = None  # int32 [num_seqs]: decode sequences longest first, or None
+    cascade: CascadeMetadata | None = None  # shared prefixes to attend once per group, or None
+
+
+@dataclass(slots=True)
+class CascadeMetadata:
+    """Groups of query rows that share a prefix of keys (kernels/cascade.py: the algorithm), as
+    int32 device tensors: group g's rows (flattened token indices) are rows[row_start[g] :
+    row_start[g + 1]], all past keys [lo[g], hi[g]) of sequence seq[g]'s block table, which their
+    own tables hold too; level[g] 0 (lo = 0) or 1 (nested in a level-0 group, its keys after that
+    group's). kv_start [S]: each sequence's first key of its own; levels [T]: the groups covering
+    each row. Groups past the last real one have no rows (a CUDA graph's padding)."""
+    row_start: torch.Tensor
+    rows: torch.Tensor
+    seq: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    level: torch.Tensor
+    kv_start: torch.Tensor
+    levels: torch.Tensor
+
+    @staticmethod
+    def size(groups: int, rows: int, seqs: int, tokens: int) -> int:
+        """int32 elements of the packed layout for these capacities."""
+        return groups + 1 + rows + 4 * groups + seqs + tokens
+
+    @staticmethod
+    def pack(groups: PrefixGroups, query_start_loc: np.ndarray, out: np.ndarray, capacity: tuple[int, int, int, int]) -> None:
+        """Fill `out` (int32, size(*capacity)) with the packed layout [row_start | rows | seq | lo |
+        hi | level | kv_start | levels] of `groups` (plan rows) over a batch with these query
+        offsets, padded to capacity (groups, rows, seqs, tokens)."""
+        G, R, S, T = capacity
+        n = groups.num_groups
+        out[:] = 0
+        counts = np.diff(query_start_loc)
+        member_counts = counts[groups.members]  # each member's query rows, in group order
+        row_start = out[:G + 1]
+        np.cumsum(np.add.reduceat(member_counts, groups.starts[:-1]) if n else [], out=row_start[1:n + 1])
+        row_start[n + 1:] = row_start[n]
+        total = int(row_start[n])
+        firsts = np.cumsum(member_counts) - member_counts  # each member's first slot in `rows`
+        out[G + 1:G + 1 + total] = (np.repeat(query_start_loc[groups.members] - firsts, member_counts)
+                                    + np.arange(total))
+        o = G + 1 + R
+        for i, field in enumerate((groups.members[groups.starts[:-1]], groups.lo, groups.hi, groups.level)):
+            out[o + i * G:o + i * G + n] = field
+        kv_start, levels = out[o + 4 * G:o + 4 * G + S], out[o + 4 * G + S:o + 4 * G + S + T]
+        member_group = np.repeat(np.arange(n), np.diff(groups.starts))
+        np.maximum.at(kv_start, groups.members, groups.hi[member_group])
+        covered = np.bincount(groups.members, minlength=len(counts))  # a level-1 member is in a level-0 group too
+        levels[:int(query_start_loc[-1])] = np.repeat(covered, counts)
+
+    @classmethod
+    def view(cls, packed: torch.Tensor, capacity: tuple[int, int, int, int]) -> CascadeMetadata:
+        """The tensors of a packed layout (views into `packed`)."""
+        G, R, S, T = capacity
+        parts = torch.split(packed, [G + 1, R, G, G, G, G, S, T])
+        return cls(*parts)
 
 
 @dataclass(slots=True)
@@ -39,14 +101,25 @@ class AttentionBackend:
     """Base class of hardware backends. Subclasses implement the two kernels for their device."""
 
     name: str = "base"
+    supports_cascade: bool = False
+    """attention() follows meta.cascade (shared prefixes once per group); without it, the runner
+    never sets one."""
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor) -> None:
         """Store key/value [T, Hkv, D] into the paged cache at slot_mapping [T] (quantizing for FP8)."""
         raise NotImplementedError
 
     def attention(self, query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Causal paged attention of query [T, Hq, D]; returns [T, Hq, D]."""
+        """Causal paged attention of query [T, Hq, D]; returns [T, Hq, D]. With meta.cascade (only
+        for backends that support it), each group's shared prefix is read once for the group."""
         raise NotImplementedError
+
+    def cascade_pays(self, sizes: np.ndarray, lengths: np.ndarray, num_heads: int, num_kv_heads: int,
+                     head_dim: int, device: torch.device) -> bool:
+        """Cascade attention's cost model: whether a step's attention is faster with it, where its
+        groups have sizes [G] query rows and prefixes of lengths [G] keys (cache.cascade_attention
+        = "auto" asks this every step)."""
+        return False
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
         """RMSNorm of x [..., N]; with a residual, returns (norm(x + residual), x + residual)."""

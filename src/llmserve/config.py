@@ -71,8 +71,14 @@ class CacheConfig:
     """Reuse the KV blocks of identical prompt prefixes across requests."""
     kv_cache_dtype: str = "auto"
     """auto (the model dtype) | fp8 / fp8_e4m3 (FP8-e4m3 values with a float32 scale per token and KV head)."""
+    cascade_attention: str = "auto"
+    """auto | always | never: attend a prefix that running requests share once for all of them
+    (cascade attention); auto where its cost model says a step gains, always wherever requests
+    share one."""
 
     def __post_init__(self) -> None:
+        _check(self.cascade_attention in ("auto", "always", "never"), "cache", "cascade_attention",
+               "'auto', 'always' or 'never'", self.cascade_attention)
         _check(self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"), "cache", "kv_cache_dtype",
                "'auto', 'fp8' or 'fp8_e4m3'", self.kv_cache_dtype)
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "cache", "block_size", "a power of two in [1, 128]", self.block_size)

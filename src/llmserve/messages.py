@@ -77,6 +77,9 @@ class ScheduledRequest:
     computes them to check them; the KV manager drops them when the request's next tokens come."""
     propose: int = 0
     """Most drafts to propose for the request once this step's token is known (0: none)."""
+    tentative: bool = False
+    """A new request proposed after the step's budget was spent, charged nothing: admitted only
+    with the budget that prefix-cache hits of the entries before it leave (StepProposal.token_budget)."""
 
 
 @dataclass(slots=True)
@@ -96,6 +99,8 @@ class StepProposal:
     """In policy order: earlier entries have higher priority; preemption takes from the tail."""
     freed: list[str] = field(default_factory=list)
     """Finished or aborted requests whose blocks go back to the pool."""
+    token_budget: int = 0
+    """Tokens the step may compute in all (the tentative entries' limit)."""
 
 
 # ---- KV manager -> executor -----------------------------------------------------------------
@@ -108,6 +113,28 @@ class NewSequence:
     output_token_ids: array
     """int64, slices of the KV manager's copy."""
     prepared: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PrefixGroups:
+    """Running requests whose block tables begin with the same blocks (for cascade attention,
+    kernels/cascade.py). Group g is the plan rows members[starts[g]:starts[g + 1]] (two or more),
+    which share the keys [lo[g], hi[g]) (whole blocks, all in every member's context before the
+    step). level[g] 0: lo is 0; level 1: the group lies inside a level-0 group whose hi is its lo."""
+    starts: np.ndarray
+    """int32 [G + 1]"""
+    members: np.ndarray
+    """int32 [M]"""
+    lo: np.ndarray
+    """int32 [G], tokens"""
+    hi: np.ndarray
+    """int32 [G], tokens"""
+    level: np.ndarray
+    """int32 [G]"""
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.lo)
 
 
 @dataclass(slots=True)
@@ -132,6 +159,8 @@ class StepPlan:
     they sample at each of their last drafts + 1 positions."""
     propose: dict[str, int] = field(default_factory=dict)
     """Requests to propose drafts for once this step's token is known, and at most how many."""
+    prefix_groups: PrefixGroups | None = None
+    """Rows sharing a prefix of blocks (None: not looked for)."""
 
     @property
     def num_tokens(self) -> int:

@@ -87,11 +87,18 @@ def roofline_seconds(w: Workload, spec: ModelSpec, bandwidth: float, flops: floa
     t = np.arange(steps, dtype=np.float64)[:, None]
     running = out[None, :] > t
     context = float(((prompt[None, :] + t) * running).sum())
-    decode = (steps * weight_bytes + context * kv_token) / bandwidth
     # FLOPs: 2 * params a token, plus attention (QK^T and PV) over the keys up to and including its own.
     attn = 4 * layers * q
     prompt_flops = 2 * params * prompt.sum() + attn * float((prompt * (prompt + 1) / 2).sum())
     decode_flops = 2 * params * out.sum() + attn * (context + running.sum())
+    read = context
+    if w.shared_prefix:  # each prefix computed once and read once a step; the rest per request
+        groups, length = w.shared_prefix
+        own = prompt - length
+        prompt_flops = (2 * params * (groups * length + own.sum()) + attn * groups * length * (length + 1) / 2
+                        + attn * float((own * (own + 1) / 2 + own * length).sum()))
+        read = float(((own[None, :] + t) * running).sum()) + groups * length * steps
+    decode = (steps * weight_bytes + read * kv_token) / bandwidth
     prefill, compute = prompt_flops / flops, (prompt_flops + decode_flops) / flops
     roofline = prefill + decode if w.bound == "bandwidth" else max(compute, decode)
     return {"roofline_s": float(roofline), "bound": w.bound, "decode_s": float(decode), "prefill_s": float(prefill),
@@ -194,6 +201,7 @@ def run(workload: str, *, peers: tuple[str, ...] = (), peer_requests: int = 64, 
             # The same subset through our engine, for a like-for-like ratio measured in this run.
             sub_wall, _, _ = timed_generate(llm, w.prompts[:peer_requests], w.params[:peer_requests])
         preemptions = llm.engine.scheduler.num_preemptions
+        cascade_steps = llm.engine.runner.cascade_steps
         leaked = llm.engine.kv.pool.num_blocks - llm.engine.kv.num_free_blocks()
         llm.shutdown()
         llm = None
@@ -212,6 +220,7 @@ def run(workload: str, *, peers: tuple[str, ...] = (), peer_requests: int = 64, 
               "wall_s": wall, "prompt_tokens": w.prompt_tokens,
               "output_tokens": generated, "expected_output_tokens": w.output_tokens,
               "output_tok_s": generated / wall, "preemptions": preemptions, "leaked_blocks": leaked,
+              "cascade_steps": cascade_steps,
               "output_chars": sum(len(o.outputs[0].text) for o in outs), "detokenize": detokenize,
               "decode_steps": step_summary, "stalls": stalls,
               "date": time.strftime("%Y-%m-%d"), "engine_kwargs": engine_kwargs}
@@ -314,6 +323,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vllm-timeout", type=float, default=900.0, help="seconds the vllm peer may take in all")
     ap.add_argument("--profile", metavar="PREFIX", help="torch profiler over prefill, steady decode and tail steps: PREFIX-stepN.txt, .trace.json")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                    help="cache.enable_prefix_caching = false")
+    ap.add_argument("--cascade-attention", default="auto", choices=("auto", "always", "never"),
+                    help="cache.cascade_attention")
     ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this run (seconds)")
     ap.add_argument("--quantization", help="model.quantization (int8, fp8, ...)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="cache.kv_cache_dtype (auto, fp8)")
@@ -339,7 +352,8 @@ def main(argv: list[str] | None = None) -> None:
                  vllm_timeout_s=args.vllm_timeout, profile=args.profile,
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  reserve_growth=args.reserve_growth, enforce_eager=args.enforce_eager, log_interval_s=10.0,
-                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, detokenize=args.detokenize)
+                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, detokenize=args.detokenize,
+                 enable_prefix_caching=args.enable_prefix_caching, cascade_attention=args.cascade_attention)
     report(result, args.json)
     for line in peer_lines(result):
         print(line, file=sys.stderr)

@@ -39,6 +39,9 @@ class Workload:
     # reads, as for W-small) or "compute" (every token's FLOPs, the decode reads beneath them, as for
     # W-large, whose decode tokens ride along with prefill chunks).
     bound: str = "bandwidth"
+    shared_prefix: tuple[int, int] | None = None
+    """(prefixes, tokens each) when the prompts begin with shared prefixes: the roofline computes
+    each prefix once and reads it once a step (prefix caching and cascade attention)."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -137,4 +140,12 @@ def decode_b1() -> Workload:
     return Workload("decode-b1", LLAMA31_8B, prompts, [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=512)])
 
 
-WORKLOADS = {"w-small": w_small, "w-large": w_large, "decode-b1": decode_b1}
+def w_prefix() -> Workload:
+    random.seed(3)
+    prefixes = [[random.randint(0, 10000) for _ in range(4096)] for _ in range(8)]
+    prompts = [prefixes[i % 8] + [random.randint(0, 10000) for _ in range(64)] for i in range(512)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=128) for _ in range(512)]
+    return Workload("w-prefix", QWEN3_0_6B, prompts, params, shared_prefix=(8, 4096))
+
+
+WORKLOADS = {"w-small": w_small, "w-large": w_large, "w-prefix": w_prefix, "decode-b1": decode_b1}

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmserve.core.block_pool import BlockPool
-from llmserve.messages import PLACEHOLDER, NewSequence, ScheduledRequest, StepFeedback, StepPlan, StepProposal
+from llmserve.messages import (PLACEHOLDER, NewSequence, PrefixGroups, ScheduledRequest, StepFeedback, StepPlan,
+                               StepProposal)
 
 _ROOT_HASH = 0x5EED_C0DE
 RESERVE_HORIZON = 4096
@@ -39,8 +40,66 @@ WAIT = -1
 """admit's answer when the request's blocks fit but the room for growth does not: it waits."""
 
 
+MAX_PREFIX_GROUPS = 32
+"""Groups a plan reports at most (the cascade kernel's graphs are captured for this many)."""
+
+
 def chain_hash(parent: int, tokens: array) -> int:
     return hash((parent, tokens.tobytes()))
+
+
+def find_prefix_groups(tables: np.ndarray, ctx_blocks: np.ndarray, block_size: int,
+                       max_groups: int = MAX_PREFIX_GROUPS) -> PrefixGroups | None:
+    """Rows of a step whose block tables begin with the same blocks, for cascade attention.
+
+    tables [S, W] int32 (the plan's block tables), ctx_blocks [S]: each row's whole blocks before
+    its first query (a shared prefix must end there: every query must lie past it). Level 0: rows
+    grouped by their first block (equal block ids hold equal tokens: the prefix cache shares them),
+    the group's prefix running to the first column where a member differs or its context ends.
+    Level 1: inside each level-0 group, the members whose context goes on grouped the same way by
+    the block after the prefix. Groups of one are no groups. The max_groups that save the most
+    key reads (rows x prefix blocks) are kept, a level-1 group only with its level-0 group.
+    One argsort, then numpy over each group's rows: no pass over blocks in Python."""
+    found: list[tuple[int, int, int, int, np.ndarray]] = []  # (saved, level, lo, hi, rows)
+
+    def runs(rows: np.ndarray, col: int):  # rows sharing their block at `col`, in runs of two or more
+        keys = tables[rows, col]
+        order = np.argsort(keys, kind="stable")
+        rows, keys = rows[order], keys[order]
+        edges = np.flatnonzero(np.diff(keys)) + 1
+        lo, hi = np.concatenate([[0], edges]), np.concatenate([edges, [len(keys)]])
+        for a, b in zip(lo[hi - lo > 1].tolist(), hi[hi - lo > 1].tolist()):
+            yield rows[a:b]
+
+    def common(rows: np.ndarray, col: int) -> int:  # the end of the blocks all rows share from col on
+        end = int(ctx_blocks[rows].min())
+        same = (tables[rows, col:end] == tables[rows[0], col:end]).all(0)
+        return col + (int(np.argmin(same)) if not same.all() else len(same))
+
+    for rows in runs(np.flatnonzero(ctx_blocks >= 1), 0):
+        hi = common(rows, 0)
+        found.append(((len(rows) - 1) * hi, 0, 0, hi, rows))
+        deeper = rows[ctx_blocks[rows] > hi]
+        if len(deeper) > 1:
+            for sub in runs(deeper, hi):
+                hi1 = common(sub, hi)
+                found.append(((len(sub) - 1) * (hi1 - hi), 1, hi, hi1, sub))
+    if not found:
+        return None
+    top = sorted((f for f in found if f[1] == 0), key=lambda f: -f[0])[:max_groups]
+    kept_rows = np.zeros(len(tables), dtype=bool)
+    for f in top:
+        kept_rows[f[4]] = True
+    # (a level-1 group's rows all lie in one level-0 group: its first row tells which)
+    nested = sorted((f for f in found if f[1] == 1 and kept_rows[f[4][0]]), key=lambda f: -f[0])
+    chosen = top + nested[:max_groups - len(top)]
+    sizes = np.array([len(f[4]) for f in chosen], dtype=np.int32)
+    starts = np.zeros(len(chosen) + 1, dtype=np.int32)
+    np.cumsum(sizes, out=starts[1:])
+    return PrefixGroups(starts, np.concatenate([f[4] for f in chosen]).astype(np.int32),
+                        np.array([f[2] for f in chosen], dtype=np.int32) * block_size,
+                        np.array([f[3] for f in chosen], dtype=np.int32) * block_size,
+                        np.array([f[1] for f in chosen], dtype=np.int32))
 
 
 @dataclass(slots=True, eq=False)
@@ -65,11 +124,13 @@ class KVRequest:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, max_model_len: int | None = None,
-                 reserve_growth: bool = False) -> None:
+                 reserve_growth: bool = False, prefix_groups: bool = False) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.max_model_len = max_model_len or num_blocks * block_size
         self.reserve_growth = reserve_growth
+        self.prefix_groups = prefix_groups
+        """Report the rows that share a prefix of blocks with each plan (for cascade attention)."""
         self.budget_share = 1.0
         """Running mean of the share of their budget (up to RESERVE_HORIZON tokens) finished requests used."""
         self.requests: dict[str, KVRequest] = {}
@@ -242,15 +303,23 @@ class KVCacheManager:
         entries = proposal.entries
         ahead: int | None = None  # growth of the requests scheduled so far, summed at the first admission
         waiting_for_room = False
+        used = 0  # tokens scheduled so far
         for idx, e in enumerate(entries):
             if e.req_id in preempted or e.req_id in failed:
                 continue
             req = self.requests[e.req_id]
             admitting = e.admitted is not None
+            num_tokens = e.num_tokens
+            if e.tentative:  # only with the budget the prefix-cache hits before it left
+                num_tokens = min(num_tokens, proposal.token_budget - used)
+                if num_tokens <= 0:
+                    not_admitted.append(e.req_id)
+                    self._park(e.req_id)
+                    continue
             if ahead is None and admitting and scheduled and self.reserve_growth:
                 ahead = sum(self.growth(r) for r, _, _ in scheduled)
             try:
-                n = WAIT if admitting and waiting_for_room else self._fit(req, e.num_tokens, admitting=admitting,
+                n = WAIT if admitting and waiting_for_room else self._fit(req, num_tokens, admitting=admitting,
                                                                             preempted=preempted, ahead=ahead)
             except Exception as exc:
                 self._fail(e.req_id, exc, failed)
@@ -275,6 +344,7 @@ class KVCacheManager:
             if admitting:
                 cached_tokens[e.req_id] = before
             scheduled.append((req, before, n))
+            used += n
             if ahead is not None:
                 ahead += self.growth(req)
 
@@ -367,6 +437,8 @@ class KVCacheManager:
             freed=list(proposal.freed),
             drafts=drafts,
             propose=propose,
+            prefix_groups=find_prefix_groups(block_tables, context_lens // self.block_size, self.block_size)
+            if self.prefix_groups and len(reqs) > 1 else None,
         )
 
     # ---- accounting --------------------------------------------------------------------------

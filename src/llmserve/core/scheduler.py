@@ -20,6 +20,8 @@ from llmserve.speculative import SpecControl, SpecCounters, Speculation
 
 
 _PLACEHOLDER = array("q", [PLACEHOLDER])  # times the tokens in flight
+MAX_TENTATIVE = 128
+"""New requests a step proposes past its spent budget at most (see Scheduler.schedule)."""
 
 
 class RequestStatus(IntEnum):
@@ -137,6 +139,13 @@ class Scheduler:
         free seat under max_num_seqs. Stop when the budget is spent. The KV manager then admits,
         shrinks (prefix-cache hits) or preempts entries from the tail of this order to fit the pool.
 
+        A new request is charged its whole uncomputed prompt here, but the prefix cache may hold
+        most of it (a shared system prompt or document): so past the spent budget, up to
+        MAX_TENTATIVE more new requests that may use the cache are proposed as tentative, charged
+        nothing, and the KV manager admits them only with the budget the hits before them left
+        (else they stay waiting). Without that, requests behind a long cached prefix would be
+        admitted a budget's worth of prompt at a time, two or three a step.
+
         With a step in flight (async scheduling), a request whose token is still being sampled is
         scheduled on a PLACEHOLDER for it, unless that token will be its last (max_tokens or
         max_model_len); a request with tokens in flight is not (re)admitted until they arrive.
@@ -149,18 +158,20 @@ class Scheduler:
         """
         budget = self.max_num_batched_tokens
         seats = self.max_num_seqs - len(self.running)
+        tentative = MAX_TENTATIVE
         entries: list[ScheduledRequest] = []
         for req in heapq.merge(self.running, self.waiting, key=lambda r: r.key):
-            if budget == 0:
-                break
             admitting = req.status != RequestStatus.RUNNING
+            if budget == 0:  # only new requests go on, tentatively
+                if not seats or not tentative:
+                    break
+                if not admitting:
+                    continue
             if admitting:
                 if seats == 0 or req.pending:
                     continue
-                seats -= 1
             elif req.pending and self._is_last(req):
                 continue
-            n = min(req.num_tokens + req.pending - req.num_computed, budget)
             admission = None
             if admitting:
                 # Siblings of an n > 1 request share prompt blocks even with prefix caching off,
@@ -169,12 +180,20 @@ class Scheduler:
                 use_cache = shared and req.params.prompt_logprobs is None
                 salt = None if self.enable_prefix_caching else req.group
                 admission = Admission(req.prompt_len, req.params, use_cache, salt, req.prepared)
+                if budget == 0 and not use_cache:  # (nothing it could find cached would leave budget)
+                    continue
+                seats -= 1
+            lacking = req.num_tokens + req.pending - req.num_computed
+            n = min(lacking, budget) if budget else lacking
             new_tokens = req.unsent + _PLACEHOLDER * req.pending
             entries.append(ScheduledRequest(req.req_id, n, new_tokens, req.key, admission,
-                                            0 if admitting else req.retract))
+                                            0 if admitting else req.retract, tentative=budget == 0))
             req.unsent = array("q")
             req.retract = 0
-            budget -= n
+            if budget:
+                budget -= n
+            else:
+                tentative -= 1
         step_id = next(self._step)
         if self.speculation is not None:
             control = self.spec_control
@@ -186,7 +205,7 @@ class Scheduler:
                     self._probe(entries, step_id)
             control.planned()
         freed, self._to_free = self._to_free, []
-        return StepProposal(step_id, entries, freed)
+        return StepProposal(step_id, entries, freed, self.max_num_batched_tokens)
 
     # ---- speculative decoding ------------------------------------------------------------------
 

@@ -24,6 +24,12 @@ max_num_seqs:
     query_start_loc    entries 0 .. S                     entries S+1 .. max_num_seqs: T (empty queries)
     seq_lens, block_tables               rows 0 .. S-1    rows S .. : never read
 
+With cascade attention on, each decode size b >= 2 has a second graph whose attention reads the
+shared prefixes once per group (kernels/cascade.py); its groups reach it through one more static
+buffer, laid out for capacities (MAX groups, 2b group rows, b sequences, b rows) as
+attention.CascadeMetadata packs them (padding groups have no rows). A decode step replays it when
+the runner chose cascade for the step. Mixed steps replay their plain graphs.
+
 A large mixed step launches ~250 operations from Python, which can take longer than it runs:
 replaying one graph takes one launch.
 
@@ -45,7 +51,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmserve.attention import AttentionMetadata
+from llmserve.attention import AttentionMetadata, CascadeMetadata
+from llmserve.messages import PrefixGroups
 from llmserve.model.step_inputs import StepInputs, Staging
 
 
@@ -63,7 +70,7 @@ def token_sizes(max_tokens: int) -> list[int]:
 
 class StepGraphs:
     def __init__(self, model, staging: Staging, max_batch: int, max_tokens: int, max_blocks_per_seq: int,
-                 emulate: bool = False) -> None:
+                 emulate: bool = False, cascade_groups: int = 0) -> None:
         self.model = model
         self.staging = staging
         self.emulate = emulate
@@ -81,15 +88,27 @@ class StepGraphs:
         self.seq_order = torch.arange(max_batch, dtype=i32, device=device)
         self.decode_qsl = torch.arange(max_batch + 1, dtype=i32, device=device)
         self.mixed_qsl = torch.zeros(max_batch + 1, dtype=i32, device=device)
+        self.cascade_groups = cascade_groups  # group capacity of the cascade graphs (0: none captured)
+        self.cascade_sizes = [b for b in self.sizes if b >= 2] if cascade_groups else []
+        self.cascade_packed = torch.zeros(CascadeMetadata.size(*self._cascade_capacity(max_batch)), dtype=i32,
+                                          device=device) if cascade_groups else None
         self.hidden = None  # the mixed graphs' output rows, [max_tokens, hidden]
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
 
+    def _cascade_capacity(self, b: int) -> tuple[int, int, int, int]:
+        """(groups, group rows, sequences, rows) of the cascade graph of decode size b: a row lies
+        in at most two groups (a group and one nested in it)."""
+        return self.cascade_groups, 2 * b, b, b
+
     def _forward(self, kind: str, b: int) -> torch.Tensor:
-        """The forward pass over the static buffers for `b` rows (decode) or tokens (mixed)."""
-        if kind == "decode":
+        """The forward pass over the static buffers for `b` rows (decode, cascade) or tokens (mixed)."""
+        if kind in ("decode", "cascade"):
             meta = AttentionMetadata(self.slot_mapping[:b], self.block_tables[:b], self.decode_qsl[:b + 1],
                                      self.seq_lens[:b], max_query_len=1, seq_order=self.seq_order[:b])
+            if kind == "cascade":
+                capacity = self._cascade_capacity(b)
+                meta.cascade = CascadeMetadata.view(self.cascade_packed[:CascadeMetadata.size(*capacity)], capacity)
             return self.model(self.input_ids[:b], self.positions[:b], meta)
         meta = AttentionMetadata(self.slot_mapping[:b], self.block_tables, self.mixed_qsl, self.seq_lens,
                                  max_query_len=b)
@@ -106,6 +125,7 @@ class StepGraphs:
         if self.emulate:
             return
         shapes = [("mixed", t) for t in reversed(self.token_sizes)] + [("decode", b) for b in reversed(self.sizes)]
+        shapes += [("cascade", b) for b in reversed(self.cascade_sizes)]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # off the capture: kernel compilation, cuBLAS handles and kernels
@@ -137,12 +157,24 @@ class StepGraphs:
     def fits_mixed(self, num_tokens: int, num_reqs: int) -> bool:
         return num_tokens <= self.max_tokens and num_reqs <= self.max_batch
 
-    def run(self, inputs: StepInputs, from_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def fits_cascade(self, num_reqs: int, groups: PrefixGroups) -> bool:
+        return (bool(self.cascade_sizes) and 2 <= num_reqs <= self.max_batch
+                and groups.num_groups <= self.cascade_groups)
+
+    def run(self, inputs: StepInputs, from_device: tuple[torch.Tensor, torch.Tensor] | None = None,
+            cascade: PrefixGroups | None = None) -> torch.Tensor:
         """Replay for B decoding requests; returns hidden states [b, hidden] for the captured size
         b >= B (rows B.. are padding).
-        from_device: (rows, token ids) already on the device that overwrite those rows of the ids."""
+        from_device: (rows, token ids) already on the device that overwrite those rows of the ids.
+        cascade: the step's prefix groups (fits_cascade): the cascade graph replays."""
         B = inputs.num_reqs
         b = self.batch_size(B)
+        if cascade is not None:
+            capacity = self._cascade_capacity(b)
+            size = CascadeMetadata.size(*capacity)
+            host, staged = self.staging.empty((size,), np.int32)
+            CascadeMetadata.pack(cascade, inputs.query_start_loc, host, capacity)
+            self.cascade_packed[:size].copy_(staged, non_blocking=True)
         self._copy_tokens(inputs, b, from_device)
         lens_order, staged = self.staging.empty((2, b), np.int32)  # [seq_lens | seq_order], padded
         lens_order[0, :B], lens_order[0, B:] = inputs.seq_lens, 1
@@ -151,7 +183,7 @@ class StepGraphs:
         self.seq_lens[:b].copy_(staged[0], non_blocking=True)
         self.seq_order[:b].copy_(staged[1], non_blocking=True)
         self._copy_tables(inputs)
-        return self._replay("decode", b)
+        return self._replay("decode" if cascade is None else "cascade", b)
 
     def run_mixed(self, inputs: StepInputs,
                   from_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

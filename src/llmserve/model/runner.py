@@ -19,7 +19,8 @@ import torch
 
 from llmserve.attention import AttentionBackend
 from llmserve.config import EngineConfig
-from llmserve.messages import PLACEHOLDER, StepPlan, StepResult
+from llmserve.core.kv_cache_manager import MAX_PREFIX_GROUPS
+from llmserve.messages import PLACEHOLDER, PrefixGroups, StepPlan, StepResult
 from llmserve.model.cuda_graphs import StepGraphs
 from llmserve.model.kv_cache import KVCacheLayout
 from llmserve.model.loader import load_model
@@ -103,6 +104,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.graphs: StepGraphs | None = None
         self.timing = StepTiming()
+        self.cascade_steps = 0  # steps that attended shared prefixes once per group
         self.in_flight: InFlight | None = None
         self.waiting: _Sampling | None = None
         """The step launched last when its sampler waits for masks filling on the mask thread."""
@@ -159,7 +161,9 @@ class ModelRunner:
         `max_tokens` tokens (after the KV cache is allocated: they bake in its address).
         emulate: no capture; steps run eagerly over the graphs' padded buffers (tests without CUDA)."""
         max_blocks = -(-self.max_model_len // self.block_size)
-        self.graphs = StepGraphs(self.model, self.staging, max_batch, max_tokens, max_blocks, emulate=emulate)
+        cascade = self.config.cache.cascade_attention != "never" and self.backend.supports_cascade
+        self.graphs = StepGraphs(self.model, self.staging, max_batch, max_tokens, max_blocks, emulate=emulate,
+                                 cascade_groups=MAX_PREFIX_GROUPS if cascade else 0)
         self.graphs.capture()
 
     # Steps are launched, then finished. launch() queues the forward pass and the sampler on the
@@ -309,12 +313,16 @@ class ModelRunner:
         graphed = self.graphs is not None and self.graphs.fits(len(plan.req_ids)) and decode
         mixed_graphed = (self.graphs is not None and not decode
                          and self.graphs.fits_mixed(plan.num_tokens, len(plan.req_ids)))
+        cascade = self._cascade(plan, inputs)
+        if cascade is not None and (mixed_graphed or graphed and not self.graphs.fits_cascade(len(plan.req_ids), cascade)):
+            cascade = None  # a step its captured graphs serve only without cascade
+        self.cascade_steps += cascade is not None
         if graphed:  # hidden has the captured size's rows; those past the batch are padding
-            hidden = self.graphs.run(inputs, from_device)
+            hidden = self.graphs.run(inputs, from_device, cascade)
         elif mixed_graphed:
             hidden = self.graphs.run_mixed(inputs, from_device)
         else:
-            input_ids, positions, meta = self.staging.forward_inputs(inputs)
+            input_ids, positions, meta = self.staging.forward_inputs(inputs, cascade)
             if from_device is not None:
                 input_ids[from_device[0]] = from_device[1]
             hidden = self.model(input_ids, positions, meta)
@@ -338,6 +346,21 @@ class ModelRunner:
                 last = np.pad(last, (0, self.graphs.batch_size(num) - num), mode="edge")
             logits = self.model.compute_logits(hidden[self.staging.to_device(last)])[:num]
         return _Forward(result, list(plan.req_ids), logits, drafts, plan.propose)
+
+    def _cascade(self, plan: StepPlan, inputs: StepInputs) -> PrefixGroups | None:
+        """The plan's prefix groups if this step attends them once per group (cascade attention):
+        always where cache.cascade_attention says so, by the backend's cost model for "auto"."""
+        groups = plan.prefix_groups
+        mode = self.config.cache.cascade_attention
+        if groups is None or mode == "never" or not self.backend.supports_cascade:
+            return None
+        if mode == "auto":
+            rows = np.diff(inputs.query_start_loc)[groups.members]
+            sizes = np.add.reduceat(rows, groups.starts[:-1])
+            if not self.backend.cascade_pays(sizes, groups.hi - groups.lo, self.spec.num_heads,
+                                             self.spec.num_kv_heads, self.spec.head_dim, self.device):
+                return None
+        return groups
 
     @torch.inference_mode()
     def _sample(self, forward: _Forward, background: bool = False) -> InFlight | _Sampling:

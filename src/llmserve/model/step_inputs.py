@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmserve.attention import AttentionMetadata
+from llmserve.attention import AttentionMetadata, CascadeMetadata
+from llmserve.messages import PrefixGroups
 from llmserve.model.pinned import PinnedRing
 
 
@@ -94,10 +95,19 @@ class Staging:
         """A staged tensor (stage(), empty()) on the device, its copy queued without waiting."""
         return staged if self.device.type != "cuda" else staged.to(self.device, non_blocking=True)
 
-    def forward_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input ids, positions, attention metadata) on the device, for an eager forward pass."""
+    def forward_inputs(self, inputs: StepInputs, cascade: PrefixGroups | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input ids, positions, attention metadata) on the device, for an eager forward pass;
+        with `cascade`, the metadata attends those groups' prefixes once per group."""
         to_dev = self.to_device
         meta = AttentionMetadata(slot_mapping=to_dev(inputs.slots), block_tables=to_dev(inputs.block_tables),
                                  query_start_loc=to_dev(inputs.query_start_loc), seq_lens=to_dev(inputs.seq_lens),
                                  max_query_len=inputs.max_query_len)
+        if cascade is not None:
+            qsl = inputs.query_start_loc
+            rows = int(np.diff(qsl)[cascade.members].sum())
+            capacity = (cascade.num_groups, rows, inputs.num_reqs, inputs.num_tokens)
+            host, staged = self.empty((CascadeMetadata.size(*capacity),), np.int32)
+            CascadeMetadata.pack(cascade, qsl, host, capacity)
+            meta.cascade = CascadeMetadata.view(self.send(staged), capacity)
         return to_dev(inputs.token_ids), to_dev(inputs.positions), meta

@@ -1,0 +1,254 @@
+"""Cascade attention: prefix groups from the KV manager, the packed metadata, the Triton kernels
+against plain attention (the interpreter on CPU, the GPU where there is one), and generation with
+cascade forced on."""
+
+import numpy as np
+import pytest
+import torch
+
+from llmserve.attention import CascadeMetadata
+from llmserve.core.kv_cache_manager import find_prefix_groups
+from llmserve.kernels.cascade import cascade_attention
+from llmserve.kernels.reference import cascade_attention_reference, paged_attention_reference
+from llmserve.messages import PrefixGroups
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def shared_batch(members, *, block_size, num_kv_heads=2, group=2, head_dim=16, dtype=torch.float32, seed=0):
+    """A batch whose block tables share prefixes. members: per sequence (prefix id or None,
+    prefix blocks, own context tokens after the prefix, query tokens); sequences naming the same
+    prefix id share its first `prefix blocks` blocks (the longest such prefix is built)."""
+    g = torch.Generator().manual_seed(seed)
+    next_block = iter(torch.randperm(4096, generator=g).tolist())
+    prefixes: dict = {}
+    for pid, blocks, _, _ in members:
+        if pid is not None:
+            prefixes[pid] = max(prefixes.get(pid, 0), blocks)
+    prefix_blocks = {pid: [next(next_block) for _ in range(n)] for pid, n in prefixes.items()}
+    tables, seq_lens, query_lens = [], [], []
+    for pid, blocks, own, q in members:
+        table = list(prefix_blocks[pid][:blocks]) if pid is not None else []
+        start = len(table) * block_size
+        total = start + own + q
+        table += [next(next_block) for _ in range(-(-total // block_size) - len(table))]
+        tables.append(table)
+        seq_lens.append(total)
+        query_lens.append(q)
+    width = max(len(t) for t in tables)
+    table_arr = np.zeros((len(tables), width), dtype=np.int32)
+    for i, t in enumerate(tables):
+        table_arr[i, :len(t)] = t
+    shape = (4096, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    q = torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=g).to(dtype)
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    ctx_blocks = (np.array(seq_lens) - np.array(query_lens)) // block_size
+    return q, k_cache, v_cache, table_arr, qsl, np.array(seq_lens, dtype=np.int32), ctx_blocks
+
+
+def metadata(groups: PrefixGroups, qsl: np.ndarray, num_seqs: int, pad: int = 0) -> CascadeMetadata:
+    counts = np.diff(qsl)
+    rows = int(counts[groups.members].sum())
+    capacity = (groups.num_groups + pad, rows + pad, num_seqs, int(qsl[-1]))
+    packed = np.empty(CascadeMetadata.size(*capacity), dtype=np.int32)
+    CascadeMetadata.pack(groups, qsl, packed, capacity)
+    return CascadeMetadata.view(torch.from_numpy(packed).to(DEVICE), capacity)
+
+
+def run_both(members, *, block_size, group, dtype=torch.float32, pad=0, head_dim=16, splits=None):
+    q, kc, vc, tables, qsl, seq_lens, ctx_blocks = shared_batch(members, block_size=block_size, group=group,
+                                                                dtype=dtype, head_dim=head_dim)
+    groups = find_prefix_groups(tables, ctx_blocks, block_size)
+    assert groups is not None
+    to = lambda a: torch.from_numpy(a).to(DEVICE)  # noqa: E731
+    args = (q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), to(tables), to(qsl), to(seq_lens), 0.25)
+    ref = paged_attention_reference(*args)
+    meta = metadata(groups, qsl, len(seq_lens), pad)
+    torch.testing.assert_close(cascade_attention_reference(*args, meta).float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    out = torch.full_like(args[0], float("nan"))
+    cascade_attention(*args, int(np.diff(qsl).max()), meta, out=out, num_splits=splits)
+    return out, ref, groups
+
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])  # (the interpreter's bf16 is wrong)
+
+
+@pytest.mark.parametrize("splits", [None, 4])  # one key slice (merged in the suffix kernel) or several (merged apart)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_one_group_of_decodes(group, dtype, splits):
+    members = [("a", 3, own, 1) for own in (1, 5, 16, 0)]
+    out, ref, groups = run_both(members, block_size=4, group=group, dtype=dtype, splits=splits)
+    assert groups.num_groups == 1 and groups.hi.tolist() == [12]
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_groups_nested_groups_and_loners_in_one_step(block_size, group):
+    per_block = 16 // block_size  # prefixes of 16 and 32 tokens whatever the block size
+    members = [("a", 2 * per_block, 3, 1), ("a", 2 * per_block, 0, 1), ("a", per_block, 7, 1),  # a, a longer one nested
+               ("b", per_block, 2, 1), ("b", per_block, 19, 1),
+               (None, 0, 9, 1), ("c", per_block, 4, 1)]  # no prefix; a prefix nobody else has
+    out, ref, groups = run_both(members, block_size=block_size, group=group)
+    assert sorted(zip(groups.level.tolist(), groups.lo.tolist(), groups.hi.tolist())) == \
+        [(0, 0, 16), (0, 0, 16), (1, 16, 32)]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_many_groups_with_prefill_rows_past_their_prefix(group):
+    members = []
+    for i in range(20):  # 20 groups of two or three: decode rows and prefill chunks after a cache hit
+        members += [(i, 1 + i % 3, i % 5, 1), (i, 1 + i % 3, 2, 1 + i % 7)] + ([(i, 1 + i % 3, 0, 9)] if i % 4 == 0 else [])
+    members += [(None, 0, 0, 6)]  # a prompt from scratch
+    out, ref, groups = run_both(members, block_size=4, group=group)
+    assert groups.num_groups == 20
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_padded_capacity_like_a_cuda_graph():
+    members = [("a", 5, own, 1) for own in (0, 3, 8)] + [(None, 0, 4, 1)]
+    out, ref, _ = run_both(members, block_size=4, group=2, pad=7)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_group_of_one_and_long_prefixes_in_slices():
+    """Groups the KV manager never makes (one member) still compute right; prefixes longer than
+    the prefix kernel's slices span several key tiles each."""
+    q, kc, vc, tables, qsl, seq_lens, _ = shared_batch([("a", 40, 3, 1), ("b", 2, 5, 2)], block_size=4)
+    groups = PrefixGroups(np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32), np.array([0, 0], np.int32),
+                          np.array([160, 8], np.int32), np.array([0, 0], np.int32))
+    to = lambda a: torch.from_numpy(a).to(DEVICE)  # noqa: E731
+    args = (q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), to(tables), to(qsl), to(seq_lens), 0.25)
+    out = cascade_attention(*args, 2, metadata(groups, qsl, 2))
+    torch.testing.assert_close(out, paged_attention_reference(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_cache_matches_its_plain_attention():
+    from llmserve.kernels.reference import quantize_kv_reference
+    members = [("a", 3, own, 1) for own in (1, 6, 11)]
+    q, kc, vc, tables, qsl, seq_lens, ctx_blocks = shared_batch(members, block_size=4)
+    (kq, ks), (vq, vs) = quantize_kv_reference(kc), quantize_kv_reference(vc)
+    to = lambda a: torch.from_numpy(a).to(DEVICE)  # noqa: E731
+    args = (q.to(DEVICE), kq.to(DEVICE), vq.to(DEVICE), to(tables), to(qsl), to(seq_lens), 0.25)
+    scales = dict(k_scale=ks.to(DEVICE), v_scale=vs.to(DEVICE))
+    meta = metadata(find_prefix_groups(tables, ctx_blocks, 4), qsl, 3)
+    ref = paged_attention_reference(*args, **scales)
+    torch.testing.assert_close(cascade_attention(*args, 1, meta, **scales), ref, atol=1e-5, rtol=1e-5)
+
+
+# ---- groups -----------------------------------------------------------------------------------
+
+def test_groups_end_where_a_member_differs_or_its_context_ends():
+    tables = np.array([[7, 8, 9, 10],
+                       [7, 8, 9, 11],
+                       [7, 8, 3, 12],
+                       [5, 6, 0, 0],
+                       [5, 6, 0, 0],
+                       [4, 0, 0, 0]], dtype=np.int32)
+    groups = find_prefix_groups(tables, np.array([4, 4, 4, 2, 1, 1]), block_size=16)
+    found = {(int(lv), int(lo), int(hi)): groups.members[groups.starts[g]:groups.starts[g + 1]].tolist()
+             for g, (lv, lo, hi) in enumerate(zip(groups.level, groups.lo, groups.hi))}
+    # rows 0-2 share blocks 7, 8; rows 0, 1 also 9; rows 3, 4 share 5, but row 4's context ends there
+    assert found == {(0, 0, 32): [0, 1, 2], (1, 32, 48): [0, 1], (0, 0, 16): [3, 4]}
+
+
+def test_no_groups_without_shared_blocks_or_context():
+    assert find_prefix_groups(np.array([[1, 2], [3, 4]], np.int32), np.array([2, 2]), 16) is None
+    assert find_prefix_groups(np.array([[1, 2], [1, 2]], np.int32), np.array([0, 2]), 16) is None
+
+
+def test_the_groups_that_save_most_are_kept():
+    tables = np.array([[i // 2 + 1, 50 + i // 2, 100 + i] for i in range(12)], dtype=np.int32)
+    ctx = np.array([1, 1, 2, 2, 1, 1, 2, 2, 1, 1, 2, 2])
+    groups = find_prefix_groups(tables, ctx, 16, max_groups=2)
+    assert groups.num_groups == 2 and groups.hi.tolist() == [32, 32]
+
+
+def test_pack_lays_out_rows_starts_and_levels():
+    groups = PrefixGroups(np.array([0, 2, 4], np.int32), np.array([0, 2, 0, 2], np.int32), np.array([0, 16], np.int32),
+                          np.array([16, 48], np.int32), np.array([0, 1], np.int32))
+    qsl = np.array([0, 1, 4, 5], np.int32)  # row 1 is a prefill of three tokens, no group
+    capacity = (3, 6, 3, 5)
+    packed = np.empty(CascadeMetadata.size(*capacity), np.int32)
+    CascadeMetadata.pack(groups, qsl, packed, capacity)
+    meta = CascadeMetadata.view(torch.from_numpy(packed), capacity)
+    assert meta.row_start.tolist() == [0, 2, 4, 4]
+    assert meta.rows.tolist()[:4] == [0, 4, 0, 4]
+    assert meta.kv_start.tolist() == [48, 0, 48]
+    assert meta.levels.tolist() == [2, 0, 0, 0, 2]
+
+
+# ---- generation with cascade forced on --------------------------------------------------------
+
+SHARED = list(range(5, 47))  # 42 tokens: ten blocks of four and two tokens into the eleventh
+PROMPTS = [SHARED + [60 + i, 70 + i, 80 + i] for i in range(3)] + [SHARED[:20] + [99], [3, 4, 5]]
+
+
+def _generate(llm, prompts):
+    from llmserve import SamplingParams
+    params = SamplingParams(max_tokens=10, temperature=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint):
+    from conftest import hf_greedy
+    return hf_greedy(checkpoint("llama"), PROMPTS, 10)
+
+
+def test_cpu_backend_with_cascade_always_matches_transformers(checkpoint, expected):
+    from llmserve import LLM
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", block_size=4, cascade_attention="always",
+             log_interval_s=0) as llm:
+        assert _generate(llm, PROMPTS) == expected
+        assert llm.engine.runner.cascade_steps >= 8  # every decode step had groups to attend
+        assert llm.engine.kv.num_free_blocks() == llm.engine.kv.pool.num_blocks  # cached blocks count as free
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run; test_gpu.py has the GPU's")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_triton_cascade_matches_transformers(checkpoint, expected, graphs):
+    """The Triton kernels end to end (the interpreter without a GPU), also through the cascade
+    graphs' padded buffers (emulated)."""
+    from conftest import record_calls
+
+    from llmserve import LLM
+    from llmserve.hookspecs import hookimpl
+    from llmserve.plugin_manager import get_plugin_manager
+    from llmserve.plugins.cuda import CUDABackend
+
+    class TritonEverywhere:
+        @hookimpl
+        def llmserve_select_backend(self, device, config):
+            return CUDABackend()
+
+    pm, plugin = get_plugin_manager(), TritonEverywhere()
+    pm.register(plugin, name="triton-everywhere")
+    try:
+        with LLM(checkpoint("llama"), dtype="float32", device="cpu", block_size=4, max_num_seqs=8,
+                 cascade_attention="always", log_interval_s=0) as llm:
+            if graphs:
+                llm.engine.runner.capture_graphs(8, 64, emulate=True)
+                replays = record_calls(llm.engine.runner.graphs, "_replay")
+            assert _generate(llm, PROMPTS) == expected
+            assert llm.engine.runner.cascade_steps >= 8
+            if graphs:
+                assert sum(kind == "cascade" for kind, _ in replays) >= 8
+    finally:
+        pm.unregister(plugin)
+
+
+def test_the_cost_model_picks_cascade_for_long_shared_prefixes_only():
+    from llmserve.kernels.cascade import worth_it
+    one = lambda rows, keys, sms=132: worth_it(np.array([rows]), np.array([keys]), 16, 8, 128, sms)  # noqa: E731
+    assert one(256, 4096) and one(32, 2048)
+    assert not one(2, 8192)  # two rows save one read, the prefix kernel costs about as much
+    assert not one(256, 32)  # a prefix too short to pay for the partials
+    assert not one(8, 8192)  # too few programs to read the prefix at speed
