@@ -52,22 +52,27 @@ def test_priority_policy_orders_by_priority_then_arrival():
     add(s, "late-urgent", 2, 1.0, priority=-1)
     add(s, "early", 2, 0.0, priority=0)
     add(s, "later", 2, 2.0, priority=0)
-    assert [(e.req_id, e.tentative) for e in s.schedule().entries] == \
-        [("late-urgent", False), ("early", False), ("later", True)]
+    assert [e.req_id for e in s.schedule().entries] == ["late-urgent", "early"]
 
 
-def test_new_requests_past_the_spent_budget_are_tentative_and_charged_nothing():
-    s = make_scheduler(max_num_batched_tokens=10, max_num_seqs=3)
-    for i in range(5):
-        add(s, f"r{i}", 8, float(i))
+def test_new_requests_past_the_spent_budget_are_tentative_once_the_cache_hits():
+    s = make_scheduler(max_num_batched_tokens=10, max_num_seqs=4)
+    add(s, "warm", 8, 0.0)
+    p = s.schedule()
+    s.on_feedback(StepFeedback(p.step_id, {"warm": (4, 4, True)}, [], [], {"warm": 4}, 0.0, 0, 0))  # 4 were cached
+    for i in range(4):
+        add(s, f"r{i}", 8, float(i + 1))
     p = s.schedule()
     assert [(e.req_id, e.num_tokens, e.tentative) for e in p.entries] == \
-        [("r0", 8, False), ("r1", 2, False), ("r2", 8, True)]  # three seats
+        [("warm", 1, False), ("r0", 8, False), ("r1", 1, False), ("r2", 8, True)]  # four seats
     assert p.token_budget == 10
-    s = make_scheduler(max_num_batched_tokens=10, enable_prefix_caching=False)
+
+
+def test_without_cache_hits_nothing_is_tentative():
+    s = make_scheduler(max_num_batched_tokens=10)
     for i in range(3):
         add(s, f"r{i}", 8, float(i))
-    assert [e.req_id for e in s.schedule().entries] == ["r0", "r1"]  # no cache: nothing tentative
+    assert [e.req_id for e in s.schedule().entries] == ["r0", "r1"]
 
 
 def test_fcfs_ignores_priority():

@@ -86,6 +86,8 @@ class Scheduler:
         self.policy = policy
         self.eos_token_ids = eos_token_ids
         self.enable_prefix_caching = enable_prefix_caching
+        self.cache_hits = False
+        """The latest admissions found cached prompt tokens: new requests past a spent budget may too."""
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by key
         self.running: list[Request] = []  # sorted by key
@@ -143,8 +145,9 @@ class Scheduler:
         most of it (a shared system prompt or document): so past the spent budget, up to
         MAX_TENTATIVE more new requests that may use the cache are proposed as tentative, charged
         nothing, and the KV manager admits them only with the budget the hits before them left
-        (else they stay waiting). Without that, requests behind a long cached prefix would be
-        admitted a budget's worth of prompt at a time, two or three a step.
+        (else they stay waiting); only while the latest admissions found cached tokens (a workload
+        without shared prompts proposes none). Without that, requests behind a long cached prefix
+        would be admitted a budget's worth of prompt at a time, two or three a step.
 
         With a step in flight (async scheduling), a request whose token is still being sampled is
         scheduled on a PLACEHOLDER for it, unless that token will be its last (max_tokens or
@@ -158,7 +161,7 @@ class Scheduler:
         """
         budget = self.max_num_batched_tokens
         seats = self.max_num_seqs - len(self.running)
-        tentative = MAX_TENTATIVE
+        tentative = MAX_TENTATIVE if self.cache_hits else 0
         entries: list[ScheduledRequest] = []
         for req in heapq.merge(self.running, self.waiting, key=lambda r: r.key):
             admitting = req.status != RequestStatus.RUNNING
@@ -282,6 +285,8 @@ class Scheduler:
         if tokens := sum(n for _, n, _ in fb.scheduled.values()):
             self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
             self.iteration_tokens_sum += tokens
+        if fb.cached_tokens:
+            self.cache_hits = any(fb.cached_tokens.values())
         for req_id, (before, n, samples) in fb.scheduled.items():
             req = self.requests.get(req_id)
             if req is None:
