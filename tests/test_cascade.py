@@ -252,3 +252,24 @@ def test_the_cost_model_picks_cascade_for_long_shared_prefixes_only():
     assert not one(2, 8192)  # two rows save one read, the prefix kernel costs about as much
     assert not one(256, 32)  # a prefix too short to pay for the partials
     assert not one(8, 8192)  # too few programs to read the prefix at speed
+
+
+def test_large_steps_run_without_cascade(checkpoint, expected):
+    """A step of more tokens than twice max_num_seqs (a prompt's prefill) attends plainly: its
+    partial results would take memory the KV cache's sizing did not count."""
+    from llmserve import LLM
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", block_size=4, cascade_attention="always",
+             max_num_seqs=2, max_num_batched_tokens=24, log_interval_s=0) as llm:
+        runner, seen = llm.engine.runner, []
+        original = runner._cascade
+
+        def recorded(plan, inputs):
+            groups = original(plan, inputs)
+            seen.append((inputs.num_tokens, plan.prefix_groups is not None, groups is not None))
+            return groups
+        runner._cascade = recorded
+        # the first prompt's second chunk and the second prompt's first (after the six blocks the
+        # first chunk left cached) share a prefix in a step of 24 tokens; then decode steps of 2
+        assert _generate(llm, PROMPTS[:2]) == expected[:2]
+        assert any(used for *_, used in seen) and all(n <= 4 for n, _, used in seen if used)
+        assert any(n > 4 and grouped and not used for n, grouped, used in seen)

@@ -349,11 +349,14 @@ class ModelRunner:
 
     def _cascade(self, plan: StepPlan, inputs: StepInputs) -> PrefixGroups | None:
         """The plan's prefix groups if this step attends them once per group (cascade attention):
-        always where cache.cascade_attention says so, by the backend's cost model for "auto"."""
+        always where cache.cascade_attention says so, by the backend's cost model for "auto"; not
+        in a step of more tokens than twice max_num_seqs (a large prefill)."""
         groups = plan.prefix_groups
         mode = self.config.cache.cascade_attention
         if groups is None or mode == "never" or not self.backend.supports_cascade:
             return None
+        if inputs.num_tokens > 2 * self.config.scheduler.max_num_seqs:
+            return None  # its partial results (float32, every row x head x slot) are memory the KV sizing left out
         if mode == "auto":
             rows = np.diff(inputs.query_start_loc)[groups.members]
             sizes = np.add.reduceat(rows, groups.starts[:-1])
