@@ -199,3 +199,35 @@ def test_triton_backend_matches_transformers(checkpoint, arch, graphs):
     finally:
         pm.unregister(plugin)
     assert [o.outputs[0].token_ids for o in outs] == expected[:3]
+
+
+@pytest.mark.parametrize("long", [False, True])
+def test_phi3_longrope_matches_transformers(checkpoint, long):
+    """LongRoPE (Phi-3, pretrained on 32 positions, extended to 256): prompts past 32 positions take
+    the long factors and the attention scale in transformers from their first step, as here with a
+    max_model_len past 32; within 32 positions both use the short factors."""
+    from llmserve.testing import PHI3_LONGROPE
+    path = checkpoint("phi3", **PHI3_LONGROPE)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    if long:
+        prompts = [tok.encode((t + " ") * 4) for t in (TEXTS[0], TEXTS[1], TEXTS[3])]
+        assert all(len(p) > 32 for p in prompts)
+        n, options = MAX_TOKENS, {}
+    else:
+        prompts = [p[:16] for p in (tok.encode(t) for t in TEXTS[:3])]
+        n, options = 32 - max(len(p) for p in prompts), {"max_model_len": 32}
+    expected = hf_greedy(path, prompts, n)
+    with LLM(path, dtype="float32", device="cpu", block_size=4, log_interval_s=0, **options) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=n, temperature=0),
+                            use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_partial_rotary_is_refused_by_name(checkpoint):
+    from llmserve.model.spec import ModelSpec
+    import json
+    path = checkpoint("phi3")
+    cfg = json.load(open(f"{path}/config.json"))
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
+        ModelSpec.from_dict({**cfg, "partial_rotary_factor": 0.75})

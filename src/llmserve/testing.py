@@ -29,7 +29,13 @@ ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "llama-mha-tied": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None}),
 }
+# LongRoPE: the factors of head_dim 16's eight frequencies, for a model pretrained on 32 positions
+# and extended to 256; prompts past 32 positions take the long factors (tests/test_equivalence.py).
+PHI3_LONGROPE = {"sliding_window": None, "original_max_position_embeddings": 32, "rope_scaling": {
+    "type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0],
+    "long_factor": [1.0, 1.5, 2.0, 3.0, 4.5, 6.0, 8.0, 12.0]}}
 
 
 def train_tokenizer(out_dir: str, vocab_size: int = 384, corpus: list[str] | None = None):

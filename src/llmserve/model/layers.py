@@ -82,10 +82,16 @@ class RMSNorm(nn.Module):
         return self.backend.rms_norm(x, self.weight, self.eps, residual)
 
 
-def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+def _inv_freq(head_dim: int, theta: float, scaling: dict | None, max_positions: int) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] == "longrope":
+        # Phi-3: per-frequency factors, the long set for contexts past the pretrained one. transformers
+        # switches all positions to it once a sequence passes that length; here the choice is made
+        # once, by max_model_len, so a sequence's keys never mix the two.
+        long = max_positions > scaling["original_max_position_embeddings"]
+        return inv_freq / torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
@@ -100,6 +106,18 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
     return torch.where(medium, smoothed, scaled)
 
 
+def _attention_factor(scaling: dict | None) -> float:
+    """LongRoPE's scale of cos and sin (so of every score): the config's attention_factor, else
+    sqrt(1 + ln(s) / ln(original context)) for the context's extension s (1 without one)."""
+    if scaling is None or scaling["rope_type"] != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate halves) with a precomputed cos/sin table per position."""
 
@@ -107,11 +125,12 @@ class RotaryEmbedding(nn.Module):
                  backend: AttentionBackend) -> None:
         super().__init__()
         self.backend = backend
-        inv_freq = _inv_freq(head_dim, theta, scaling)
+        inv_freq = _inv_freq(head_dim, theta, scaling, max_positions)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)  # float32 [max_positions, head_dim]
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        scale = _attention_factor(scaling)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)  # float32 [max_positions, head_dim]
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 slot_mapping: torch.Tensor, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> None:

@@ -1,5 +1,6 @@
 """Llama-family decoder (Llama incl. Llama-3 rope scaling, Mistral, Qwen2 with q/k/v bias, Qwen3 with
-q/k RMSNorm) over the paged KV cache. Numerics follow transformers' implementations.
+q/k RMSNorm, Phi-3/Phi-4 with fused qkv and gate_up in the checkpoint and LongRoPE) over the paged KV
+cache. Numerics follow transformers' implementations.
 
 Input is the step's flattened batch: input_ids and positions [T]; attention state in AttentionMetadata.
 """
@@ -90,6 +91,8 @@ class LlamaForCausalLM(nn.Module):
         """Decoder layers' linear layers use `quant`; embeddings and lm_head stay in the model dtype."""
         super().__init__()
         self.spec = spec
+        if spec.architecture == "Phi3ForCausalLM":  # its checkpoints hold qkv_proj and gate_up_proj already merged
+            self.STACKED = {}
         rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, backend)
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, rotary, backend, quant) for _ in range(spec.num_layers))

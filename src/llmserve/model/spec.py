@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "Phi3ForCausalLM": (False, False),
 }
 
 
@@ -69,9 +70,18 @@ class ModelSpec:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3, linear")
+        rope_type = "longrope" if rope_type == "su" else rope_type  # (Phi-3's first name for it)
+        if rope_type not in ("default", "llama3", "linear", "longrope"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3, linear, longrope")
+        partials = (rope.pop("partial_rotary_factor", None), cfg.get("partial_rotary_factor"))  # (5 / 4 layouts)
+        partial = next((float(p) for p in partials if p is not None and float(p) != 1.0), 1.0)
+        if partial != 1.0:
+            raise ValueError(f"unsupported partial_rotary_factor {partial} (rotary over part of each head); "
+                             "supported: 1.0")
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        if rope_type == "longrope":  # its factors and attention scale depend on the pretrained context
+            rope_scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+            rope_scaling["max_position_embeddings"] = cfg.get("max_position_embeddings", 4096)
         use_window = cfg.get("use_sliding_window", True)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
