@@ -445,3 +445,25 @@ def test_split_kv_decode_matches_reference(splits, fp8):
     out = paged_attention(q, kc, vc, tables, qsl, seq_lens, 0.3, 1, k_scale=k_scale, v_scale=v_scale,
                           tiles=(16, 4, 1), num_splits=splits)
     assert torch.allclose(out, ref, atol=1e-4 if not fp8 else 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("window", [1, 5, 16])
+@pytest.mark.parametrize("case", ["decode", "mixed", "chunk-after-context", "long"])
+def test_sliding_window_attention_matches_reference(case, window, group, dtype):
+    """Each query sees its `window` latest keys: prefill tiles whose first rows see nothing of a
+    tile, decode steps (split or not) from the window's first key."""
+    query_lens, context_lens = CASES[case] if case != "long" else ([40, 1, 1], [0, 70, 3])
+    q, kc, vc, tables, qsl, seq_lens = make_batch(query_lens, context_lens, block_size=4, num_kv_heads=2,
+                                                  group=group, head_dim=16, dtype=dtype)
+    ref = paged_attention_reference(q, kc, vc, tables, qsl, seq_lens, 0.25, window=window)
+    full = paged_attention_reference(q, kc, vc, tables, qsl, seq_lens, 0.25)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for splits in ([None, 4] if max(query_lens) == 1 else [None]):
+        out = torch.full_like(q, float("nan"))
+        paged_attention(q, kc, vc, tables, qsl, seq_lens, 0.25, max(query_lens), out=out, window=window,
+                        num_splits=splits, block_m=16)
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    if max(s for s in seq_lens.tolist()) > window:
+        assert not torch.allclose(ref.float(), full.float(), atol=1e-3)  # the window does cut keys here

@@ -109,9 +109,12 @@ class AttentionBackend:
         """Store key/value [T, Hkv, D] into the paged cache at slot_mapping [T] (quantizing for FP8)."""
         raise NotImplementedError
 
-    def attention(self, query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(self, query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
+                  window: int | None = None) -> torch.Tensor:
         """Causal paged attention of query [T, Hq, D]; returns [T, Hq, D]. With meta.cascade (only
-        for backends that support it), each group's shared prefix is read once for the group."""
+        for backends that support it), each group's shared prefix is read once for the group.
+        window: a sliding-window layer's (each query sees its `window` latest keys; never with a
+        cascade)."""
         raise NotImplementedError
 
     def cascade_pays(self, sizes: np.ndarray, lengths: np.ndarray, num_heads: int, num_kv_heads: int,

@@ -101,8 +101,6 @@ def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dty
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
     limit = spec.max_position_embeddings
-    if spec.sliding_window is not None and spec.sliding_window < limit:
-        limit = spec.sliding_window  # beyond the window, full attention would differ from the model's
     wanted = config.model.max_model_len
     if wanted is not None and wanted > limit:
         raise ValueError(f"model.max_model_len is {wanted} but the model supports at most {limit} positions")
@@ -372,7 +370,7 @@ class Engine(Frontend):
         s = config.scheduler
         self.kv = KVCacheManager(num_blocks, bs, max_model_len=self.max_model_len, reserve_growth=s.reserve_growth,
                                  prefix_groups=config.cache.cascade_attention != "never"
-                                 and self.backend.supports_cascade)
+                                 and self.backend.supports_cascade and not self.spec.windowed)
         self.scheduler = Scheduler(max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
                                    max_model_len=self.max_model_len, policy=s.policy,
                                    eos_token_ids=frozenset(self.spec.eos_token_ids),

@@ -30,6 +30,10 @@ ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "llama-mha-tied": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None}),
+    # sliding windows shorter than most prompts: every layer (Mistral), the layers past the first (Qwen2)
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 6}),
+    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 6,
+                                                          "max_window_layers": 1}),
 }
 # LongRoPE: the factors of head_dim 16's eight frequencies, for a model pretrained on 32 positions
 # and extended to 256; prompts past 32 positions take the long factors (tests/test_equivalence.py).

@@ -1,6 +1,6 @@
 """Llama-family decoder (Llama incl. Llama-3 rope scaling, Mistral, Qwen2 with q/k/v bias, Qwen3 with
-q/k RMSNorm, Phi-3/Phi-4 with fused qkv and gate_up in the checkpoint and LongRoPE) over the paged KV
-cache. Numerics follow transformers' implementations.
+q/k RMSNorm, Phi-3/Phi-4 with fused qkv and gate_up in the checkpoint and LongRoPE; sliding-window
+layers where the config has them) over the paged KV cache. Numerics follow transformers' implementations.
 
 Input is the step's flattened batch: input_ids and positions [T]; attention state in AttentionMetadata.
 """
@@ -19,8 +19,9 @@ from llmserve.quantization import QuantizationMethod
 
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 quant: QuantizationMethod) -> None:
+                 quant: QuantizationMethod, window: int = 0) -> None:
         super().__init__()
+        self.window = window or None  # sliding-window attention: the latest `window` keys only
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.attention_bias,
@@ -41,7 +42,7 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         self.rotary(positions, q, k, v, self.kv_cache, meta.slot_mapping, self.q_norm, self.k_norm)
-        out = self.backend.attention(q, self.kv_cache, meta, self.scale)
+        out = self.backend.attention(q, self.kv_cache, meta, self.scale, window=self.window)
         return self.o_proj(out.view(T, -1))
 
 
@@ -61,9 +62,9 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 quant: QuantizationMethod) -> None:
+                 quant: QuantizationMethod, window: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, rotary, backend, quant)
+        self.self_attn = Attention(spec, rotary, backend, quant, window)
         self.mlp = MLP(spec, backend, quant)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
@@ -95,7 +96,9 @@ class LlamaForCausalLM(nn.Module):
             self.STACKED = {}
         rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, backend)
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, rotary, backend, quant) for _ in range(spec.num_layers))
+        windows = spec.layer_windows or (0,) * spec.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(spec, rotary, backend, quant, windows[i])
+                                    for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
 

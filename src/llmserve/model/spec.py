@@ -43,6 +43,12 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     quantization_config: dict[str, Any] | None = None
     """config.json's `quantization_config` (a pre-quantized checkpoint), or None."""
+    layer_windows: tuple[int, ...] = ()
+    """Per layer, its sliding window (each query sees that many latest keys) or 0 (all keys)."""
+
+    @property
+    def windowed(self) -> bool:
+        return any(self.layer_windows)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelSpec:
@@ -83,6 +89,10 @@ class ModelSpec:
             rope_scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
             rope_scaling["max_position_embeddings"] = cfg.get("max_position_embeddings", 4096)
         use_window = cfg.get("use_sliding_window", True)
+        window = cfg.get("sliding_window") if use_window else None
+        # transformers 5 names each layer's kind (Qwen2 from max_window_layers); Mistral's are all windowed
+        kinds = cfg.get("layer_types") or ["sliding_attention"] * cfg["num_hidden_layers"]
+        layer_windows = tuple(window if window and kind == "sliding_attention" else 0 for kind in kinds)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
@@ -102,10 +112,11 @@ class ModelSpec:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", bias_default),
             qk_norm=qk_norm,
-            sliding_window=cfg.get("sliding_window") if use_window else None,
+            sliding_window=window,
             torch_dtype=getattr(torch, dtype_name) if isinstance(dtype_name, str) else torch.float32,
             eos_token_ids=eos_ids,
             quantization_config=cfg.get("quantization_config"),
+            layer_windows=layer_windows,
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
