@@ -170,7 +170,7 @@ def test_prefix_caching_off_shares_nothing_across_requests(checkpoint):
 # interpreter's numpy may warn as they overflow on their way through the layers (never read).
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("graphs", [False, True])
-@pytest.mark.parametrize("arch", ["llama3-rope", "qwen3", "mistral-window"])
+@pytest.mark.parametrize("arch", ["llama3-rope", "qwen3", "mistral-window", "gemma3"])
 def test_triton_backend_matches_transformers(checkpoint, arch, graphs):
     """The CUDA backend's Triton kernels end to end (in the interpreter without a GPU), also over
     the CUDA graphs' padded buffers (emulated) with at most 4 requests a step."""
@@ -231,3 +231,12 @@ def test_partial_rotary_is_refused_by_name(checkpoint):
     cfg = json.load(open(f"{path}/config.json"))
     with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
         ModelSpec.from_dict({**cfg, "partial_rotary_factor": 0.75})
+
+
+def test_logit_soft_capping_is_refused_by_name(checkpoint):
+    import json
+
+    from llmserve.model.spec import ModelSpec
+    cfg = json.load(open(f"{checkpoint('gemma3')}/config.json"))
+    with pytest.raises(ValueError, match="attn_logit_softcapping 50.0"):
+        ModelSpec.from_dict({**cfg, "attn_logit_softcapping": 50.0})

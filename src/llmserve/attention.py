@@ -148,6 +148,12 @@ class AttentionBackend:
         """[T, 2N] = [gate | up] -> silu(gate) * up, [T, N]."""
         raise NotImplementedError
 
+    def gelu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, 2N] = [gate | up] -> gelu_tanh(gate) * up, [T, N] (GeGLU: Gemma). This torch version
+        serves every device; backends with a kernel override it."""
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
     def sample_rows(self, logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         """Fused sampling: a draw from softmax(logits / T) per row at the row key's u (T == 0: plain
         argmax); see kernels/sampling.py for the exact function every backend must compute."""

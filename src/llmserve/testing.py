@@ -34,6 +34,9 @@ ARCHS = {
     "mistral-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 6}),
     "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 6,
                                                           "max_window_layers": 1}),
+    # local (6-token window, its own rotary base) and global layers alternating
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 6, "layer_types": [
+        "sliding_attention", "full_attention"], "query_pre_attn_scalar": 24, "tie_word_embeddings": True}),
 }
 # LongRoPE: the factors of head_dim 16's eight frequencies, for a model pretrained on 32 positions
 # and extended to 256; prompts past 32 positions take the long factors (tests/test_equivalence.py).

@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama incl. Llama-3 rope scaling, Mistral, Qwen2 with q/k/v bias, Qwen3 with
 q/k RMSNorm, Phi-3/Phi-4 with fused qkv and gate_up in the checkpoint and LongRoPE; sliding-window
-layers where the config has them) over the paged KV cache. Numerics follow transformers' implementations.
+layers where the config has them; Gemma 3 with GeGLU, sandwich norms, scaled embeddings and a local
+rotary base for its sliding layers) over the paged KV cache. Numerics follow transformers' implementations.
 
 Input is the step's flattened batch: input_ids and positions [T]; attention state in AttentionMetadata.
 """
@@ -31,7 +32,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
         self.rotary = rotary
         self.backend = backend
-        self.scale = self.head_dim ** -0.5
+        self.scale = spec.attention_scale or self.head_dim ** -0.5
         self.kv_cache: KVCache | None = None  # set by the runner
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -54,9 +55,12 @@ class MLP(nn.Module):
                                    quant=quant)
         self.down_proj = Linear(self.inter, spec.hidden_size, quant=quant)
         self.backend = backend
+        self.gelu = spec.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
+        if self.gelu:  # (a method's fused gated matmul computes SiLU)
+            return self.down_proj(self.backend.gelu_and_mul(gate_up.quant.apply(gate_up, x)))
         return self.down_proj(gate_up.quant.apply_gated(gate_up, x, self.backend.silu_and_mul))
 
 
@@ -68,16 +72,25 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec, backend, quant)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+        if spec.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+        self.sandwich = spec.sandwich_norms
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (or the embeddings, with residual None); residual: the
-        stream before it. Each norm adds the pending output into the residual stream as it normalises."""
+        stream before it. Each norm adds the pending output into the residual stream as it
+        normalises. Sandwich norms (Gemma) normalise the attention's and the MLP's outputs before
+        they join the stream: the MLP's input norm is then the one that adds."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
+        if self.sandwich:
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -95,9 +108,11 @@ class LlamaForCausalLM(nn.Module):
         if spec.architecture == "Phi3ForCausalLM":  # its checkpoints hold qkv_proj and gate_up_proj already merged
             self.STACKED = {}
         rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, backend)
+        local = rotary if spec.local_rope_theta is None else \
+            RotaryEmbedding(spec.head_dim, max_positions, spec.local_rope_theta, None, backend)
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
         windows = spec.layer_windows or (0,) * spec.num_layers
-        self.layers = nn.ModuleList(DecoderLayer(spec, rotary, backend, quant, windows[i])
+        self.layers = nn.ModuleList(DecoderLayer(spec, local if windows[i] else rotary, backend, quant, windows[i])
                                     for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
@@ -105,6 +120,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: int64 [T] -> final hidden states [T, hidden]."""
         x, residual = self.embed_tokens(input_ids), None
+        if self.spec.embed_scale != 1.0:  # (Gemma: rounded to the model dtype first, as transformers does)
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         return self.norm(x, residual)[0]
@@ -130,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens.weight.copy_(tensor)
             return True
         if parts[0] == "norm":
-            self.norm.weight.copy_(tensor)
+            self.norm.weight.copy_(tensor + self.spec.norm_offset)
             return True
         if parts[0] == "lm_head":
             return self.lm_head.load(leaf, tensor)
@@ -145,7 +162,8 @@ class LlamaForCausalLM(nn.Module):
             return getattr(module, merged).load(leaf, tensor, shard)
         if isinstance(sub := getattr(module, target), Linear):
             return sub.load(leaf, tensor)
-        getattr(sub, leaf).copy_(tensor)
+        offset = self.spec.norm_offset if isinstance(sub, RMSNorm) else 0.0  # (Gemma's norms: 1 + weight)
+        getattr(sub, leaf).copy_(tensor + offset if offset else tensor)
         return True
 
     def checkpoint_names(self) -> list[str]:

@@ -18,7 +18,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
     "Phi3ForCausalLM": (False, False),
+    "Gemma3ForCausalLM": (False, True),
 }
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,6 +47,18 @@ class ModelSpec:
     """config.json's `quantization_config` (a pre-quantized checkpoint), or None."""
     layer_windows: tuple[int, ...] = ()
     """Per layer, its sliding window (each query sees that many latest keys) or 0 (all keys)."""
+    local_rope_theta: float | None = None
+    """The rotary base of the sliding-window layers where it differs (Gemma 3), else None."""
+    hidden_act: str = "silu"
+    """The MLP's gate activation: silu, or gelu_pytorch_tanh (GeGLU)."""
+    attention_scale: float | None = None
+    """Scores' scale where not head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)."""
+    embed_scale: float = 1.0
+    """Embeddings multiplied by it (Gemma: sqrt(hidden_size), in the model dtype)."""
+    norm_offset: float = 0.0
+    """RMSNorm multiplies by offset + weight (Gemma: 1 + weight)."""
+    sandwich_norms: bool = False
+    """Norms after attention and after the MLP too, before each joins the residual (Gemma)."""
 
     @property
     def windowed(self) -> bool:
@@ -72,8 +86,21 @@ class ModelSpec:
                              f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         bias_default, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         num_heads = cfg["num_attention_heads"]
-        # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        gemma = arch == "Gemma3ForCausalLM"
+        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(cap) is not None:
+                raise ValueError(f"unsupported {cap} {cfg[cap]} (logit soft-capping)")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r}; supported: {', '.join(ACTIVATIONS)}")
+        # transformers 5 folds rope_theta and rope_scaling into rope_parameters, per layer kind
+        # where they differ (Gemma 3: full_attention / sliding_attention).
+        params = dict(cfg.get("rope_parameters") or {})
+        local_theta = cfg.get("rope_local_base_freq")
+        if "full_attention" in params:
+            local_theta = params.get("sliding_attention", {}).get("rope_theta", local_theta)
+            params = dict(params["full_attention"])
+        rope = dict(params or cfg.get("rope_scaling") or {})
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_type = "longrope" if rope_type == "su" else rope_type  # (Phi-3's first name for it)
@@ -117,6 +144,12 @@ class ModelSpec:
             eos_token_ids=eos_ids,
             quantization_config=cfg.get("quantization_config"),
             layer_windows=layer_windows,
+            local_rope_theta=float(local_theta) if local_theta is not None and float(local_theta) != rope_theta else None,
+            hidden_act=act,
+            attention_scale=cfg["query_pre_attn_scalar"] ** -0.5 if cfg.get("query_pre_attn_scalar") else None,
+            embed_scale=cfg["hidden_size"] ** 0.5 if gemma else 1.0,
+            norm_offset=1.0 if gemma else 0.0,
+            sandwich_norms=gemma,
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
