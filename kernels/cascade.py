@@ -92,9 +92,9 @@ def _cascade_prefix_kernel(
     kv = (k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, k_scale_ptr, v_scale_ptr,
           kv_head, stride_cb, stride_ct, stride_ch, stride_sb, stride_st)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, idx, s_lo, full, s_hi, qk_scale, d, d_ok, *kv,
-                            BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=False, CAUSAL=False, WINDOW=0)
+                            BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=False, CAUSAL=False, WINDOW=0, SOFTCAP=0.0)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, idx, full, s_hi, s_hi, qk_scale, d, d_ok, *kv,
-                            BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=True, CAUSAL=False, WINDOW=0)
+                            BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=True, CAUSAL=False, WINDOW=0, SOFTCAP=0.0)
     slot = (tok.to(tl.int64) * num_heads + head) * NUM_SLOTS + tl.load(level_ptr + g) * SPLITS + split
     tl.store(part_ptr + slot[:, None] * HEAD_D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
     tl.store(ml_ptr + slot, m_i, mask=row_ok)

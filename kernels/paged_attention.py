@@ -72,7 +72,7 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr, FP8: tl.constexpr, DOT_TY: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE: tl.constexpr, ORDERED: tl.constexpr, SEQS_P: tl.constexpr, PDL: tl.constexpr,
     CASCADE: tl.constexpr, NUM_SLOTS: tl.constexpr, SLOT0: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     pdl_start(PDL)
     if DECODE:  # a program per sequence; axis 1 numbers the key slices
@@ -110,6 +110,9 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_Q * GROUP_P], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P, HEAD_P], dtype=tl.float32)
     qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x * scale) = exp2(x * qk_scale)
+    if SOFTCAP > 0:  # scores SOFTCAP * tanh(x * scale / SOFTCAP): the query takes scale / SOFTCAP
+        q = (q * (scale / SOFTCAP)).to(q.dtype)
+        qk_scale = 1.4426950408889634
     kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
     kv = (k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, k_scale_ptr, v_scale_ptr, kv_head,
           stride_cb, stride_ct, stride_ch, stride_sb, stride_st)
@@ -124,17 +127,21 @@ def _paged_attention_kernel(
             kv_lo = kv_lo + split * chunk
             kv_end = tl.minimum(kv_lo + chunk, kv_end)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv_lo, kv_end, kv_end, qk_scale, d, d_ok, *kv,
-                                BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=True, CAUSAL=False, WINDOW=0)
+                                BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=True, CAUSAL=False, WINDOW=0,
+                                SOFTCAP=SOFTCAP)
     elif WINDOW > 0:  # from the first key the tile's first row sees, every tile masked both ways
         kv_lo = tl.maximum(kv_lo, ctx_len + q_tile * BLOCK_Q - WINDOW + 1)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv_lo, kv_end, kv_end, qk_scale, d, d_ok, *kv,
-                                BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=True, CAUSAL=True, WINDOW=WINDOW)
+                                BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=True, CAUSAL=True, WINDOW=WINDOW,
+                                SOFTCAP=SOFTCAP)
     else:  # whole tiles every query row sees in full, then the tiles the causal diagonal crosses
         full_end = kv_lo + tl.maximum(ctx_len + q_tile * BLOCK_Q + 1 - kv_lo, 0) // BLOCK_N * BLOCK_N
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv_lo, full_end, kv_end, qk_scale, d, d_ok, *kv,
-                                BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=False, CAUSAL=False, WINDOW=0)
+                                BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=False, CAUSAL=False, WINDOW=0,
+                                SOFTCAP=SOFTCAP)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, full_end, kv_end, kv_end, qk_scale, d, d_ok, *kv,
-                                BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=True, CAUSAL=True, WINDOW=0)
+                                BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=True, CAUSAL=True, WINDOW=0,
+                                SOFTCAP=SOFTCAP)
     if CASCADE and NUM_SPLITS == 1:  # fold in the prefix partials the cascade kernel left in slots [0, SLOT0)
         base = ((q_start + tok) * num_heads + head) * NUM_SLOTS
         covered = tl.load(levels_ptr + q_start + tok, mask=row_ok, other=0) * PREFIX_SPLITS
@@ -168,7 +175,8 @@ def _attend(acc, m_i, l_i, q, q_pos, lo, hi, kv_end, qk_scale, d, d_ok,
             k_cache_ptr, v_cache_ptr, table_ptr, k_scale_ptr, v_scale_ptr, kv_head,
             stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-            DOT_TY: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+            DOT_TY: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+            SOFTCAP: tl.constexpr):
     """The online softmax over keys [lo, hi), BLOCK_N at a time, each key's row gathered through the
     sequence's block table (table_ptr). Unmasked (MASKED false), every key of every tile must exist
     and be visible to every row: no compare or select per score. MASKED loads no key at or past
@@ -176,7 +184,8 @@ def _attend(acc, m_i, l_i, q, q_pos, lo, hi, kv_end, qk_scale, d, d_ok,
     q_pos (a prompt's diagonal tiles: one or two, so a two-stage pipeline, which keeps the prefill
     kernel within the registers of three programs an SM; scripts/sass_stats.py). WINDOW > 0 (with
     CAUSAL): also only keys past q_pos - WINDOW (sliding-window attention); a row may then see no
-    key of a whole tile, whose scores must not make its running maximum NaN."""
+    key of a whole tile, whose scores must not make its running maximum NaN. SOFTCAP > 0: scores
+    (the query pre-scaled) pass through SOFTCAP * tanh before the masks (Gemma 2)."""
     for start in tl.range(lo, hi, BLOCK_N, num_stages=2 if CAUSAL else None):
         k_pos = start + tl.arange(0, BLOCK_N)
         if MASKED:
@@ -195,6 +204,8 @@ def _attend(acc, m_i, l_i, q, q_pos, lo, hi, kv_end, qk_scale, d, d_ok,
             s = tl.dot(q, tl.trans(k.to(DOT_TY)), input_precision=PRECISION) * k_sc[None, :]
         else:
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if SOFTCAP > 0:  # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends (exp's overflow gives 1)
+            s = SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0))
         if WINDOW > 0:
             seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - WINDOW)
             s = tl.where(seen, s, float("-inf"))
@@ -313,14 +324,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     num_splits: int | None = None, block_m: int | None = None,
                     seq_order: torch.Tensor | None = None, kv_start: torch.Tensor | None = None,
                     partials: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-                    levels: tuple[torch.Tensor, int] | None = None, window: int | None = None) -> torch.Tensor:
+                    levels: tuple[torch.Tensor, int] | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Same contract as reference.paged_attention_reference. `max_query_len` 1 says every query
     length is 1 (a decode step, a program per sequence); any other value, that some may be longer
     (its exact value does not matter). `tiles` overrides (BLOCK_N, num_warps, num_stages);
     `num_splits` the decode key slices (a power of two; decode steps only); `block_m` the rows
     (query tokens x group heads) of a program; `seq_order` int32 [num_seqs], a permutation: the
     order in which decode programs take the sequences. `window`: sliding-window attention, each
-    query sees only its `window` latest keys (itself included).
+    query sees only its `window` latest keys (itself included). `softcap`: scores (scaled) become
+    softcap * tanh(score / softcap) (Gemma 2's logit soft-capping).
 
     Cascade (kernels/cascade.py): `kv_start` int32 [num_seqs] leaves each sequence's keys before it
     out; `partials` (part [T, Hq, S, D], ml [2, T, Hq, S], first slot) holds the prefix partials in
@@ -378,6 +391,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         DECODE=decode, ORDERED=seq_order is not None, SEQS_P=0 if decode else max(16, triton.next_power_of_2(num_seqs)),
         PDL=on, CASCADE=kv_start is not None, NUM_SLOTS=num_slots, SLOT0=slot0,
         PREFIX_SPLITS=levels[1] if levels is not None else 0, WINDOW=window or 0,
+        SOFTCAP=float(softcap or 0.0),
         num_warps=warps, num_stages=stages, launch_pdl=on,
     )
     if splits > 1 and partials is None:

@@ -49,12 +49,14 @@ def write_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
 def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                               scale: float, k_scale: torch.Tensor | None = None,
-                              v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                              v_scale: torch.Tensor | None = None, window: int | None = None,
+                              softcap: float | None = None) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over the paged cache; returns [T, Hq, D] in query's dtype.
 
     block_tables [B, max_blocks] int32, query_start_loc [B + 1] int32, seq_lens [B] int32.
     Scores and softmax in float32; an FP8 cache is dequantized with k_scale/v_scale. `window`:
-    query at position i sees keys j with i - window < j <= i (sliding-window attention).
+    query at position i sees keys j with i - window < j <= i (sliding-window attention); `softcap`:
+    scaled scores become softcap * tanh(score / softcap) before the mask (logit soft-capping).
     """
     out = torch.empty_like(query)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -74,6 +76,8 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
         hidden = k_pos[None, None, :] > q_pos[None, :, None]

@@ -20,12 +20,13 @@ class CPUBackend(AttentionBackend):
     def write_kv(self, key, value, cache: KVCache, slot_mapping) -> None:
         write_kv_reference(key, value, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale)
 
-    def attention(self, query, cache: KVCache, meta: AttentionMetadata, scale: float, window=None) -> torch.Tensor:
+    def attention(self, query, cache: KVCache, meta: AttentionMetadata, scale: float, window=None,
+                  softcap=None) -> torch.Tensor:
         if meta.cascade is not None:
             return cascade_attention_reference(query, cache.k, cache.v, meta.block_tables, meta.query_start_loc,
                                                meta.seq_lens, scale, meta.cascade, cache.k_scale, cache.v_scale)
         return paged_attention_reference(query, cache.k, cache.v, meta.block_tables, meta.query_start_loc,
-                                         meta.seq_lens, scale, cache.k_scale, cache.v_scale, window)
+                                         meta.seq_lens, scale, cache.k_scale, cache.v_scale, window, softcap)
 
     def rms_norm(self, x, weight, eps, residual=None):
         return rms_norm_reference(x, weight, eps, residual)

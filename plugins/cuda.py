@@ -30,15 +30,17 @@ class CUDABackend(AttentionBackend):
     def write_kv(self, key, value, cache: KVCache, slot_mapping) -> None:
         self._write_kv(key, value, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale)
 
-    def attention(self, query, cache: KVCache, meta: AttentionMetadata, scale: float, window=None) -> torch.Tensor:
-        if meta.cascade is not None:  # (the runner gives no cascade to a model with windows)
+    def attention(self, query, cache: KVCache, meta: AttentionMetadata, scale: float, window=None,
+                  softcap=None) -> torch.Tensor:
+        if meta.cascade is not None:  # (the runner gives none to a model with windows or soft-capping)
             return self._cascade.cascade_attention(query, cache.k, cache.v, meta.block_tables, meta.query_start_loc,
                                                    meta.seq_lens, scale, meta.max_query_len, meta.cascade,
                                                    k_scale=cache.k_scale, v_scale=cache.v_scale,
                                                    seq_order=meta.seq_order)
         return self._paged_attention(query, cache.k, cache.v, meta.block_tables, meta.query_start_loc,
                                      meta.seq_lens, scale, meta.max_query_len, k_scale=cache.k_scale,
-                                     v_scale=cache.v_scale, seq_order=meta.seq_order, window=window)
+                                     v_scale=cache.v_scale, seq_order=meta.seq_order, window=window,
+                                     softcap=softcap)
 
     def cascade_pays(self, sizes, lengths, num_heads, num_kv_heads, head_dim, device) -> bool:
         from llmserve.kernels.hardware import sm_count

@@ -83,7 +83,7 @@ def compile_paged_attention(module: types.ModuleType, v: dict):
                   DOT_TY=tl.float32 if fp32 else tl.float16,
                   NUM_SPLITS=v["splits"], DECODE=v["decode"], ORDERED=v["decode"],
                   SEQS_P=0 if v["decode"] else 256, PDL=True,
-                  CASCADE=False, NUM_SLOTS=v["splits"], SLOT0=0, PREFIX_SPLITS=0, WINDOW=0)  # (plain attention)
+                  CASCADE=False, NUM_SLOTS=v["splits"], SLOT0=0, PREFIX_SPLITS=0, WINDOW=0, SOFTCAP=0.0)  # (plain attention)
     names = list(fn.arg_names)
     consts = {k: c for k, c in consts.items() if k in names}
     unspecialized = {names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}

@@ -170,7 +170,7 @@ def test_prefix_caching_off_shares_nothing_across_requests(checkpoint):
 # interpreter's numpy may warn as they overflow on their way through the layers (never read).
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("graphs", [False, True])
-@pytest.mark.parametrize("arch", ["llama3-rope", "qwen3", "mistral-window", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama3-rope", "qwen3", "mistral-window", "gemma2", "gemma3"])
 def test_triton_backend_matches_transformers(checkpoint, arch, graphs):
     """The CUDA backend's Triton kernels end to end (in the interpreter without a GPU), also over
     the CUDA graphs' padded buffers (emulated) with at most 4 requests a step."""
@@ -233,10 +233,16 @@ def test_partial_rotary_is_refused_by_name(checkpoint):
         ModelSpec.from_dict({**cfg, "partial_rotary_factor": 0.75})
 
 
-def test_logit_soft_capping_is_refused_by_name(checkpoint):
-    import json
-
-    from llmserve.model.spec import ModelSpec
-    cfg = json.load(open(f"{checkpoint('gemma3')}/config.json"))
-    with pytest.raises(ValueError, match="attn_logit_softcapping 50.0"):
-        ModelSpec.from_dict({**cfg, "attn_logit_softcapping": 50.0})
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_prompt_logits_match_transformers(checkpoint, arch):
+    """Every position's logits, not only their argmax: Gemma 2's final soft-capping (monotonic,
+    so invisible to greedy outputs) and its attention soft-capping, Gemma 3's scales and norms."""
+    from transformers import AutoModelForCausalLM
+    path = checkpoint(arch)
+    prompt = reference(checkpoint, arch)[0][1]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    with LLM(path, dtype="float32", device="cpu", block_size=4, log_interval_s=0) as llm:
+        got = llm.engine.runner.prompt_logits(prompt)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

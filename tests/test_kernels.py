@@ -467,3 +467,19 @@ def test_sliding_window_attention_matches_reference(case, window, group, dtype):
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     if max(s for s in seq_lens.tolist()) > window:
         assert not torch.allclose(ref.float(), full.float(), atol=1e-3)  # the window does cut keys here
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("case", ["decode", "mixed", "prefill"])
+def test_soft_capped_scores_match_reference(case, window):
+    """Gemma 2's logit soft-capping (scaled scores through 2 * tanh(x / 2) here, so the cap bites)."""
+    query_lens, context_lens = CASES[case]
+    q, kc, vc, tables, qsl, seq_lens = make_batch(query_lens, context_lens, block_size=4, num_kv_heads=2,
+                                                  group=2, head_dim=16, dtype=torch.float32)
+    q = q * 4  # scores well past the cap
+    ref = paged_attention_reference(q, kc, vc, tables, qsl, seq_lens, 0.25, window=window, softcap=2.0)
+    assert not torch.allclose(ref, paged_attention_reference(q, kc, vc, tables, qsl, seq_lens, 0.25, window=window))
+    for splits in ([None, 4] if max(query_lens) == 1 else [None]):
+        out = paged_attention(q, kc, vc, tables, qsl, seq_lens, 0.25, max(query_lens), window=window, softcap=2.0,
+                              num_splits=splits)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

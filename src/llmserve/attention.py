@@ -110,11 +110,11 @@ class AttentionBackend:
         raise NotImplementedError
 
     def attention(self, query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
-                  window: int | None = None) -> torch.Tensor:
+                  window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """Causal paged attention of query [T, Hq, D]; returns [T, Hq, D]. With meta.cascade (only
         for backends that support it), each group's shared prefix is read once for the group.
-        window: a sliding-window layer's (each query sees its `window` latest keys; never with a
-        cascade)."""
+        window: a sliding-window layer's (each query sees its `window` latest keys); softcap: scaled
+        scores become softcap * tanh(score / softcap) (neither comes with a cascade)."""
         raise NotImplementedError
 
     def cascade_pays(self, sizes: np.ndarray, lengths: np.ndarray, num_heads: int, num_kv_heads: int,

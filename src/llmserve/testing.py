@@ -34,6 +34,9 @@ ARCHS = {
     "mistral-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 6}),
     "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 6,
                                                           "max_window_layers": 1}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": 6, "layer_types": [
+        "sliding_attention", "full_attention"], "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0, "tie_word_embeddings": True}),
     # local (6-token window, its own rotary base) and global layers alternating
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 6, "layer_types": [
         "sliding_attention", "full_attention"], "query_pre_attn_scalar": 24, "tie_word_embeddings": True}),

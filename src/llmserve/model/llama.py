@@ -33,6 +33,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.scale = spec.attention_scale or self.head_dim ** -0.5
+        self.softcap = spec.attn_softcap
         self.kv_cache: KVCache | None = None  # set by the runner
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -43,7 +44,7 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         self.rotary(positions, q, k, v, self.kv_cache, meta.slot_mapping, self.q_norm, self.k_norm)
-        out = self.backend.attention(q, self.kv_cache, meta, self.scale, window=self.window)
+        out = self.backend.attention(q, self.kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(out.view(T, -1))
 
 
@@ -130,7 +131,9 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] -> logits [N, vocab] in the model's dtype (a float32 copy of a decode
         step's logits would cost more than the lm_head itself; consumers upcast where they compute)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        logits = F.linear(hidden, weight)
+        cap = self.spec.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def set_kv_caches(self, caches: list[KVCache | None]) -> None:
         for layer, cache in zip(self.layers, caches):

@@ -162,7 +162,7 @@ class ModelRunner:
         emulate: no capture; steps run eagerly over the graphs' padded buffers (tests without CUDA)."""
         max_blocks = -(-self.max_model_len // self.block_size)
         cascade = (self.config.cache.cascade_attention != "never" and self.backend.supports_cascade
-                   and not self.spec.windowed)  # (a window cuts the prefix a group shares differently per row)
+                   and self.spec.cascade_exact)
         self.graphs = StepGraphs(self.model, self.staging, max_batch, max_tokens, max_blocks, emulate=emulate,
                                  cascade_groups=MAX_PREFIX_GROUPS if cascade else 0)
         self.graphs.capture()
@@ -354,7 +354,7 @@ class ModelRunner:
         in a step of more tokens than twice max_num_seqs (a large prefill)."""
         groups = plan.prefix_groups
         mode = self.config.cache.cascade_attention
-        if groups is None or mode == "never" or not self.backend.supports_cascade or self.spec.windowed:
+        if groups is None or mode == "never" or not self.backend.supports_cascade or not self.spec.cascade_exact:
             return None
         if inputs.num_tokens > 2 * self.config.scheduler.max_num_seqs:
             return None  # its partial results (float32, every row x head x slot) are memory the KV sizing left out

@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
     "Phi3ForCausalLM": (False, False),
+    "Gemma2ForCausalLM": (False, False),
     "Gemma3ForCausalLM": (False, True),
 }
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -59,10 +60,20 @@ class ModelSpec:
     """RMSNorm multiplies by offset + weight (Gemma: 1 + weight)."""
     sandwich_norms: bool = False
     """Norms after attention and after the MLP too, before each joins the residual (Gemma)."""
+    attn_softcap: float | None = None
+    """Scaled attention scores become cap * tanh(score / cap) (Gemma 2), or None."""
+    final_softcap: float | None = None
+    """Logits become cap * tanh(logit / cap) (Gemma 2), or None."""
 
     @property
     def windowed(self) -> bool:
         return any(self.layer_windows)
+
+    @property
+    def cascade_exact(self) -> bool:
+        """Cascade attention computes this model's attention: no layer cuts a shared prefix per
+        row (a window) or bends its scores (soft-capping)."""
+        return not self.windowed and self.attn_softcap is None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelSpec:
@@ -86,10 +97,7 @@ class ModelSpec:
                              f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         bias_default, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         num_heads = cfg["num_attention_heads"]
-        gemma = arch == "Gemma3ForCausalLM"
-        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if cfg.get(cap) is not None:
-                raise ValueError(f"unsupported {cap} {cfg[cap]} (logit soft-capping)")
+        gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r}; supported: {', '.join(ACTIVATIONS)}")
@@ -150,6 +158,8 @@ class ModelSpec:
             embed_scale=cfg["hidden_size"] ** 0.5 if gemma else 1.0,
             norm_offset=1.0 if gemma else 0.0,
             sandwich_norms=gemma,
+            attn_softcap=cfg.get("attn_logit_softcapping"),
+            final_softcap=cfg.get("final_logit_softcapping"),
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
