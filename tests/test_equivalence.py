@@ -169,8 +169,9 @@ def test_prefix_caching_off_shares_nothing_across_requests(checkpoint):
 # Padding rows of an emulated graph step hold whatever the uninitialised buffers held: the
 # interpreter's numpy may warn as they overflow on their way through the layers (never read).
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("graphs", [False, True])
-@pytest.mark.parametrize("arch", ["llama3-rope", "qwen3", "mistral-window", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch, graphs", [("llama3-rope", False), ("llama3-rope", True), ("qwen3", False),
+                                          ("qwen3", True), ("mistral-window", True), ("gemma2", False),
+                                          ("gemma3", True)])
 def test_triton_backend_matches_transformers(checkpoint, arch, graphs):
     """The CUDA backend's Triton kernels end to end (in the interpreter without a GPU), also over
     the CUDA graphs' padded buffers (emulated) with at most 4 requests a step."""
