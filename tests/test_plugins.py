@@ -264,9 +264,10 @@ def test_third_party_package_is_discovered_selectable_and_runs(example_installed
     rows = {r["name"]: r for r in map(json.loads, listing.stdout.splitlines())}
     assert rows["int4_example"] == {
         "name": "int4_example", "source": "llmserve-int4-example 0.1.0", "status": "loaded",
-        "hooks": ["llmserve_register_decoding_strategies", "llmserve_register_quantization_methods"],
+        "hooks": ["llmserve_register_decoding_strategies", "llmserve_register_models",
+                  "llmserve_register_quantization_methods"],
         "quantization_methods": ["int4-rtn"], "decoding_strategies": ["allowed_token_ids"], "tool_parsers": [],
-        "proposers": []}
+        "proposers": [], "models": ["ExampleLlamaForCausalLM"]}
     generate = run_with(example_installed, f"""
 import json, torch
 from llmserve import LLM, SamplingParams
@@ -302,3 +303,47 @@ from llmserve import LLM
 LLM({path!r}, device="cpu", quantization="int4-rtn")
 """, LLMSERVE_PLUGINS_BLOCK="int4_example")
     assert "model.quantization 'int4-rtn' is not available" in blocked.stderr
+
+
+def test_llmserve_register_models_serves_an_architecture_the_engine_lacks(checkpoint, tmp_path):
+    """A Llama checkpoint under another architecture name: refused with the list of supported
+    ones, then served by a plugin's model class (its spec_from_config read), token for token as
+    the Llama checkpoint itself."""
+    import shutil
+
+    from llmserve import LLM, SamplingParams
+    from llmserve.model.llama import LlamaForCausalLM
+    from llmserve.model.spec import ModelSpec
+    source = checkpoint("llama")
+    renamed = tmp_path / "renamed"
+    shutil.copytree(source, renamed)
+    config = json.loads((renamed / "config.json").read_text())
+    (renamed / "config.json").write_text(json.dumps({**config, "architectures": ["RenamedForCausalLM"]}))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with pytest.raises(ValueError, match="unsupported model architecture.*RenamedForCausalLM"):
+        LLM(str(renamed), device="cpu", log_interval_s=0)
+
+    class Renamed(LlamaForCausalLM):
+        specs = []
+
+        @classmethod
+        def spec_from_config(cls, cfg):
+            cls.specs.append(ModelSpec.from_dict({**cfg, "architectures": ["LlamaForCausalLM"]}))
+            return cls.specs[-1]
+
+    class Models:
+        @hookimpl
+        def llmserve_register_models(self, register):
+            register("RenamedForCausalLM", Renamed)
+
+    pm, plugin = get_plugin_manager(), Models()
+    pm.register(plugin, name="renamed-models")
+    try:
+        assert [r["models"] for r in Plugins().describe() if r["name"] == "renamed-models"] == [["RenamedForCausalLM"]]
+        with LLM(str(renamed), device="cpu", log_interval_s=0) as llm:
+            assert type(llm.engine.runner.model) is Renamed and Renamed.specs
+            got = llm.generate(["The quick brown fox"], params, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        pm.unregister(plugin)
+    with LLM(source, device="cpu", log_interval_s=0) as llm:
+        assert got == llm.generate(["The quick brown fox"], params, use_tqdm=False)[0].outputs[0].token_ids

@@ -216,6 +216,7 @@ def _plugins(argv: list[str]) -> int:
         provides += [f"decoding: {', '.join(row['decoding_strategies'])}"] if row["decoding_strategies"] else []
         provides += [f"tool parsers: {', '.join(row['tool_parsers'])}"] if row["tool_parsers"] else []
         provides += [f"proposers: {', '.join(row['proposers'])}"] if row["proposers"] else []
+        provides += [f"models: {', '.join(row['models'])}"] if row["models"] else []
         provides += [f"hooks: {', '.join(row['hooks'])}"]
         print(f"{row['name']:<16} {row['status']:<22} {row['source'] or '-':<28} {'; '.join(provides)}")
     return 0

@@ -188,13 +188,15 @@ class Frontend(abc.ABC):
     sampling_defaults: dict[str, float | int]
     """Sampling values for requests that leave them unset (resolve_sampling_defaults)."""
 
-    def __init__(self, config: EngineConfig, *, with_tokenizer: bool = True) -> None:
-        """What both sides need: the checkpoint's shape, the context limit, the tokenizer. The
-        tokenizer loads on a thread meanwhile (importing transformers alone takes seconds): it
-        overlaps the device side's start-up, which waits for the GPU and Triton's compiler."""
+    def __init__(self, config: EngineConfig, plugins: Plugins | None = None, *, with_tokenizer: bool = True) -> None:
+        """What both sides need: the plugins, the checkpoint's shape, the context limit, the
+        tokenizer. The tokenizer loads on a thread meanwhile (importing transformers alone takes
+        seconds): it overlaps the device side's start-up, which waits for the GPU and Triton's
+        compiler."""
         config.model.model = resolve_model_dir(config.model.model)
         self.config = config
-        self.spec = ModelSpec.from_dir(config.model.model)
+        self.plugins = plugins or Plugins.from_config(config.plugins)
+        self.spec = ModelSpec.from_dir(config.model.model, self.plugins.model_classes())
         self.max_model_len = resolve_max_model_len(config, self.spec)
         self.sampling_defaults = resolve_sampling_defaults(config)
         if with_tokenizer:
@@ -335,8 +337,7 @@ class Engine(Frontend):
         """with_tokenizer=False: a device side only (the engine process), told the tokenizer's
         end-of-sequence id later through `add_eos_token_id`."""
         lap = _Laps()
-        super().__init__(config, with_tokenizer=with_tokenizer)
-        self.plugins = plugins or Plugins.from_config(config.plugins)
+        super().__init__(config, plugins, with_tokenizer=with_tokenizer)
         m = config.model
         self.quant = resolve_quantization(m.quantization, self.spec, self.plugins)
         self.device = resolve_device(m.device)
@@ -347,7 +348,8 @@ class Engine(Frontend):
         context = ProposerContext(self.device, self.dtype, self.backend, self.spec.vocab_size, self.max_model_len,
                                   config.scheduler.max_num_seqs, config.cache.block_size)
         self.runner = ModelRunner(config, self.spec, self.backend, self.device, self.dtype, self.max_model_len,
-                                  self.quant, self.strategies, resolve_proposer(config.speculative, self.plugins, context))
+                                  self.quant, self.strategies, resolve_proposer(config.speculative, self.plugins, context),
+                                  self.plugins.model_classes().get(self.spec.architecture))
         lap("weights")
         num_blocks = self.runner.determine_num_blocks()
         lap("profile_step")

@@ -80,6 +80,26 @@ def llmserve_register_proposers(register: Callable[[str, Any], None]) -> None:
     """
 
 
+# ---- Model architectures --------------------------------------------------------------------
+
+@hookspec
+def llmserve_register_models(register: Callable[[str, Any], None]) -> None:
+    """Register model architectures by calling ``register(architecture, model_class)``.
+
+    ``architecture`` is the name a checkpoint's config.json lists under ``architectures``. The
+    class is built as ``model_class(spec, backend, max_positions, quant)`` on the engine's device
+    and dtype and provides what `llmserve.model.llama.LlamaForCausalLM` does: ``forward(input_ids,
+    positions, meta)`` to hidden states, ``compute_logits(hidden)``, ``set_kv_caches(caches)``,
+    ``load_weight(name, tensor)`` and ``checkpoint_names()``; its attention goes through
+    ``backend.attention`` over the paged cache. An optional class method ``spec_from_config(config)``
+    returns the `llmserve.model.spec.ModelSpec` the engine sizes the cache by (without it, the
+    config is read as a Llama one). A built-in architecture cannot be replaced. Called for every
+    plugin; a name registered twice is a start-up error naming both plugins.
+
+    :param register: callback taking the architecture's name and the model class.
+    """
+
+
 # ---- Tool-call parsers (the chat API) ---------------------------------------------------------
 
 @hookspec

@@ -145,6 +145,10 @@ class Plugins:
         """name -> factory(SpeculativeConfig) -> Proposer."""
         return {name: obj for name, (obj, _) in self._registry(self.pm.hook.llmserve_register_proposers).items()}
 
+    def model_classes(self) -> dict[str, Any]:
+        """architecture name -> model class (besides the built-in ones)."""
+        return {name: obj for name, (obj, _) in self._registry(self.pm.hook.llmserve_register_models).items()}
+
     def tool_parsers(self) -> dict[str, Any]:
         """name -> factory(tools) -> ToolParser."""
         return {name: obj for name, (obj, _) in self._registry(self.pm.hook.llmserve_register_tool_parsers).items()}
@@ -155,6 +159,7 @@ class Plugins:
         decoding = self._registry(self.pm.hook.llmserve_register_decoding_strategies)
         parsers = self._registry(self.pm.hook.llmserve_register_tool_parsers)
         proposers = self._registry(self.pm.hook.llmserve_register_proposers)
+        models = self._registry(self.pm.hook.llmserve_register_models)
         sources = getattr(self.pm, "sources", {})
         rows = []
         for name, plugin in self.pm.list_name_plugin():
@@ -164,8 +169,9 @@ class Plugins:
                          "quantization_methods": sorted(m for m, (_, p) in quant.items() if p == name),
                          "decoding_strategies": sorted(d for d, (_, p) in decoding.items() if p == name),
                          "tool_parsers": sorted(t for t, (_, p) in parsers.items() if p == name),
-                         "proposers": sorted(t for t, (_, p) in proposers.items() if p == name)})
+                         "proposers": sorted(t for t, (_, p) in proposers.items() if p == name),
+                         "models": sorted(t for t, (_, p) in models.items() if p == name)})
         for name, why in getattr(self.pm, "skipped", {}).items():
             rows.append({"name": name, "source": "", "status": why, "hooks": [], "quantization_methods": [],
-                         "decoding_strategies": [], "tool_parsers": [], "proposers": []})
+                         "decoding_strategies": [], "tool_parsers": [], "proposers": [], "models": []})
         return rows

@@ -35,16 +35,18 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 @torch.no_grad()
 def load_model(model_dir: str, spec: ModelSpec, backend: AttentionBackend, *, dtype: torch.dtype,
                device: torch.device, max_positions: int, quant: QuantizationMethod | None = None,
-               load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
-    """Build the model on `device` with parameters in `dtype` (a quantization method picks its own
-    dtypes for the tensors it owns) and fill it from the checkpoint or with random values."""
+               load_format: str = "auto", seed: int = 0,
+               model_class: type | None = None) -> LlamaForCausalLM:
+    """Build the model (`model_class`, a plugin's architecture, else the built-in decoder) on
+    `device` with parameters in `dtype` (a quantization method picks its own dtypes for the
+    tensors it owns) and fill it from the checkpoint or with random values."""
     quant = quant or Unquantized()
     quant.check_device(device)
     default_dtype = torch.get_default_dtype()
     try:
         torch.set_default_dtype(dtype)
         with torch.device(device):
-            model = LlamaForCausalLM(spec, backend, max_positions, quant)
+            model = (model_class or LlamaForCausalLM)(spec, backend, max_positions, quant)
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":

@@ -85,13 +85,14 @@ class _Sampling:
 class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, backend: AttentionBackend, device: torch.device,
                  dtype: torch.dtype, max_model_len: int, quant: QuantizationMethod | None = None,
-                 strategies: dict[str, Any] | None = None, proposer: Proposer | None = None) -> None:
+                 strategies: dict[str, Any] | None = None, proposer: Proposer | None = None,
+                 model_class: type | None = None) -> None:
         self.config, self.spec, self.backend, self.device, self.dtype = config, spec, backend, device, dtype
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.model = load_model(config.model.model, spec, backend, dtype=dtype, device=device,
                                 max_positions=max_model_len, quant=quant, load_format=config.model.load_format,
-                                seed=config.model.seed)
+                                seed=config.model.seed, model_class=model_class)
         kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.kv = KVCacheLayout(spec, self.block_size, kv_dtype, device)
         self.staging = Staging(device)

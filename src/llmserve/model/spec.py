@@ -76,26 +76,32 @@ class ModelSpec:
         return not self.windowed and self.attn_softcap is None
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> ModelSpec:
+    def from_dir(cls, path: str | Path, models: dict[str, Any] | None = None) -> ModelSpec:
         """config.json's shape; the end-of-sequence ids of config.json and of generation_config.json
         (which transformers' generate stops on: instruct checkpoints often list their turn-end token
-        there alone)."""
+        there alone). models: architectures plugins add (name -> model class)."""
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in model directory {str(path)!r}")
-        spec = cls.from_dict(json.loads(config_file.read_text()))
+        spec = cls.from_dict(json.loads(config_file.read_text()), models)
         eos = generation_config(path).get("eos_token_id")
         more = [eos] if isinstance(eos, int) else list(eos or [])
         return replace(spec, eos_token_ids=tuple(dict.fromkeys([*spec.eos_token_ids, *more])))
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> ModelSpec:
+    def from_dict(cls, cfg: dict[str, Any], models: dict[str, Any] | None = None) -> ModelSpec:
+        """The shape of a config.json of a built-in architecture, or of one in `models` (a plugin's:
+        its spec_from_config if it has one, else read as a Llama config), named by the config's
+        architecture either way (the engine finds the model class by it)."""
+        models = models or {}
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES or a in models), None)
         if arch is None:
             raise ValueError(f"unsupported model architecture {archs or cfg.get('model_type')!r}; "
-                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        bias_default, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+                             f"supported: {sorted(SUPPORTED_ARCHITECTURES) + sorted(models)}")
+        if arch not in SUPPORTED_ARCHITECTURES and hasattr(models[arch], "spec_from_config"):
+            return replace(models[arch].spec_from_config(cfg), architecture=arch)
+        bias_default, qk_norm = SUPPORTED_ARCHITECTURES.get(arch, (False, False))
         num_heads = cfg["num_attention_heads"]
         gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"

@@ -1,5 +1,6 @@
-"""llmserve plugin: `int4-rtn`, 4-bit group-wise round-to-nearest weight-only quantization, and the
-decoding strategy `allowed_token_ids` (allowed_tokens.py).
+"""llmserve plugin: `int4-rtn`, 4-bit group-wise round-to-nearest weight-only quantization, the
+decoding strategy `allowed_token_ids` (allowed_tokens.py) and the architecture
+`ExampleLlamaForCausalLM` (renamed_llama.py).
 
 Per output row and group of GROUP_SIZE input channels: scale = max|w| / 7, q = round(w / scale)
 clamped to [-8, 7], stored as q + 8 in a nibble; byte k of a row holds columns 2k (low nibble) and
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from llmserve.hookspecs import hookimpl
 from llmserve_int4_example.allowed_tokens import llmserve_register_decoding_strategies  # noqa: F401 (a hook)
+from llmserve_int4_example.renamed_llama import llmserve_register_models  # noqa: F401 (a hook)
 from llmserve.quantization import QuantizationMethod, empty_param, shard_rows
 
 GROUP_SIZE = 32
