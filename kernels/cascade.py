@@ -110,11 +110,10 @@ def prefix_config(fp32: bool, group: int) -> tuple[int, int, int, int, int]:
     return 64, 64, 4, 3, PREFIX_SPLITS  # `cascade_bench.py --tune`: within 5% of the best everywhere
 
 
-def suffix_tiles(fp8: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of a decode step's suffix pass: a request's own keys are
-    few (those past the shared prefix), so the plain decode tiles' deep pipeline (one program an
-    SM) would leave the step waiting on latency; 64-key tiles in two stages fit three an SM."""
-    return (64, 4, 2)
+SUFFIX_TILES = (64, 4, 2)
+"""(BLOCK_N, num_warps, num_stages) of a decode step's suffix pass (each request's own keys, few):
+64-key tiles in two stages, three programs an SM against the decode tiles' one; measured within
+3 us of the decode tiles at 32-256 rows (BENCHMARKS.md), no faster."""
 
 
 def cascade_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -161,7 +160,7 @@ def cascade_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             PDL=on, num_warps=warps, num_stages=stages, launch_pdl=on)
     paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
                     out=out, k_scale=k_scale, v_scale=v_scale, num_splits=suffix_splits, seq_order=seq_order,
-                    tiles=suffix_tiles(fp8) if decode and not fp32 else None, kv_start=cascade.kv_start,
+                    tiles=SUFFIX_TILES if decode and not fp32 else None, kv_start=cascade.kv_start,
                     partials=(part, ml, prefix_slots), levels=(cascade.levels, prefix_splits))
     if suffix_splits > 1:
         merge_partials(out, part, ml, cascade.levels, prefix_splits, LEVELS)

@@ -371,8 +371,7 @@ class Engine(Frontend):
                      seconds=round(lap("cuda_graphs"), 2))
         s = config.scheduler
         self.kv = KVCacheManager(num_blocks, bs, max_model_len=self.max_model_len, reserve_growth=s.reserve_growth,
-                                 prefix_groups=config.cache.cascade_attention != "never"
-                                 and self.backend.supports_cascade and self.spec.cascade_exact)
+                                 prefix_groups=self.runner.cascade)
         self.scheduler = Scheduler(max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
                                    max_model_len=self.max_model_len, policy=s.policy,
                                    eos_token_ids=frozenset(self.spec.eos_token_ids),

@@ -105,6 +105,10 @@ class ModelRunner:
         self.num_blocks = 0
         self.graphs: StepGraphs | None = None
         self.timing = StepTiming()
+        self.cascade = (config.cache.cascade_attention != "never" and backend.supports_cascade
+                        and spec.cascade_exact)
+        """Cascade attention may serve steps (the mode allows it, the backend has it, the model's
+        attention is plain enough for it): the KV manager looks for prefix groups only then."""
         self.cascade_steps = 0  # steps that attended shared prefixes once per group
         self.in_flight: InFlight | None = None
         self.waiting: _Sampling | None = None
@@ -162,10 +166,8 @@ class ModelRunner:
         `max_tokens` tokens (after the KV cache is allocated: they bake in its address).
         emulate: no capture; steps run eagerly over the graphs' padded buffers (tests without CUDA)."""
         max_blocks = -(-self.max_model_len // self.block_size)
-        cascade = (self.config.cache.cascade_attention != "never" and self.backend.supports_cascade
-                   and self.spec.cascade_exact)
         self.graphs = StepGraphs(self.model, self.staging, max_batch, max_tokens, max_blocks, emulate=emulate,
-                                 cascade_groups=MAX_PREFIX_GROUPS if cascade else 0)
+                                 cascade_groups=MAX_PREFIX_GROUPS if self.cascade else 0)
         self.graphs.capture()
 
     # Steps are launched, then finished. launch() queues the forward pass and the sampler on the
@@ -315,9 +317,9 @@ class ModelRunner:
         graphed = self.graphs is not None and self.graphs.fits(len(plan.req_ids)) and decode
         mixed_graphed = (self.graphs is not None and not decode
                          and self.graphs.fits_mixed(plan.num_tokens, len(plan.req_ids)))
-        cascade = self._cascade(plan, inputs)
-        if cascade is not None and (mixed_graphed or graphed and not self.graphs.fits_cascade(len(plan.req_ids), cascade)):
-            cascade = None  # a step its captured graphs serve only without cascade
+        cascade = None if mixed_graphed else self._cascade(plan, inputs)  # (mixed graphs have no cascade)
+        if cascade is not None and graphed and not self.graphs.fits_cascade(len(plan.req_ids), cascade):
+            cascade = None
         self.cascade_steps += cascade is not None
         if graphed:  # hidden has the captured size's rows; those past the batch are padding
             hidden = self.graphs.run(inputs, from_device, cascade)
@@ -354,12 +356,11 @@ class ModelRunner:
         always where cache.cascade_attention says so, by the backend's cost model for "auto"; not
         in a step of more tokens than twice max_num_seqs (a large prefill)."""
         groups = plan.prefix_groups
-        mode = self.config.cache.cascade_attention
-        if groups is None or mode == "never" or not self.backend.supports_cascade or not self.spec.cascade_exact:
+        if groups is None or not self.cascade:
             return None
         if inputs.num_tokens > 2 * self.config.scheduler.max_num_seqs:
             return None  # its partial results (float32, every row x head x slot) are memory the KV sizing left out
-        if mode == "auto":
+        if self.config.cache.cascade_attention == "auto":
             rows = np.diff(inputs.query_start_loc)[groups.members]
             sizes = np.add.reduceat(rows, groups.starts[:-1])
             if not self.backend.cascade_pays(sizes, groups.hi - groups.lo, self.spec.num_heads,
