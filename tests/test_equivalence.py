@@ -247,3 +247,17 @@ def test_prompt_logits_match_transformers(checkpoint, arch):
     with LLM(path, dtype="float32", device="cpu", block_size=4, log_interval_s=0) as llm:
         got = llm.engine.runner.prompt_logits(prompt)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_layer_windows_from_either_config_layout(checkpoint):
+    """transformers 5 lists each layer's kind; a transformers 4 Qwen2 config says from which layer
+    on the window applies; a Mistral config windows every layer."""
+    import json
+
+    from llmserve.model.spec import ModelSpec
+    qwen2 = json.load(open(f"{checkpoint('qwen2-window')}/config.json"))
+    assert ModelSpec.from_dict(qwen2).layer_windows == (0, 6)
+    assert ModelSpec.from_dict({k: v for k, v in qwen2.items() if k != "layer_types"}).layer_windows == (0, 6)
+    mistral = json.load(open(f"{checkpoint('mistral-window')}/config.json"))
+    assert ModelSpec.from_dict(mistral).layer_windows == (6, 6)
+    assert ModelSpec.from_dict({**mistral, "sliding_window": None}).layer_windows == (0, 0)

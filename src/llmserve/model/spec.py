@@ -41,7 +41,6 @@ class ModelSpec:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
-    sliding_window: int | None
     torch_dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     quantization_config: dict[str, Any] | None = None
@@ -131,8 +130,11 @@ class ModelSpec:
             rope_scaling["max_position_embeddings"] = cfg.get("max_position_embeddings", 4096)
         use_window = cfg.get("use_sliding_window", True)
         window = cfg.get("sliding_window") if use_window else None
-        # transformers 5 names each layer's kind (Qwen2 from max_window_layers); Mistral's are all windowed
-        kinds = cfg.get("layer_types") or ["sliding_attention"] * cfg["num_hidden_layers"]
+        # transformers 5 names each layer's kind; a transformers 4 Qwen2 config windows the layers from
+        # max_window_layers on; Mistral windows them all
+        first = cfg.get("max_window_layers", 0)
+        kinds = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                           for i in range(cfg["num_hidden_layers"])]
         layer_windows = tuple(window if window and kind == "sliding_attention" else 0 for kind in kinds)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -153,7 +155,6 @@ class ModelSpec:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", bias_default),
             qk_norm=qk_norm,
-            sliding_window=window,
             torch_dtype=getattr(torch, dtype_name) if isinstance(dtype_name, str) else torch.float32,
             eos_token_ids=eos_ids,
             quantization_config=cfg.get("quantization_config"),
