@@ -36,6 +36,7 @@ def test_unknown_toml_keys_are_named(tmp_path):
 @pytest.mark.parametrize("make,match", [
     (lambda: CacheConfig(block_size=3), r"cache.block_size must be a power of two in \[1, 128\], got 3"),
     (lambda: CacheConfig(gpu_memory_utilization=1.5), r"cache.gpu_memory_utilization must be in \(0, 1\]"),
+    (lambda: CacheConfig(cascade_attention="on"), "cache.cascade_attention must be 'auto', 'always' or 'never', got 'on'"),
     (lambda: SchedulerConfig(max_num_seqs=0), "scheduler.max_num_seqs must be >= 1"),
     (lambda: SchedulerConfig(policy="lifo"), "scheduler.policy must be 'fcfs' or 'priority'"),
     (lambda: ModelConfig(dtype="int4"), "model.dtype must be one of"),
