@@ -75,7 +75,7 @@ def _matmul_kernel(
     k_hi = tl.minimum(k_lo + k_per, K)
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
-    up_offset = N.to(tl.int64) * stride_wn  # gated: the up rows follow the gate rows
+    up_offset = tl.cast(N, tl.int64) * stride_wn  # gated: the up rows follow the gate rows (N may be a constant 1)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):

@@ -1,4 +1,5 @@
-"""CUDA backend: the Triton kernels (paged attention, KV write, fused norm/rotary/activation, sampling)."""
+"""CUDA backend: the Triton kernels (paged attention, KV write, fused norm/rotary/activation, fused
+mixture-of-experts, sampling)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ class CUDABackend(AttentionBackend):
 
     def __init__(self) -> None:
         # Imported here: Triton's CUDA driver is only needed when this backend is chosen.
-        from llmserve.kernels import cascade, fused
+        from llmserve.kernels import cascade, fused, moe
         from llmserve.kernels.cache_write import write_kv
         from llmserve.kernels.paged_attention import paged_attention
         from llmserve.kernels.sampling import sample_filtered_rows, sample_rows
@@ -25,6 +26,7 @@ class CUDABackend(AttentionBackend):
         self._sample_rows = sample_rows
         self._sample_filtered_rows = sample_filtered_rows
         self._fused = fused
+        self._moe = moe
         self._apply_token_mask = apply_token_mask
 
     def write_kv(self, key, value, cache: KVCache, slot_mapping) -> None:
@@ -59,6 +61,9 @@ class CUDABackend(AttentionBackend):
 
     def silu_and_mul(self, x) -> torch.Tensor:
         return self._fused.silu_and_mul(x)
+
+    def fused_moe(self, x, logits, top_k, renormalize, w13, w2, scale13=None, scale2=None) -> torch.Tensor:
+        return self._moe.fused_moe(x, logits, top_k, renormalize, w13, w2, scale13, scale2)
 
     def sample_rows(self, logits, temperature, key) -> torch.Tensor:
         return self._sample_rows(logits, temperature, key)

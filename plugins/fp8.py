@@ -62,6 +62,10 @@ class CompressedTensorsFp8(Fp8Dynamic):
     def checkpoint_leaves(self, layer) -> list[str]:
         return ["weight", "weight_scale"]
 
+    def expert_weights(self):
+        raise ValueError("model.quantization 'compressed-tensors': pre-quantized mixture-of-experts checkpoints "
+                         "are not supported; serve the full-precision checkpoint with quantization 'fp8'")
+
     def load(self, layer, leaf: str, tensor: torch.Tensor, shard: object = None) -> bool:
         if leaf == "weight" and tensor.dtype == FP8:
             copy_checked(shard_rows(layer, layer.weight, shard), tensor, f"weight{'' if shard is None else f'[{shard}]'}")

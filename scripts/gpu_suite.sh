@@ -19,6 +19,8 @@
 #          commits only this way, boxes of one kind differ by ~4%;
 #          ab-serve: W-serve at rate inf the same way, AB_RUNS (2) rounds, with the engine process
 #          and on one loop;
+#          moe: the fused-MoE kernel (scripts/moe_bench.py), W-small's and W-large's requests on
+#          the Qwen3-30B-A3B shape;
 #          w-prefix: W-prefix with prefix caching off, on, on + cascade attention, then
 #          scripts/cascade_bench.py (the kernel in FlashInfer's setting, the cost model's sweep);
 #          figures: decode-b1 bf16 and int8, W-small with an FP8 cache and W-large fp8 beside bf16,
@@ -176,6 +178,21 @@ run)
         for mode in ${CASCADE_MODES:-sweep}; do  # sweep: the cost model's; tune: the prefix kernel's tiles
             (cd scripts && PYTHONPATH=/tmp/site:. timeout 300 "$PY" cascade_bench.py --$mode \
                 --json "$OUT/cascade-$mode.json") > "$OUT/cascade-$mode.log" 2>&1
+        done
+    elif [ "$bench" = moe ]; then
+        # One MoE layer of the Qwen3-30B-A3B shape: the fused kernel against a per-expert loop and
+        # transformers' experts (scripts/moe_bench.py; MOE_TUNE=1: its tile sweep too); then W-small's
+        # and W-large's requests on that shape (MOE_WORKLOADS), the latter with transformers
+        # generate on its first 32 requests as the peer.
+        (cd scripts && PYTHONPATH=/tmp/site:. timeout 150 "$PY" moe_bench.py --json "$OUT/moe-kernel.json") \
+            > "$OUT/moe-kernel.log" 2>&1; tail -10 "$OUT/moe-kernel.log"
+        [ -z "${MOE_TUNE:-}" ] || (cd scripts && PYTHONPATH=/tmp/site:. timeout 200 "$PY" moe_bench.py --tune \
+            --json "$OUT/moe-tune.json" 2>&1 | tee "$OUT/moe-tune.log" | tail -10)
+        for w in ${MOE_WORKLOADS:-w-small-moe w-large-moe}; do
+            peer=(); [ "$w" = w-large-moe ] && peer=(--peer hf --peer-requests 32)
+            timeout 280 "$PY" -m llmserve.bench.throughput --workload "$w" "${peer[@]}" ${BENCH_ARGS:-} \
+                --json "$OUT/$w.json" > "$OUT/$w.log" 2>&1
+            echo "$w: exit $?"; "$PY" scripts/bench_summary.py "$OUT/$w.json"
         done
     elif [ "$bench" = script ]; then
         script=$3; shift 3

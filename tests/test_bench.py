@@ -5,11 +5,13 @@ import json
 import os
 import time
 
+import pytest
+import torch
 from test_server import running_server
 
-from llmserve import LLM
+from llmserve import LLM, SamplingParams
 from llmserve.bench.throughput import roofline_seconds, startup_summary
-from llmserve.bench.workloads import w_large, w_small
+from llmserve.bench.workloads import Workload, w_large, w_small
 from llmserve.cli import main
 from llmserve.model.spec import ModelSpec
 
@@ -33,6 +35,26 @@ def test_rooflines_on_an_h100_are_those_of_workloads_md():
     roof = roofline_seconds(w, ModelSpec.from_dict(w.model_config), bandwidth=3.0e12, flops=785e12)
     assert roof["bound"] == "compute" and abs(roof["compute_s"] * 785e12 - 1.885e16) < 0.001e16
     assert roof["roofline_s"] == roof["compute_s"] and 6.0 < roof["decode_s"] < roof["compute_s"]
+
+
+def test_moe_roofline_reads_the_experts_a_batch_picks():
+    """Qwen3-30B-A3B: 3.35B parameters a token (2.73B in its layers), 30.5B in all; a step of one
+    token reads its 8 experts a layer, a step of 256 nearly all 128; a token's FLOPs count its 8."""
+    from llmserve.bench.throughput import layer_params
+    from llmserve.bench.workloads import w_large_moe, w_small_moe
+    w = w_small_moe()
+    spec = ModelSpec.from_dict(w.model_config)
+    per_layer, resident, expert, active = layer_params(spec)
+    outer = spec.vocab_size * spec.hidden_size * 2
+    assert abs(per_layer.sum() + outer - 3.35e9) < 0.01e9 and abs(resident + 48 * 128 * expert + outer - 30.53e9) < 0.01e9
+    assert active(1) == pytest.approx(48 * 8) and active(256) == pytest.approx(48 * 128, rel=1e-6)
+    one = roofline_seconds(Workload("one", w.model_config, [[1] * 10], [SamplingParams(max_tokens=2)]), spec,
+                           bandwidth=1.0, flops=1.0)
+    assert one["decode_s"] == pytest.approx(2 * ((resident + 48 * 8 * expert) * 2 + outer * 2)
+                                            + 21 * spec.kv_bytes_per_token(torch.bfloat16))
+    big = roofline_seconds(w_large_moe(), spec, bandwidth=3.0e12, flops=785e12)
+    dense = roofline_seconds(w_large(), ModelSpec.from_dict(w_large().model_config), bandwidth=3.0e12, flops=785e12)
+    assert big["compute_s"] < 0.5 * dense["compute_s"]
 
 
 def test_startup_reports_its_phases_and_the_slowest_kernel_variants(checkpoint):

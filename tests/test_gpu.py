@@ -36,11 +36,14 @@ def test_cuda_float32_matches_transformers(checkpoint, arch, variant):
         assert llm.engine.kv.num_free_blocks() == llm.engine.kv.pool.num_blocks
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3-moe", "qwen2-moe",
+                                  "mixtral"])
 def test_cuda_bfloat16_greedy_agrees_on_short_outputs(checkpoint, arch):
     """In bf16 two implementations may split a near-tie differently, after which the texts diverge
     legitimately. So: every token we choose must be transformers' argmax at that position given our
-    own prefix (teacher forcing), up to a margin of 2% of the logit range; and first tokens agree."""
+    own prefix (teacher forcing), up to a margin of 2% of the logit range; and first tokens agree
+    (but for mixtures of experts: there a near-tie of the router flips a token's experts, and the
+    first token is held to the margin only)."""
     from transformers import AutoModelForCausalLM
     path = checkpoint(arch, dtype=torch.bfloat16)
     prompts = prompts_for(path)
@@ -48,7 +51,8 @@ def test_cuda_bfloat16_greedy_agrees_on_short_outputs(checkpoint, arch):
         got = run(llm, prompts, 8)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     first = hf_greedy(path, prompts, 1, device="cuda", dtype=torch.bfloat16)
-    assert [g[0] for g in got] == [f[0] for f in first]
+    if "moe" not in arch and arch != "mixtral":
+        assert [g[0] for g in got] == [f[0] for f in first]
     with torch.no_grad():
         for p, g in zip(prompts, got):
             logits = hf(torch.tensor([p + g], device="cuda")).logits[0, len(p) - 1:len(p) - 1 + len(g)].float()

@@ -154,6 +154,18 @@ class AttentionBackend:
         gate, up = x.chunk(2, dim=-1)
         return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
+    def fused_moe(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, w13: torch.Tensor,
+                  w2: torch.Tensor, scale13: torch.Tensor | None = None,
+                  scale2: torch.Tensor | None = None) -> torch.Tensor:
+        """A mixture-of-experts layer: x [T, H] routed by its router logits [T, E] to the top_k
+        experts (softmax in float32, renormalised over the chosen if asked), each expert's
+        silu(x W_gate^T) * (x W_up^T) times W_down^T weighted and summed -> [T, H]. w13 [E, 2I, H]
+        holds each expert's gate rows then up rows, w2 [E, H, I]; INT8/FP8 weights come with float32
+        per-row scales [E, 2I] and [E, H]. This torch version (one expert at a time) serves every
+        device; backends with a kernel override it (kernels/moe.py)."""
+        from llmserve.kernels.moe import fused_moe_reference
+        return fused_moe_reference(x, logits, top_k, renormalize, w13, w2, scale13, scale2)
+
     def sample_rows(self, logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         """Fused sampling: a draw from softmax(logits / T) per row at the row key's u (T == 0: plain
         argmax); see kernels/sampling.py for the exact function every backend must compute."""

@@ -99,6 +99,15 @@ class QuantizationMethod:
         for [gate | up] rows; a method may fuse it into its matmul instead."""
         return silu_and_mul(self.apply(layer, x))
 
+    def expert_weights(self) -> tuple[torch.dtype, Any] | None:
+        """How a mixture-of-experts layer (model/moe.py) stores its stacked expert weights under this
+        method: None keeps them in the model dtype; (dtype, quantize_rows) quantizes each expert's
+        gate, up and down rows as they load, quantize_rows(w [rows, in]) -> (dtype [rows, in],
+        float32 scales [rows]), which the fused-MoE kernel applies per output row. A method that
+        cannot raises ValueError naming itself."""
+        raise ValueError(f"model.quantization {self.name!r} does not support mixture-of-experts weights; "
+                         "supported: none, int8, fp8")
+
     def weight_bytes(self, layer: Linear) -> int:
         return sum(p.numel() * p.element_size() for p in layer.parameters())
 
@@ -110,6 +119,9 @@ class Unquantized(QuantizationMethod):
 
     def __init__(self, checkpoint_config: dict[str, Any] | None = None) -> None:
         pass
+
+    def expert_weights(self) -> None:
+        return None
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if decode_matmul_takes(x, layer.weight):
@@ -146,6 +158,9 @@ class QuantizeAtLoad(QuantizationMethod):
     def quantize_rows(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """w [rows, in] (any float dtype) -> (quantized [rows, in] of weight_dtype, float32 scales [rows])."""
         raise NotImplementedError
+
+    def expert_weights(self) -> tuple[torch.dtype, Any]:
+        return self.weight_dtype, self.quantize_rows
 
     def load(self, layer: Linear, leaf: str, tensor: torch.Tensor, shard: object = None) -> bool:
         if leaf != "weight":

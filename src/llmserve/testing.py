@@ -40,6 +40,15 @@ ARCHS = {
     # local (6-token window, its own rotary base) and global layers alternating
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 6, "layer_types": [
         "sliding_attention", "full_attention"], "query_pre_attn_scalar": 24, "tie_word_embeddings": True}),
+    # mixtures of experts: 8 experts, 2 a token; Qwen3's renormalised, Qwen2's with a gated shared
+    # expert and one dense layer, Mixtral's with a window
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2,
+                                                            "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+        "mlp_only_layers": [0]}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2,
+                                                        "intermediate_size": 32, "sliding_window": 6}),
 }
 # LongRoPE: the factors of head_dim 16's eight frequencies, for a model pretrained on 32 positions
 # and extended to 256; prompts past 32 positions take the long factors (tests/test_equivalence.py).

@@ -69,16 +69,33 @@ def measure_device(sustained: bool = False) -> dict:
     return result
 
 
+def layer_params(spec: ModelSpec) -> tuple[np.ndarray, float, int, object]:
+    """The decoder layers' parameters: per layer, those a token multiplies by ([layers]: attention
+    and the dense MLP, or the router, its top_k experts and the shared expert); those every step
+    reads (all but the experts); one expert's; and active(b), the experts of all sparse layers a
+    step of b tokens reads when each token picks top_k of E uniformly, E * (1 - (1 - k/E)^b) a layer."""
+    h = spec.hidden_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    per_layer = np.full(spec.num_layers, h * (q + 2 * kv) + q * h + 3 * h * spec.intermediate_size, dtype=np.float64)
+    moe = spec.moe
+    if moe is None:
+        return per_layer, float(per_layer.sum()), 0, lambda b: 0.0
+    expert = 3 * h * moe.intermediate_size
+    sparse = np.array(moe.sparse_layers)
+    per_layer[sparse] = (h * (q + 2 * kv) + q * h + h * moe.num_experts + moe.top_k * expert
+                         + (3 * h * moe.shared_intermediate_size + h if moe.shared_intermediate_size else 0))
+    e, k, n = moe.num_experts, moe.top_k, int(sparse.sum())
+    return per_layer, float(per_layer.sum()) - n * k * expert, expert, lambda b: n * e * (1 - (1 - k / e) ** b)
+
+
 def roofline_seconds(w: Workload, spec: ModelSpec, bandwidth: float, flops: float, *,
                      weight_itemsize: int = 2, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
     """weight_itemsize: bytes per decoder-layer weight (1 for int8/fp8; embeddings and lm_head stay
     bf16); flops: the matmul rate of the weights' format. prefill_s: the prompts' FLOPs; decode_s:
     the decode steps' reads; compute_s: every token's FLOPs; roofline_s: by the workload's bound."""
-    h, inter, layers = spec.hidden_size, spec.intermediate_size, spec.num_layers
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
-    params = layers * per_layer + spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
-    weight_bytes = layers * per_layer * weight_itemsize + (params - layers * per_layer) * 2
+    per_layer, resident, expert, active = layer_params(spec)
+    outer = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)  # kept in bf16
+    params = per_layer.sum() + outer  # a token's
     kv_token = spec.kv_bytes_per_token(kv_dtype)
     prompt = np.array([len(p) for p in w.prompts], dtype=np.float64)
     out = np.array([p.max_tokens for p in w.params], dtype=np.float64)
@@ -88,7 +105,10 @@ def roofline_seconds(w: Workload, spec: ModelSpec, bandwidth: float, flops: floa
     running = out[None, :] > t
     context = float(((prompt[None, :] + t) * running).sum())
     # FLOPs: 2 * params a token, plus attention (QK^T and PV) over the keys up to and including its own.
-    attn = 4 * layers * q
+    attn = 4 * spec.num_layers * spec.num_heads * spec.head_dim
+    # a step reads every weight but the experts, and the experts its batch picks
+    experts_read = sum(active(b) for b in running.sum(axis=1))
+    weight_reads = steps * (resident * weight_itemsize + outer * 2) + experts_read * expert * weight_itemsize
     prompt_flops = 2 * params * prompt.sum() + attn * float((prompt * (prompt + 1) / 2).sum())
     decode_flops = 2 * params * out.sum() + attn * (context + running.sum())
     read = context
@@ -98,7 +118,7 @@ def roofline_seconds(w: Workload, spec: ModelSpec, bandwidth: float, flops: floa
         prompt_flops = (2 * params * (groups * length + own.sum()) + attn * groups * length * (length + 1) / 2
                         + attn * float((own * (own + 1) / 2 + own * length).sum()))
         read = float(((own[None, :] + t) * running).sum()) + groups * length * steps
-    decode = (steps * weight_bytes + read * kv_token) / bandwidth
+    decode = (weight_reads + read * kv_token) / bandwidth
     prefill, compute = prompt_flops / flops, (prompt_flops + decode_flops) / flops
     roofline = prefill + decode if w.bound == "bandwidth" else max(compute, decode)
     return {"roofline_s": float(roofline), "bound": w.bound, "decode_s": float(decode), "prefill_s": float(prefill),

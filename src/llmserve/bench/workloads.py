@@ -25,6 +25,15 @@ LLAMA31_8B = {
     "max_position_embeddings": 131072, "torch_dtype": "bfloat16", "eos_token_id": 128001, "bos_token_id": 128000,
 }
 
+QWEN3_30B_A3B = {  # 30.5B parameters, 3.3B a token: 48 layers of 128 experts, 8 a token
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "torch_dtype": "bfloat16",
+    "eos_token_id": 151645, "bos_token_id": 151643,
+}
+
 ALWAYS_WRITTEN = ("temperature", "top_p", "top_k", "max_tokens", "ignore_eos")
 """Sampling fields a serialized workload states even at their defaults: engines' defaults differ."""
 
@@ -148,4 +157,19 @@ def w_prefix() -> Workload:
     return Workload("w-prefix", QWEN3_0_6B, prompts, params, shared_prefix=(8, 4096))
 
 
-WORKLOADS = {"w-small": w_small, "w-large": w_large, "w-prefix": w_prefix, "decode-b1": decode_b1}
+def w_small_moe() -> Workload:
+    """W-small's requests on the Qwen3-30B-A3B shape (issue-defined, not in WORKLOADS.md)."""
+    w = w_small()
+    w.name, w.model_config = "w-small-moe", QWEN3_30B_A3B
+    return w
+
+
+def w_large_moe() -> Workload:
+    """W-large's requests on the Qwen3-30B-A3B shape (issue-defined, not in WORKLOADS.md)."""
+    w = w_large()
+    w.name, w.model_config = "w-large-moe", QWEN3_30B_A3B
+    return w
+
+
+WORKLOADS = {"w-small": w_small, "w-large": w_large, "w-prefix": w_prefix, "decode-b1": decode_b1,
+             "w-small-moe": w_small_moe, "w-large-moe": w_large_moe}

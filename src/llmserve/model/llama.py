@@ -49,9 +49,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, quant: QuantizationMethod) -> None:
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, quant: QuantizationMethod,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.inter = spec.intermediate_size
+        self.inter = intermediate_size or spec.intermediate_size
         self.gate_up_proj = Linear(spec.hidden_size, 2 * self.inter, shard_sizes={0: self.inter, 1: self.inter},
                                    quant=quant)
         self.down_proj = Linear(self.inter, spec.hidden_size, quant=quant)
@@ -67,10 +68,10 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 quant: QuantizationMethod, window: int = 0) -> None:
+                 quant: QuantizationMethod, window: int, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = Attention(spec, rotary, backend, quant, window)
-        self.mlp = MLP(spec, backend, quant)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         if spec.sandwich_norms:
@@ -113,10 +114,15 @@ class LlamaForCausalLM(nn.Module):
             RotaryEmbedding(spec.head_dim, max_positions, spec.local_rope_theta, None, backend)
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
         windows = spec.layer_windows or (0,) * spec.num_layers
-        self.layers = nn.ModuleList(DecoderLayer(spec, local if windows[i] else rotary, backend, quant, windows[i])
+        self.layers = nn.ModuleList(DecoderLayer(spec, local if windows[i] else rotary, backend, quant, windows[i],
+                                                 self.make_mlp(i, backend, quant))
                                     for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
+
+    def make_mlp(self, layer: int, backend: AttentionBackend, quant: QuantizationMethod) -> nn.Module:
+        """Layer `layer`'s feed-forward block: x [T, hidden] -> [T, hidden]."""
+        return MLP(self.spec, backend, quant)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: int64 [T] -> final hidden states [T, hidden]."""

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from llmserve.attention import AttentionBackend
 from llmserve.model.layers import Embedding, Linear, RMSNorm
 from llmserve.model.llama import LlamaForCausalLM
+from llmserve.model.moe import FusedExperts, MoeForCausalLM
 from llmserve.model.spec import ModelSpec
 from llmserve.quantization import QuantizationMethod, Unquantized
 
@@ -37,16 +38,18 @@ def load_model(model_dir: str, spec: ModelSpec, backend: AttentionBackend, *, dt
                device: torch.device, max_positions: int, quant: QuantizationMethod | None = None,
                load_format: str = "auto", seed: int = 0,
                model_class: type | None = None) -> LlamaForCausalLM:
-    """Build the model (`model_class`, a plugin's architecture, else the built-in decoder) on
-    `device` with parameters in `dtype` (a quantization method picks its own dtypes for the
-    tensors it owns) and fill it from the checkpoint or with random values."""
+    """Build the model (`model_class`, a plugin's architecture, else the built-in decoder, the
+    mixture-of-experts one for MoE configs) on `device` with parameters in `dtype` (a quantization
+    method picks its own dtypes for the tensors it owns) and fill it from the checkpoint or with
+    random values."""
     quant = quant or Unquantized()
     quant.check_device(device)
     default_dtype = torch.get_default_dtype()
     try:
         torch.set_default_dtype(dtype)
         with torch.device(device):
-            model = (model_class or LlamaForCausalLM)(spec, backend, max_positions, quant)
+            builtin = MoeForCausalLM if spec.moe is not None else LlamaForCausalLM
+            model = (model_class or builtin)(spec, backend, max_positions, quant)
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":
@@ -74,7 +77,7 @@ def fill_dummy(model: LlamaForCausalLM, seed: int, std: float = 0.02) -> None:
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, (Linear, FusedExperts)):
             module.fill_dummy(gen, std)
         elif isinstance(module, Embedding):
             module.weight.normal_(0.0, std, generator=gen)

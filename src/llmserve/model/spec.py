@@ -20,8 +20,43 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": (False, False),
     "Gemma2ForCausalLM": (False, False),
     "Gemma3ForCausalLM": (False, True),
+    "Qwen2MoeForCausalLM": (True, False),
+    "Qwen3MoeForCausalLM": (False, True),
+    "MixtralForCausalLM": (False, False),
 }
+MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+@dataclass(slots=True, frozen=True)
+class MoeSpec:
+    """A mixture-of-experts model's feed-forward shape (model/moe.py)."""
+    num_experts: int
+    top_k: int
+    """Experts per token."""
+    intermediate_size: int
+    """Each expert's gate/up width."""
+    renormalize: bool
+    """The top-k routing weights divided by their sum (Mixtral; Qwen's norm_topk_prob)."""
+    sparse_layers: tuple[bool, ...]
+    """Per layer: experts (True) or a dense MLP of the model's intermediate_size (False)."""
+    shared_intermediate_size: int = 0
+    """Qwen2-MoE: a shared expert of this width, its output scaled by a sigmoid gate, added to every
+    token's (0: none)."""
+
+    @classmethod
+    def from_dict(cls, arch: str, cfg: dict[str, Any]) -> MoeSpec:
+        layers = cfg["num_hidden_layers"]
+        if arch == "MixtralForCausalLM":
+            return cls(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                       intermediate_size=cfg["intermediate_size"], renormalize=True, sparse_layers=(True,) * layers)
+        # Qwen: experts in every decoder_sparse_step-th layer but those listed dense
+        dense, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step") or 1
+        shared = (cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+        return cls(num_experts=cfg.get("num_experts") or cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                   intermediate_size=cfg["moe_intermediate_size"], renormalize=bool(cfg.get("norm_topk_prob", False)),
+                   sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+                   shared_intermediate_size=shared)
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,6 +98,8 @@ class ModelSpec:
     """Scaled attention scores become cap * tanh(score / cap) (Gemma 2), or None."""
     final_softcap: float | None = None
     """Logits become cap * tanh(logit / cap) (Gemma 2), or None."""
+    moe: MoeSpec | None = None
+    """The experts of a mixture-of-experts model, or None."""
 
     @property
     def windowed(self) -> bool:
@@ -153,7 +190,7 @@ class ModelSpec:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", bias_default),
+            attention_bias=cfg.get("attention_bias", cfg.get("qkv_bias", bias_default)),  # (Qwen2-MoE: qkv_bias)
             qk_norm=qk_norm,
             torch_dtype=getattr(torch, dtype_name) if isinstance(dtype_name, str) else torch.float32,
             eos_token_ids=eos_ids,
@@ -167,6 +204,7 @@ class ModelSpec:
             sandwich_norms=gemma,
             attn_softcap=cfg.get("attn_logit_softcapping"),
             final_softcap=cfg.get("final_logit_softcapping"),
+            moe=MoeSpec.from_dict(arch, cfg) if arch in MOE_ARCHITECTURES else None,
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
