@@ -205,7 +205,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, cou
         h, w2, scale2, weights, out_pairs, order, counts, H, inter, E, h.stride(0), w2.stride(0), w2.stride(1),
         out_pairs.stride(0), A_ROW_DIV=1, GATED=False, HAS_SCALE=quantized, PRECISION=precision,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=block_e, num_warps=warps, num_stages=stages)
-    return out_pairs.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype) if k > 1 else out_pairs
+    return out_pairs.view(T, k, H).sum(1) if k > 1 else out_pairs  # (accumulated in float32, rounded once)
 
 
 def fused_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, w13: torch.Tensor,

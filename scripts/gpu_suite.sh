@@ -182,17 +182,19 @@ run)
     elif [ "$bench" = moe ]; then
         # One MoE layer of the Qwen3-30B-A3B shape: the fused kernel against a per-expert loop and
         # transformers' experts (scripts/moe_bench.py; MOE_TUNE=1: its tile sweep too); then W-small's
-        # and W-large's requests on that shape (MOE_WORKLOADS), the latter with transformers
-        # generate on its first 32 requests as the peer.
+        # and W-large's requests on that shape (MOE_WORKLOADS: workload:routing, LLMSERVE_MOE_ROUTING
+        # uniform as a trained model routes, or model: the random router's), W-large's with the
+        # random router beside transformers generate on its first 32 requests.
         (cd scripts && PYTHONPATH=/tmp/site:. timeout 150 "$PY" moe_bench.py --json "$OUT/moe-kernel.json") \
             > "$OUT/moe-kernel.log" 2>&1; tail -10 "$OUT/moe-kernel.log"
         [ -z "${MOE_TUNE:-}" ] || (cd scripts && PYTHONPATH=/tmp/site:. timeout 200 "$PY" moe_bench.py --tune \
             --json "$OUT/moe-tune.json" 2>&1 | tee "$OUT/moe-tune.log" | tail -10)
-        for w in ${MOE_WORKLOADS:-w-small-moe w-large-moe}; do
-            peer=(); [ "$w" = w-large-moe ] && peer=(--peer hf --peer-requests 32)
-            timeout 280 "$PY" -m llmserve.bench.throughput --workload "$w" "${peer[@]}" ${BENCH_ARGS:-} \
-                --json "$OUT/$w.json" > "$OUT/$w.log" 2>&1
-            echo "$w: exit $?"; "$PY" scripts/bench_summary.py "$OUT/$w.json"
+        for run in ${MOE_WORKLOADS:-w-small-moe:uniform w-small-moe:model w-large-moe:uniform w-large-moe:model}; do
+            w=${run%:*} routing=${run#*:}
+            peer=(); [ "$run" = w-large-moe:model ] && peer=(--peer hf --peer-requests 32)  # transformers routes by its router
+            LLMSERVE_MOE_ROUTING=$routing timeout 280 "$PY" -m llmserve.bench.throughput --workload "$w" "${peer[@]}" \
+                ${BENCH_ARGS:-} --json "$OUT/$w-$routing.json" > "$OUT/$w-$routing.log" 2>&1
+            echo "$w $routing: exit $?"; "$PY" scripts/bench_summary.py "$OUT/$w-$routing.json"
         done
     elif [ "$bench" = script ]; then
         script=$3; shift 3

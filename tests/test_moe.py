@@ -165,6 +165,29 @@ def test_a_checkpoint_missing_an_expert_names_it(checkpoint, tmp_path):
         LLM(str(tmp_path / "m"), device="cpu", log_interval_s=0)
 
 
+def test_uniform_routing_for_benchmarks_spreads_tokens_over_every_expert(checkpoint, monkeypatch):
+    """LLMSERVE_MOE_ROUTING=uniform (random weights' benchmarks): random router logits, so a step's
+    tokens pick all experts about equally; anything but model/uniform is refused by name."""
+    from llmserve.attention import AttentionBackend
+    picked = []
+    real = AttentionBackend.fused_moe
+
+    def spy(self, x, logits, top_k, *args):
+        picked.append(route_reference(logits, top_k, True)[1].flatten())
+        return real(self, x, logits, top_k, *args)
+
+    monkeypatch.setattr(AttentionBackend, "fused_moe", spy)
+    monkeypatch.setenv("LLMSERVE_MOE_ROUTING", "uniform")
+    with LLM(checkpoint("qwen3-moe"), device="cpu", log_interval_s=0) as llm:
+        picked.clear()
+        llm.generate({"prompt_token_ids": [7] * 200}, SamplingParams(max_tokens=1))
+    counts = torch.bincount(torch.cat(picked), minlength=8)  # 200 equal tokens: model routing would pick 2 experts
+    assert counts.min() > 0.5 * counts.float().mean()
+    monkeypatch.setenv("LLMSERVE_MOE_ROUTING", "balanced")
+    with pytest.raises(ValueError, match="LLMSERVE_MOE_ROUTING must be one of model, uniform, got 'balanced'"):
+        LLM(checkpoint("qwen3-moe"), device="cpu", log_interval_s=0)
+
+
 def test_moe_shapes_from_published_configs():
     """Qwen3-30B-A3B's config.json (transformers 4 keys) and a Qwen2-MoE one with dense layers."""
     qwen3 = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,

@@ -256,6 +256,9 @@ def run(workload: str, *, peers: tuple[str, ...] = (), peer_requests: int = 64, 
         if "bf16_flop_per_s_sustained" in device and quant != "fp8":
             held = roofline_seconds(w, spec, bw, device["bf16_flop_per_s_sustained"], **shape)["roofline_s"]
             result.update(roofline_sustained_s=held, roofline_sustained_fraction=held / wall)
+    if "num_experts" in w.model_config or "num_local_experts" in w.model_config:
+        from llmserve.model.moe import ROUTING_ENV  # random weights route unlike a trained model: say which ran
+        result["moe_routing"] = os.environ.get(ROUTING_ENV, "model")
     if peer_results:
         result["peers"] = peer_results
     return result

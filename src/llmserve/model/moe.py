@@ -14,6 +14,7 @@ w13 and w2 hold its INT8/FP8 rows with float32 per-row scales beside them.
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch
@@ -27,6 +28,12 @@ from llmserve.quantization import QuantizationMethod, Unquantized, copy_checked,
 
 # layers.{layer}.mlp.experts.{expert}.{projection}.weight, Mixtral's names made Qwen's first
 _EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+# Benchmarks on random weights: their routers send most tokens of a step to a few experts, which a
+# trained (load-balanced) model does not, so a step reads fewer experts than it would. With
+# LLMSERVE_MOE_ROUTING=uniform every token's router logits are drawn at random instead (vLLM's
+# VLLM_MOE_ROUTING_SIMULATION_STRATEGY does the same): each expert gets an equal share on average.
+ROUTING_ENV = "LLMSERVE_MOE_ROUTING"
+ROUTINGS = ("model", "uniform")
 _MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 
 
@@ -89,10 +96,17 @@ class SparseMoeBlock(nn.Module):
         shared = moe.shared_intermediate_size
         self.shared_expert = MLP(spec, backend, quant, shared) if shared else None
         self.shared_expert_gate = Linear(spec.hidden_size, 1, quant=Unquantized()) if shared else None
+        routing = os.environ.get(ROUTING_ENV, "model")
+        if routing not in ROUTINGS:
+            raise ValueError(f"{ROUTING_ENV} must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+        self.uniform_routing = routing == "uniform"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         e = self.experts
-        out = self.backend.fused_moe(x, self.gate(x), self.top_k, self.renormalize, e.w13, e.w2, e.scale13, e.scale2)
+        logits = self.gate(x)
+        if self.uniform_routing:
+            logits = torch.rand_like(logits)
+        out = self.backend.fused_moe(x, logits, self.top_k, self.renormalize, e.w13, e.w2, e.scale13, e.scale2)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
