@@ -69,7 +69,9 @@ def test_greedy_matches_transformers(checkpoint, arch, variant):
         fills = record_calls(llm.engine.runner, "_fill_placeholders")
         outs = generate(llm, prompts)
         assert [o.outputs[0].token_ids for o in outs] == expected
-        if variant.endswith("preempt"):
+        if variant.endswith("preempt") and llm.engine.kv.window:  # every layer windowed: passed blocks go back
+            assert llm.engine.kv.released_blocks > 0
+        elif variant.endswith("preempt"):
             assert llm.engine.scheduler.num_preemptions > 0
         # Async scheduling planned decode steps on tokens still being sampled.
         holes = sum(args[3].size for args in fills)
@@ -261,3 +263,35 @@ def test_layer_windows_from_either_config_layout(checkpoint):
     mistral = json.load(open(f"{checkpoint('mistral-window')}/config.json"))
     assert ModelSpec.from_dict(mistral).layer_windows == (6, 6)
     assert ModelSpec.from_dict({**mistral, "sliding_window": None}).layer_windows == (0, 0)
+
+
+@pytest.mark.parametrize("arch", ["mistral-window", "mistral"])
+def test_windowed_models_hold_only_their_windows_blocks(checkpoint, arch):
+    """Four 40-token prompts, 60 tokens each, in a pool of 48 blocks of 4: their 100 tokens need 25
+    blocks each, so without windows they cannot all run at once; with 6-key windows on every layer
+    each soon holds only its window's few blocks, all four run together, nothing is preempted, and
+    the tokens are transformers'."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 300, (40,), generator=g).tolist() for _ in range(4)]
+    expected = hf_greedy(checkpoint(arch), prompts, 60)
+    with LLM(checkpoint(arch), dtype="float32", device="cpu", log_interval_s=0, block_size=4, num_blocks=48,
+             max_model_len=128) as llm:
+        held, batch = [], []
+        kv, real = llm.engine.kv, llm.engine.kv.process
+
+        def process(proposal):
+            plan, feedback = real(proposal)
+            held.append(kv.pool.num_blocks - kv.num_free_blocks())
+            batch.append(len(plan.req_ids))
+            return plan, feedback
+
+        kv.process = process
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=60, temperature=0),
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        if arch == "mistral-window":
+            assert max(batch) == 4 and llm.engine.scheduler.num_preemptions == 0 and kv.released_blocks > 0
+            assert max(held[len(held) // 2:]) <= 4 * 4  # each: its window's blocks and the step's
+        else:
+            assert max(batch) < 4 and kv.released_blocks == 0
+        assert_pool_back_to_total(llm)

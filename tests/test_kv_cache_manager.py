@@ -230,3 +230,36 @@ def test_plans_report_rows_sharing_prefix_blocks_when_asked():
             continue
         g = plan.prefix_groups  # b's context is its three cached blocks: it joins a at once
         assert g.starts.tolist() == [0, 2] and g.members.tolist() == [0, 1] and g.hi.tolist() == [12]
+
+
+def test_blocks_every_window_has_passed_go_back_and_stay_cached():
+    """Windows of 6 keys, blocks of 4: once neither the step planned nor the one in flight has a
+    query that sees a block, it goes back to the pool (cached: a new request with the prompt hits it)."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, window=6)
+    key = (0, 0.0, 0)
+    kv.process(StepProposal(0, [admit("a", range(20), 20, key)]))
+    kv.process(StepProposal(1, [decode("a", 100, key)]))  # queries from 20; the prompt's step from 0
+    assert kv.requests["a"].released == 0 and kv.num_free_blocks() == 10
+    plan, _ = kv.process(StepProposal(2, [decode("a", 101, key)]))  # from 21; in flight from 20: sees keys 15..
+    a = kv.requests["a"]
+    assert a.released == 3 and kv.released_blocks == 3 and kv.num_free_blocks() == 13  # positions 0..11
+    assert plan.block_tables.tolist() == [a.block_ids.tolist()]  # (their ids stay, never read)
+    _, fb = kv.process(StepProposal(3, [admit("b", range(20), 20, (0, 1.0, 1))]))
+    assert fb.cached_tokens["b"] == 16  # the prompt's blocks, given back or held, still hit
+    kv.process(StepProposal(4, [], freed=["a", "b"]))
+    assert kv.num_free_blocks() == 16  # nothing freed twice
+
+
+def test_a_preempted_windowed_request_gives_back_only_what_it_still_holds():
+    kv = KVCacheManager(num_blocks=8, block_size=2, window=2)
+    a, b = (0, 0.0, 0), (0, 1.0, 1)
+    kv.process(StepProposal(0, [admit("a", range(6), 6, a)]))
+    for i, t in enumerate(range(100, 103)):
+        kv.process(StepProposal(1 + i, [decode("a", t, a)]))
+    assert kv.requests["a"].released == 3 and kv.num_free_blocks() == 6  # 9 tokens: it holds blocks 3, 4
+    _, fb = kv.process(StepProposal(9, [decode("a", 200, a), admit("b", range(50, 62), 12, b)]))
+    assert "b" in fb.scheduled and kv.num_free_blocks() == 0
+    _, fb = kv.process(StepProposal(10, [admit("z", range(70, 86), 16, (-1, 0.0, 0))]))  # ranks first
+    assert fb.preempted == ["b", "a"] and kv.num_free_blocks() == 0 and "z" in fb.scheduled
+    kv.process(StepProposal(11, [], freed=["a", "b", "z"]))
+    assert kv.num_free_blocks() == 8

@@ -17,6 +17,12 @@ most max_model_len), looked at no more than RESERVE_HORIZON tokens ahead; it is 
 the share of its budget that finished requests used (a running mean, 1 until one finishes). Without
 it, a full cache is found out later, as preemption: the request recomputes its prompt.
 
+Sliding windows (`window`: every layer attends to at most W latest keys): the leading blocks no
+query of a request will read again go back to the pool as it advances (`_release_passed`), their
+ids left in its table; hashed ones stay in the prefix cache. A request then holds about its
+window's blocks however long it runs. Where only some layers are windowed (Gemma), the others read
+every key and nothing is given back.
+
 Plain synchronous code: no event loop, no device.
 """
 
@@ -120,13 +126,20 @@ class KVRequest:
     num_drafts: int = 0
     """The last tokens of token_ids that are drafts being checked (speculative decoding): never
     hashed, dropped when the request's next tokens come (those kept come back among them)."""
+    released: int = 0
+    """Leading blocks given back because every layer's window has passed them (their ids stay in
+    block_ids, where no kernel reads them again)."""
+    last_start: int | None = None
+    """The position the request's previous step's queries started at."""
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, max_model_len: int | None = None,
-                 reserve_growth: bool = False, prefix_groups: bool = False) -> None:
+                 reserve_growth: bool = False, prefix_groups: bool = False, window: int = 0) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
+        self.window = window
+        """Every layer attends to at most this many latest keys (0: some layer sees them all)."""
         self.max_model_len = max_model_len or num_blocks * block_size
         self.reserve_growth = reserve_growth
         self.prefix_groups = prefix_groups
@@ -137,6 +150,7 @@ class KVCacheManager:
         self.parked: dict[str, array] = {}
         """Tokens of requests that hold no blocks (preempted, or left waiting): the scheduler sends a
         request's tokens once, and re-admitting it later sends only those sampled since."""
+        self.released_blocks = 0  # blocks given back early: every layer's window had passed them
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens found in the cache
 
@@ -163,12 +177,14 @@ class KVCacheManager:
         return hits
 
     def _end_blocks(self, req: KVRequest) -> int:
-        """Blocks the request holds at its budget's end, looked at most RESERVE_HORIZON tokens on."""
-        return -(-min(req.max_len, len(req.token_ids) + RESERVE_HORIZON) // self.block_size)
+        """Blocks the request holds at its budget's end, looked at most RESERVE_HORIZON tokens on;
+        with windows, at most its window's (ceil(W / B) + 1 blocks) and the step's."""
+        end = -(-min(req.max_len, len(req.token_ids) + RESERVE_HORIZON) // self.block_size)
+        return min(end, -(-self.window // self.block_size) + 2) if self.window else end
 
     def growth(self, req: KVRequest) -> int:
         """Blocks the request may still take."""
-        return max(0, self._end_blocks(req) - len(req.block_ids))
+        return max(0, self._end_blocks(req) - len(req.block_ids) + req.released)
 
     def admit(self, req: KVRequest, num_tokens: int, ahead: int | None = None) -> int | None:
         """Give a request with no blocks its cached prefix and blocks for up to `num_tokens` more.
@@ -234,7 +250,7 @@ class KVCacheManager:
         req = self.requests.pop(req_id, None)
         if req is None:
             return
-        self.pool.free(req.block_ids)
+        self.pool.free(req.block_ids[req.released:])
         budget = min(req.max_len - req.prompt_len, RESERVE_HORIZON)
         if budget > 0:
             used = min(1.0, max(0, len(req.token_ids) - req.prompt_len) / budget)
@@ -242,7 +258,7 @@ class KVCacheManager:
 
     def _preempt(self, req: KVRequest, preempted: list[str]) -> None:
         """Take a request's blocks back; it recomputes later (its full blocks stay cached)."""
-        self.pool.free(req.block_ids)
+        self.pool.free(req.block_ids[req.released:])
         self._park(req.req_id)
         preempted.append(req.req_id)
 
@@ -343,6 +359,8 @@ class KVCacheManager:
             before = req.num_computed - n
             if admitting:
                 cached_tokens[e.req_id] = before
+            if self.window:
+                self._release_passed(req, before)
             scheduled.append((req, before, n))
             used += n
             if ahead is not None:
@@ -361,6 +379,26 @@ class KVCacheManager:
             failed=failed,
         )
         return plan, feedback
+
+    def _release_passed(self, req: KVRequest, start: int) -> None:
+        """Give back the leading blocks no query of the request will attend again: with windows of
+        W keys, a query at position p reads keys (p - W, p]. This step's queries start at `start`;
+        the step in flight started at last_start, and a step's result takes back at most its own
+        tokens but its first (rejected drafts, a replaced token), so no later query starts before
+        the lower of the two. Blocks wholly before that lower start - W + 1 are never read again:
+        the kernels begin at each query's window, and a block given back and reused elsewhere
+        is written only by steps that run after the ones planned so far.
+
+            positions  0 ........ floor-W+1 ......... floor ...... start
+            blocks     [released ][ kept (window) ...................... ]
+        """
+        floor = start if req.last_start is None else min(start, req.last_start)
+        req.last_start = start
+        passed = min(max(0, (floor - self.window + 1) // self.block_size), len(req.block_ids))
+        if passed > req.released:
+            self.pool.free(req.block_ids[req.released:passed])
+            self.released_blocks += passed - req.released
+            req.released = passed
 
     def _take_tokens(self, e: ScheduledRequest) -> None:
         """An admitted entry becomes a KVRequest (with its parked tokens if it had been admitted
@@ -396,7 +434,7 @@ class KVCacheManager:
         failed[req_id] = f"KV cache manager: {type(exc).__name__}: {exc}"
         self.parked.pop(req_id, None)
         if (req := self.requests.pop(req_id, None)) is not None:
-            self.pool.free(req.block_ids)
+            self.pool.free(req.block_ids[req.released:])
 
     def _build_plan(self, proposal: StepProposal, scheduled: list[tuple[KVRequest, int, int]]) -> StepPlan:
         """The step's arrays, built from the requests' int32/int64 buffers joined as bytes: a pass
