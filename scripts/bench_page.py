@@ -61,6 +61,8 @@ def kind(data) -> str:
         return "speculative"
     if "rows" in data and all("cascade_us" in r for r in data["rows"]):
         return "cascade"
+    if "rows" in data and all("fused_us" in r for r in data["rows"]):
+        return "moe"
     return "serve" if "output_throughput" in data else "offline"
 
 
@@ -227,6 +229,21 @@ def cascade_rows(figs) -> list[str]:
     return rows
 
 
+def moe_rows(figs) -> list[str]:
+    """scripts/moe_bench.py: one MoE layer by token count, the fused kernel against a per-expert
+    loop of GEMMs and transformers' grouped_mm experts, with the layer's roofline."""
+    rows = ["| figure | tokens | experts read | fused µs | of roofline | per-expert loop µs | transformers grouped_mm "
+            "µs | run |", "|---|---|---|---|---|---|---|---|"]
+    for fig, run in figs:
+        for r in fig["file_data"]["rows"]:
+            hf = r.get("hf_grouped_mm_us")
+            hf_cell = "—" if hf is None else f"{hf:,.0f} (**{hf / r['fused_us']:.1f}×**)"
+            rows.append(f"| {fig['name']} | {r['tokens']:,} | {r['experts_picked']} | {r['fused_us']:.1f} | "
+                        f"{100 * r['roofline_fraction']:.0f}% of {r['roofline_us']:.1f} | "
+                        f"{r['per_expert_loop_us']:,.0f} (**{r['speedup_over_loop']:.0f}×**) | {hf_cell} | {link(run)} |")
+    return rows
+
+
 def render(runs: list[dict]) -> str:
     figs = latest_figures(runs)
     parts = []
@@ -234,7 +251,7 @@ def render(runs: list[dict]) -> str:
                              ("Start-up", "startup", startup_rows), ("Quantization quality", "quality", quality_rows),
                              ("Structured outputs", "structured", structured_rows),
                              ("Speculative decoding", "speculative", speculative_rows),
-                             ("Cascade attention", "cascade", cascade_rows)):
+                             ("Cascade attention", "cascade", cascade_rows), ("Mixture of experts", "moe", moe_rows)):
         if key in figs:
             parts.append(f"### {title}\n\n" + "\n".join(rows(figs[key])))
     index = ["| run | time | device | commit | command | what |", "|---|---|---|---|---|---|"]
