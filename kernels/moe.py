@@ -20,7 +20,8 @@ experts at once.
 Both GEMMs share `_expert_gemm`; grid (blocks, cdiv(N, BLOCK_N)) with blocks the most `order` can
 need, cdiv(T*k, BLOCK_M) + min(E, T*k): a program finds its expert from the counts (padded
 prefix sums, E values) and leaves if its block is past the last segment. Sizes depend on T
-alone, so CUDA graphs capture the whole layer; the counts' memset is the only other launch.
+alone, so CUDA graphs capture the whole layer. Steps of at most DIRECT_PAIRS pairs (batch-1
+decode) skip counts and sort: a program per pair, its expert read from the ids.
 
 Each pair's output row depends only on its own row and its expert's weights (a tile's other rows
 never enter it), so the order of pairs within a segment, which the atomics leave open, never
@@ -40,9 +41,10 @@ import triton.language as tl
 
 @triton.jit
 def _route_kernel(logits_ptr, stride_l, weights_ptr, ids_ptr, counts_ptr, E,
-                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr, BLOCK_E: tl.constexpr):
     """One program per token: softmax over its E logits in float32, the k largest in order (the
-    lowest expert id first among equal probabilities, as torch.topk), each counted for its expert."""
+    lowest expert id first among equal probabilities, as torch.topk), each counted for its expert
+    (COUNT: the sorted path's segments need the counts)."""
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
@@ -61,7 +63,8 @@ def _route_kernel(logits_ptr, stride_l, weights_ptr, ids_ptr, counts_ptr, E,
         idx = tl.min(tl.where(p == best, offs, BLOCK_E), 0)
         tl.store(ids_ptr + t * TOP_K + j, idx)
         tl.store(weights_ptr + t * TOP_K + j, best / total if RENORMALIZE else best)
-        tl.atomic_add(counts_ptr + idx, 1)
+        if COUNT:
+            tl.atomic_add(counts_ptr + idx, 1)
         p = tl.where(offs == idx, -1.0, p)
 
 
@@ -97,23 +100,29 @@ def _sort_kernel(ids_ptr, counts_ptr, cursor_ptr, order_ptr, num_pairs, E,
 
 
 @triton.jit
-def _expert_gemm(a_ptr, w_ptr, scale_ptr, route_ptr, out_ptr, order_ptr, counts_ptr, N, K, E,
+def _expert_gemm(a_ptr, w_ptr, scale_ptr, route_ptr, out_ptr, order_ptr, counts_ptr, ids_ptr, N, K, E,
                  stride_a, stride_we, stride_wn, stride_out, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
     """Block b of `order` times its expert's weights, columns [n*BLOCK_N, (n+1)*BLOCK_N) of N.
     A's row of pair p is p // A_ROW_DIV (the token for gate_up, the pair for down). GATED: the up
-    rows follow the N gate rows in w, out = silu(gate) * up; else out = route[p] * (a @ w^T)."""
+    rows follow the N gate rows in w, out = silu(gate) * up; else out = route[p] * (a @ w^T).
+    DIRECT (a few pairs, no sort): program b takes pair b alone, its expert ids[b]."""
     b = tl.program_id(0)
-    e, counts, starts, ends = _segments(counts_ptr, E, BLOCK_M, BLOCK_E)
-    expert = tl.sum((ends <= b * BLOCK_M).to(tl.int32), 0)
-    if expert >= E:
-        return
-    count = tl.sum(tl.where(e == expert, counts, 0), 0)
-    first = b * BLOCK_M - tl.sum(tl.where(e == expert, starts, 0), 0)  # this block's first slot in the segment
     rm = tl.arange(0, BLOCK_M)
-    m_ok = first + rm < count
-    pairs = tl.load(order_ptr + b * BLOCK_M + rm, mask=m_ok, other=0)
+    if DIRECT:
+        expert = tl.load(ids_ptr + b)
+        m_ok = rm == 0
+        pairs = b + rm * 0
+    else:
+        e, counts, starts, ends = _segments(counts_ptr, E, BLOCK_M, BLOCK_E)
+        expert = tl.sum((ends <= b * BLOCK_M).to(tl.int32), 0)
+        if expert >= E:
+            return
+        count = tl.sum(tl.where(e == expert, counts, 0), 0)
+        first = b * BLOCK_M - tl.sum(tl.where(e == expert, starts, 0), 0)  # this block's first slot in the segment
+        m_ok = first + rm < count
+        pairs = tl.load(order_ptr + b * BLOCK_M + rm, mask=m_ok, other=0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
@@ -148,15 +157,17 @@ def _expert_gemm(a_ptr, w_ptr, scale_ptr, route_ptr, out_ptr, order_ptr, counts_
     tl.store(out_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (weights float32 [T, k], expert ids int32 [T, k], pairs per expert int32 [E])."""
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          count: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """logits [T, E] -> (weights float32 [T, k], expert ids int32 [T, k], pairs per expert int32 [E],
+    or None without `count`)."""
     T, E = logits.shape
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
-    counts = torch.zeros(E, dtype=torch.int32, device=logits.device)
+    counts = torch.zeros(E, dtype=torch.int32, device=logits.device) if count else None
     if T:
         _route_kernel[(T,)](logits, logits.stride(0), weights, ids, counts, E, TOP_K=top_k, RENORMALIZE=renormalize,
-                            BLOCK_E=triton.next_power_of_2(E))
+                            COUNT=count, BLOCK_E=triton.next_power_of_2(E))
     return weights, ids, counts
 
 
@@ -172,12 +183,19 @@ def _tiles(pairs: int, E: int) -> tuple[int, int, int, int, int]:
     return 128, 128, 64, 8, 3
 
 
-def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
+DIRECT_PAIRS = 8
+"""Steps of at most this many (token, expert) pairs skip the sort: a program per pair (batch-1
+decode: its k experts are distinct, and the counts' memset and the sort are three launches of a
+layer that takes a few tens of microseconds)."""
+
+
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor | None,
                   w13: torch.Tensor, w2: torch.Tensor, scale13: torch.Tensor | None = None,
                   scale2: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, H] (bf16/fp16/fp32); weights, ids [T, k] and counts [E] from `route`; w13 [E, 2I, H]
-    (gate rows, then up rows) and w2 [E, H, I] in x's dtype, or INT8/FP8 with float32 per-row
-    scales scale13 [E, 2I] and scale2 [E, H] -> [T, H] in x's dtype."""
+    """x [T, H] (bf16/fp16/fp32); weights, ids [T, k] and counts [E] from `route` (counts None: a
+    program per pair, unsorted); w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] in x's
+    dtype, or INT8/FP8 with float32 per-row scales scale13 [E, 2I] and scale2 [E, H] -> [T, H] in
+    x's dtype."""
     T, H = x.shape
     k = ids.shape[1]
     E, two_i, _ = w13.shape
@@ -186,32 +204,33 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, cou
     out_pairs = torch.empty(pairs, H, dtype=x.dtype, device=x.device)
     if T == 0:
         return out_pairs
+    direct = counts is None
     block_m, block_n, block_k, warps, stages = _tiles(pairs, E)
     block_e = triton.next_power_of_2(E)
-    cursor = torch.zeros(E, dtype=torch.int32, device=x.device)
-    order = torch.empty(pairs + E * block_m, dtype=torch.int32, device=x.device)
-    sort_block = 128
-    _sort_kernel[(triton.cdiv(pairs, sort_block),)](ids, counts, cursor, order, pairs, E, BLOCK_M=block_m,
-                                                    BLOCK_E=block_e, BLOCK=sort_block)
-    blocks = triton.cdiv(pairs, block_m) + min(E, pairs)
+    if direct:
+        order, blocks = None, pairs
+    else:
+        cursor = torch.zeros(E, dtype=torch.int32, device=x.device)
+        order = torch.empty(pairs + E * block_m, dtype=torch.int32, device=x.device)
+        sort_block = 128
+        _sort_kernel[(triton.cdiv(pairs, sort_block),)](ids, counts, cursor, order, pairs, E, BLOCK_M=block_m,
+                                                        BLOCK_E=block_e, BLOCK=sort_block)
+        blocks = triton.cdiv(pairs, block_m) + min(E, pairs)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     quantized = scale13 is not None
-    _expert_gemm[(blocks, triton.cdiv(inter, block_n))](
-        x, w13, scale13, weights, h, order, counts, inter, H, E, x.stride(0), w13.stride(0), w13.stride(1),
-        h.stride(0), A_ROW_DIV=k, GATED=True, HAS_SCALE=quantized, PRECISION=precision, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=block_e, num_warps=warps, num_stages=stages)
-    _expert_gemm[(blocks, triton.cdiv(H, block_n))](
-        h, w2, scale2, weights, out_pairs, order, counts, H, inter, E, h.stride(0), w2.stride(0), w2.stride(1),
-        out_pairs.stride(0), A_ROW_DIV=1, GATED=False, HAS_SCALE=quantized, PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=block_e, num_warps=warps, num_stages=stages)
+    for a, w, scale, out, n, K, row_div in ((x, w13, scale13, h, inter, H, k), (h, w2, scale2, out_pairs, H, inter, 1)):
+        _expert_gemm[(blocks, triton.cdiv(n, block_n))](
+            a, w, scale, weights, out, order, counts, ids, n, K, E, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+            A_ROW_DIV=row_div, GATED=w is w13, HAS_SCALE=quantized, DIRECT=direct, PRECISION=precision,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=block_e, num_warps=warps, num_stages=stages)
     return out_pairs.view(T, k, H).sum(1) if k > 1 else out_pairs  # (accumulated in float32, rounded once)
 
 
 def fused_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, w13: torch.Tensor,
               w2: torch.Tensor, scale13: torch.Tensor | None = None, scale2: torch.Tensor | None = None) -> torch.Tensor:
-    """The MoE layer on the GPU: `route`, then `fused_experts`."""
-    weights, ids, counts = route(logits, top_k, renormalize)
+    """The MoE layer on the GPU: `route`, then `fused_experts` (unsorted up to DIRECT_PAIRS pairs)."""
+    weights, ids, counts = route(logits, top_k, renormalize, count=x.shape[0] * top_k > DIRECT_PAIRS)
     return fused_experts(x, weights, ids, counts, w13, w2, scale13, scale2)
 
 

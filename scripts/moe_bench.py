@@ -7,7 +7,8 @@ the picked experts' weights read once, or its FLOPs, whichever takes longer.
 
     python scripts/moe_bench.py [--tokens 1,8,...] [--tune] [--json out.json]
 
---tune times each tile configuration of kernels/moe.py's `_tiles` per token count instead.
+--tune times each tile configuration of kernels/moe.py's `_tiles` per token count instead. Up to
+4 tokens the layer is also timed a program per pair and sorted, whatever DIRECT_PAIRS says.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def hf_block(w13, w2, implementation: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", default="1,8,32,64,256,1024,4096,8192")
+    ap.add_argument("--tokens", default="1,2,4,8,32,64,256,1024,4096,8192")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -113,12 +114,20 @@ def main() -> None:
             loop = timed_us(lambda: per_expert_loop(x, logits, w13, w2), iters=10)
             row.update(fused_us=fused, per_expert_loop_us=loop, roofline_fraction=roof_us / fused,
                        speedup_over_loop=loop / fused)
+            if T <= 4:  # a program per pair against the sorted path, for moe.DIRECT_PAIRS
+                real = moe.DIRECT_PAIRS
+                for name, limit in (("direct_us", T * K), ("sorted_us", 0)):
+                    moe.DIRECT_PAIRS = limit
+                    try:
+                        row[name] = timed_us(graphed(lambda: moe.fused_moe(x, logits, K, True, w13, w2)))
+                    finally:
+                        moe.DIRECT_PAIRS = real
             with torch.no_grad():
                 for name, block in blocks.items():
                     if block is not None:
                         block.gate.weight.data.copy_(router)
                         row[f"hf_{name}_us"] = timed_us(lambda: block(x[None]), iters=10)
-            hf = "  ".join(f"{k} {v:9.1f}" for k, v in row.items() if k.startswith("hf_"))
+            hf = "  ".join(f"{k} {v:9.1f}" for k, v in row.items() if k.startswith(("hf_", "direct", "sorted")))
             print(f"T={T:5d} experts {picked:3d}  fused {fused:8.1f} us  loop {loop:9.1f} us  ({loop / fused:5.1f}x)  "
                   f"roofline {roof_us:7.1f} us ({roof_us / fused:.2f})  {hf}")
         rows.append(row)

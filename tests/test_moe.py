@@ -73,6 +73,24 @@ def test_int8_experts_are_dequantized_per_row(case):
     assert (out - full).abs().max() < 0.05 * full.abs().max()  # and close to the unquantized layer
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_small_steps_without_the_sort_equal_the_sorted_path(T, monkeypatch):
+    import llmserve.kernels.moe as moe
+    x, logits, w13, w2 = moe_inputs(T, 8, 32, 16)
+    ref = fused_moe_reference(x, logits, 2, True, w13, w2)
+    calls = []
+    real = moe._sort_kernel
+    monkeypatch.setattr(moe, "_sort_kernel", type("Spy", (), {"__getitem__": lambda self, g: (
+        calls.append(g), real[g])[1]})())
+    direct = fused_moe(x, logits, 2, True, w13, w2)  # 2 or 6 pairs: unsorted
+    assert calls == []
+    monkeypatch.setattr(moe, "DIRECT_PAIRS", 0)
+    sorted_ = fused_moe(x, logits, 2, True, w13, w2)
+    assert len(calls) == 1
+    torch.testing.assert_close(direct, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(direct, sorted_, rtol=0, atol=0)
+
+
 def test_an_empty_step_and_an_unchosen_expert_are_fine():
     x, logits, w13, w2 = moe_inputs(0, 4, 32, 16)
     assert fused_moe(x, logits, 2, True, w13, w2).shape == (0, 32)
