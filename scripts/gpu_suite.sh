@@ -74,7 +74,7 @@ run)
     { nvidia-smi; "$PY" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'; } \
         > "$OUT/env.txt" 2>&1
     set +e
-    [ -n "${SKIP_TESTS:-}" ] || timeout 480 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 tests/test_gpu.py tests/test_kernels.py tests/test_sampling_kernels.py tests/test_cascade.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    [ -n "${SKIP_TESTS:-}" ] || timeout ${TEST_TIMEOUT:-480} "$PY" -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 tests/test_gpu.py tests/test_kernels.py tests/test_sampling_kernels.py tests/test_cascade.py tests/test_moe.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     # COLD=1: the benchmark starts on an empty Triton cache (a fresh machine's start-up: every kernel compiled)
     [ -z "${COLD:-}" ] || export TRITON_CACHE_DIR="$(mktemp -d)"
     bench=${2:-w-small}
