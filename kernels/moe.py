@@ -20,8 +20,8 @@ experts at once.
 Both GEMMs share `_expert_gemm`; grid (blocks, cdiv(N, BLOCK_N)) with blocks the most `order` can
 need, cdiv(T*k, BLOCK_M) + min(E, T*k): a program finds its expert from the counts (padded
 prefix sums, E values) and leaves if its block is past the last segment. Sizes depend on T
-alone, so CUDA graphs capture the whole layer. Steps of at most DIRECT_PAIRS pairs (batch-1
-decode) skip counts and sort: a program per pair, its expert read from the ids.
+alone, so CUDA graphs capture the whole layer. Steps of at most DIRECT_PAIRS pairs (decode at a
+few tokens) skip counts and sort: a program per pair, its expert read from the ids.
 
 Each pair's output row depends only on its own row and its expert's weights (a tile's other rows
 never enter it), so the order of pairs within a segment, which the atomics leave open, never
@@ -183,10 +183,11 @@ def _tiles(pairs: int, E: int) -> tuple[int, int, int, int, int]:
     return 128, 128, 64, 8, 3
 
 
-DIRECT_PAIRS = 8
-"""Steps of at most this many (token, expert) pairs skip the sort: a program per pair (batch-1
-decode: its k experts are distinct, and the counts' memset and the sort are three launches of a
-layer that takes a few tens of microseconds)."""
+DIRECT_PAIRS = 32
+"""Steps of at most this many (token, expert) pairs skip the sort: a program per pair. A token's k
+experts are distinct, and at a few tokens the counts' memset, the cursor's and the sort (three of
+a sorted layer's seven launches) cost more than the weights two tokens' pairs may read twice: on
+an H100 the unsorted layer is the faster up to 4 tokens of 8 experts (scripts/moe_bench.py)."""
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor | None,

@@ -238,7 +238,10 @@ def moe_rows(figs) -> list[str]:
         for r in fig["file_data"]["rows"]:
             hf = r.get("hf_grouped_mm_us")
             hf_cell = "—" if hf is None else f"{hf:,.0f} (**{hf / r['fused_us']:.1f}×**)"
-            rows.append(f"| {fig['name']} | {r['tokens']:,} | {r['experts_picked']} | {r['fused_us']:.1f} | "
+            fused = f"{r['fused_us']:.1f}"
+            if "direct_us" in r:  # both paths of a few tokens
+                fused += f" (a program per pair {r['direct_us']:.1f}, sorted {r['sorted_us']:.1f})"
+            rows.append(f"| {fig['name']} | {r['tokens']:,} | {r['experts_picked']} | {fused} | "
                         f"{100 * r['roofline_fraction']:.0f}% of {r['roofline_us']:.1f} | "
                         f"{r['per_expert_loop_us']:,.0f} (**{r['speedup_over_loop']:.0f}×**) | {hf_cell} | {link(run)} |")
     return rows
