@@ -76,18 +76,8 @@ def _matmul_kernel(
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
     up_offset = tl.cast(N, tl.int64) * stride_wn  # gated: the up rows follow the gate rows (N may be a constant 1)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_ok = rk + k0 < k_hi
-        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = n_ok[None, :] & k_ok[:, None]
-        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0).to(a.dtype), acc, input_precision=PRECISION)
-        if GATED:
-            acc_up = tl.dot(a, tl.load(w_ptrs + up_offset, mask=w_mask, other=0).to(a.dtype), acc_up,
-                            input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc, acc_up = k_loop(x_ptrs, w_ptrs, up_offset, m_ok, n_ok, rk, k_lo, k_hi, BLOCK_M, BLOCK_N, BLOCK_K, GATED,
+                         PRECISION)
     tile_mask = m_ok[:, None] & n_ok[None, :]
     out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     if SPLIT_K > 1:
@@ -110,6 +100,28 @@ def _matmul_kernel(
             tl.atomic_xchg(counter, 0)
     else:
         _store(out_ptrs, acc, acc_up, scale_ptr, bias_ptr, rn, n_ok, tile_mask, GATED, HAS_SCALE, HAS_BIAS)
+
+
+@triton.jit
+def k_loop(x_ptrs, w_ptrs, up_offset, m_ok, n_ok, rk, k_lo, k_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr, GATED: tl.constexpr, PRECISION: tl.constexpr):
+    """A [BLOCK_M, BLOCK_N] tile's products over K in [k_lo, k_hi), BLOCK_K at a time, from x rows
+    (x_ptrs: [BLOCK_M, BLOCK_K] at k_lo) and weight rows (w_ptrs: [BLOCK_K, BLOCK_N] at k_lo), the
+    weights converted to x's dtype as they load (INT8, FP8 or the same). GATED: the up rows
+    `up_offset` after the gate rows into a second accumulator. -> float32 (acc, acc_up)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = rk + k0 < k_hi
+        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = n_ok[None, :] & k_ok[:, None]
+        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0).to(a.dtype), acc, input_precision=PRECISION)
+        if GATED:
+            acc_up = tl.dot(a, tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0).to(a.dtype), acc_up,
+                            input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc, acc_up
 
 
 @triton.jit

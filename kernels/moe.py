@@ -26,7 +26,7 @@ few tokens) skip counts and sort: a program per pair, its expert read from the i
 Each pair's output row depends only on its own row and its expert's weights (a tile's other rows
 never enter it), so the order of pairs within a segment, which the atomics leave open, never
 changes a result. Quantized experts (INT8, FP8 e4m3) are converted to the activations' dtype as
-they load and scaled per output channel on the finished tile, as kernels/matmul.py does.
+they load and scaled per output channel on the finished tile: kernels/matmul.py's K loop.
 
 The weights are stacked per expert, [E, ...]: expert parallelism would hold a slice of E.
 """
@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from llmserve.kernels.matmul import k_loop
 
 
 @triton.jit
@@ -129,18 +131,7 @@ def _expert_gemm(a_ptr, w_ptr, scale_ptr, route_ptr, out_ptr, order_ptr, counts_
     a_ptrs = a_ptr + (pairs // A_ROW_DIV)[:, None].to(tl.int64) * stride_a + rk[None, :]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
     up_offset = tl.cast(N, tl.int64) * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = rk + k0 < K
-        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = n_ok[None, :] & k_ok[:, None]
-        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0).to(a.dtype), acc, input_precision=PRECISION)
-        if GATED:
-            acc_up = tl.dot(a, tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0).to(a.dtype), acc_up,
-                            input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc, acc_up = k_loop(a_ptrs, w_ptrs, up_offset, m_ok, n_ok, rk, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, GATED, PRECISION)
     ty = out_ptr.dtype.element_ty
     if HAS_SCALE:
         scales = scale_ptr + expert.to(tl.int64) * (2 * N if GATED else N) + rn
