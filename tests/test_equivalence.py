@@ -97,7 +97,8 @@ def test_graph_padded_steps_match_transformers(checkpoint, arch, options):
         assert_pool_back_to_total(llm)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mistral-window", "qwen3-moe",
+                                  "qwen2-moe", "mixtral"])
 def test_prefix_cache_hits_keep_outputs(checkpoint, arch):
     prompts, expected = reference(checkpoint, arch)
     shared = prompts[1][:12]
@@ -117,7 +118,7 @@ def test_prefix_cache_hits_keep_outputs(checkpoint, arch):
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "qwen3-moe", "mixtral"])
 def test_n3_greedy_samples_share_prompt_blocks(checkpoint, arch, prefix_caching):
     prompts, expected = reference(checkpoint, arch)
     with LLM(checkpoint(arch), dtype="float32", device="cpu", block_size=4, enable_prefix_caching=prefix_caching,
