@@ -62,7 +62,8 @@ def _route_kernel(logits_ptr, stride_l, weights_ptr, ids_ptr, counts_ptr, E,
             left = tl.where(offs == tl.min(tl.where(left == best, offs, BLOCK_E), 0), -1.0, left)
     for j in tl.static_range(TOP_K):
         best = tl.max(p, 0)
-        idx = tl.min(tl.where(p == best, offs, BLOCK_E), 0)
+        # (NaN logits match nothing: a diverged row still names an expert, never memory past the last)
+        idx = tl.minimum(tl.min(tl.where(p == best, offs, BLOCK_E), 0), E - 1)
         tl.store(ids_ptr + t * TOP_K + j, idx)
         tl.store(weights_ptr + t * TOP_K + j, best / total if RENORMALIZE else best)
         if COUNT:

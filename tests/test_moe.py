@@ -91,6 +91,15 @@ def test_small_steps_without_the_sort_equal_the_sorted_path(T, monkeypatch):
     torch.testing.assert_close(direct, sorted_, rtol=0, atol=0)
 
 
+def test_a_row_of_nan_logits_still_routes_inside_the_experts():
+    x, logits, w13, w2 = moe_inputs(3, 8, 32, 16)
+    logits[1] = float("nan")  # a diverged row must not send the kernels past the last expert
+    _, ids, counts = route(logits, 2, True)
+    assert ids.min() >= 0 and ids.max() < 8 and counts.sum() == 6
+    out = fused_moe(x, logits, 2, True, w13, w2)
+    assert torch.isfinite(out[[0, 2]]).all()
+
+
 def test_an_empty_step_and_an_unchosen_expert_are_fine():
     x, logits, w13, w2 = moe_inputs(0, 4, 32, 16)
     assert fused_moe(x, logits, 2, True, w13, w2).shape == (0, 32)
