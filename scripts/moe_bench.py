@@ -1,7 +1,8 @@
 """One mixture-of-experts layer of the Qwen3-30B-A3B shape (128 experts, 8 a token, hidden 2048,
 expert width 768, bf16) at decode and prefill token counts: the fused kernel (kernels/moe.py,
-replayed from a CUDA graph as the engine runs it) against a per-expert loop of GEMMs (transformers'
-eager experts: route, then gate_up, SiLU·mul and down for each expert its tokens picked) and
+replayed from a CUDA graph as the engine runs it) against a per-expert loop of GEMMs
+(`fused_moe_reference`, as transformers' eager experts: route, then gate_up, SiLU·mul and down for
+each expert its tokens picked) and
 transformers' grouped_mm experts where this transformers has them, with the layer's roofline:
 the picked experts' weights read once, or its FLOPs, whichever takes longer.
 
@@ -49,17 +50,6 @@ def graphed(fn):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
-
-
-def per_expert_loop(x, logits, w13, w2):
-    weights, ids = moe.route_reference(logits, K, True)
-    out = torch.zeros_like(x)
-    for expert in ids.unique().tolist():  # the host learns which experts were picked: a sync
-        tokens, slots = torch.nonzero(ids == expert, as_tuple=True)
-        gate_up = F.linear(x[tokens], w13[expert])
-        y = F.linear(F.silu(gate_up[:, :I]) * gate_up[:, I:], w2[expert])
-        out.index_add_(0, tokens, (y * weights[tokens, slots, None]).to(x.dtype))
-    return out
 
 
 def hf_block(w13, w2, implementation: str):
@@ -111,7 +101,7 @@ def main() -> None:
             print(f"T={T:5d}  best {best} {row[best]:8.1f} us  default {real(T * K, E)}  roofline {roof_us:.1f} us")
         else:
             fused = timed_us(graphed(lambda: moe.fused_moe(x, logits, K, True, w13, w2)))
-            loop = timed_us(lambda: per_expert_loop(x, logits, w13, w2), iters=10)
+            loop = timed_us(lambda: moe.fused_moe_reference(x, logits, K, True, w13, w2), iters=10)
             row.update(fused_us=fused, per_expert_loop_us=loop, roofline_fraction=roof_us / fused,
                        speedup_over_loop=loop / fused)
             if T <= 4:  # a program per pair against the sorted path, for moe.DIRECT_PAIRS

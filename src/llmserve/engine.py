@@ -370,10 +370,8 @@ class Engine(Frontend):
                      mixed_sizes=len(graphs.token_sizes), max_tokens=s.max_num_batched_tokens,
                      seconds=round(lap("cuda_graphs"), 2))
         s = config.scheduler
-        windows = self.spec.layer_windows
         self.kv = KVCacheManager(num_blocks, bs, max_model_len=self.max_model_len, reserve_growth=s.reserve_growth,
-                                 prefix_groups=self.runner.cascade,
-                                 window=max(windows) if windows and all(windows) else 0)
+                                 prefix_groups=self.runner.cascade, window=self.spec.kv_window)
         self.scheduler = Scheduler(max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
                                    max_model_len=self.max_model_len, policy=s.policy,
                                    eos_token_ids=frozenset(self.spec.eos_token_ids),

@@ -105,8 +105,7 @@ class QuantizationMethod:
         gate, up and down rows as they load, quantize_rows(w [rows, in]) -> (dtype [rows, in],
         float32 scales [rows]), which the fused-MoE kernel applies per output row. A method that
         cannot raises ValueError naming itself."""
-        raise ValueError(f"model.quantization {self.name!r} does not support mixture-of-experts weights; "
-                         "supported: none, int8, fp8")
+        raise ValueError(f"model.quantization {self.name!r} does not support mixture-of-experts weights")
 
     def weight_bytes(self, layer: Linear) -> int:
         return sum(p.numel() * p.element_size() for p in layer.parameters())

@@ -244,11 +244,12 @@ def run(workload: str, *, peers: tuple[str, ...] = (), peer_requests: int = 64, 
               "output_chars": sum(len(o.outputs[0].text) for o in outs), "detokenize": detokenize,
               "decode_steps": step_summary, "stalls": stalls,
               "date": time.strftime("%Y-%m-%d"), "engine_kwargs": engine_kwargs}
+    spec = ModelSpec.from_dict(w.model_config)
     if "copy_bytes_per_s" in device:
         quant = engine_kwargs.get("quantization")
         fp8_kv = engine_kwargs.get("kv_cache_dtype", "auto") != "auto"
         flops = device.get("fp8_flop_per_s", device["bf16_flop_per_s"]) if quant == "fp8" else device["bf16_flop_per_s"]
-        spec, bw = ModelSpec.from_dict(w.model_config), device["copy_bytes_per_s"]
+        bw = device["copy_bytes_per_s"]
         shape = {"weight_itemsize": 1 if quant in ("int8", "fp8") else 2,
                  "kv_dtype": torch.float8_e4m3fn if fp8_kv else torch.bfloat16}
         roof = roofline_seconds(w, spec, bw, flops, **shape)
@@ -256,7 +257,7 @@ def run(workload: str, *, peers: tuple[str, ...] = (), peer_requests: int = 64, 
         if "bf16_flop_per_s_sustained" in device and quant != "fp8":
             held = roofline_seconds(w, spec, bw, device["bf16_flop_per_s_sustained"], **shape)["roofline_s"]
             result.update(roofline_sustained_s=held, roofline_sustained_fraction=held / wall)
-    if "num_experts" in w.model_config or "num_local_experts" in w.model_config:
+    if spec.moe is not None:
         from llmserve.model.moe import ROUTING_ENV  # random weights route unlike a trained model: say which ran
         result["moe_routing"] = os.environ.get(ROUTING_ENV, "model")
     if peer_results:

@@ -45,7 +45,7 @@ class FusedExperts(nn.Module):
         super().__init__()
         storage = quant.expert_weights()
         dtype, self.quantize = storage if storage is not None else (None, None)
-        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.num_experts, self.inter = num_experts, inter
         self.dtype = torch.get_default_dtype()  # the model dtype: a full-precision checkpoint's
         self.w13 = empty_param(num_experts, 2 * inter, hidden, dtype=dtype)
         self.w2 = empty_param(num_experts, hidden, inter, dtype=dtype)

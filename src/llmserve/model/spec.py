@@ -106,6 +106,13 @@ class ModelSpec:
         return any(self.layer_windows)
 
     @property
+    def kv_window(self) -> int:
+        """The keys any layer still reads behind a query: the largest window when every layer has
+        one (older KV blocks can go back to the pool), else 0 (some layer reads them all)."""
+        w = self.layer_windows
+        return max(w) if w and all(w) else 0
+
+    @property
     def cascade_exact(self) -> bool:
         """Cascade attention computes this model's attention: no layer cuts a shared prefix per
         row (a window) or bends its scores (soft-capping)."""
