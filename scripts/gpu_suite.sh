@@ -75,13 +75,14 @@ run)
     { nvidia-smi; "$PY" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'; } \
         > "$OUT/env.txt" 2>&1
     set +e
-    # The GPU tests take longer than one call allows: TESTS_PART=1 runs the float32 equivalence tests of the
-    # dense architectures, 2 those of Gemma and the mixtures of experts, 3 everything else; unset: all.
+    # The GPU tests take longer than one call allows: TESTS_PART=1 runs test_gpu.py but the float32
+    # equivalence of Gemma and the mixtures of experts, 2 those, test_moe.py and the sampling kernels,
+    # 3 the attention and matmul kernels and cascade; unset: all.
     part=()
     case "${TESTS_PART:-}" in
-        1) part=(-k "float32 and not (gemma or moe or mixtral)") ;;
-        2) part=(-k "float32 and (gemma or moe or mixtral)") ;;
-        3) part=(-k "not float32") ;;
+        1) part=(-k "test_gpu and not (float32 and (gemma or moe or mixtral))") ;;
+        2) part=(-k "test_moe or test_sampling_kernels or (test_gpu and float32 and (gemma or moe or mixtral))") ;;
+        3) part=(-k "test_kernels or test_cascade") ;;
     esac
     [ -n "${SKIP_TESTS:-}" ] || timeout ${TEST_TIMEOUT:-480} "$PY" -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 -rf "${part[@]}" tests/test_gpu.py tests/test_kernels.py tests/test_sampling_kernels.py tests/test_cascade.py tests/test_moe.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     # COLD=1: the benchmark starts on an empty Triton cache (a fresh machine's start-up: every kernel compiled)
