@@ -118,11 +118,16 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    """GPUs one model is split over; only 1 for now."""
+    """Devices one model is split over (Megatron-style), one process per rank; its attention heads
+    (and KV heads, or the ranks their count), MLP width must divide evenly. On CUDA rank r uses
+    device r (after model.device's index); on CPU the ranks share the cores (gloo collectives)."""
+    distributed_executor_backend: str = "mp"
+    """How rank processes start: mp (local processes, multiprocessing's spawn)."""
 
     def __post_init__(self) -> None:
-        _check(self.tensor_parallel_size == 1, "parallel", "tensor_parallel_size",
-               "1 (tensor parallelism is not implemented yet)", self.tensor_parallel_size)
+        _check(self.tensor_parallel_size >= 1, "parallel", "tensor_parallel_size", ">= 1", self.tensor_parallel_size)
+        _check(self.distributed_executor_backend == "mp", "parallel", "distributed_executor_backend",
+               "'mp' (ray is not supported yet)", self.distributed_executor_backend)
 
 
 @dataclass(slots=True)

@@ -30,9 +30,12 @@ from llmserve.actors.executor_actor import ExecutorActor
 from llmserve.actors.kv_actor import KVActor
 from llmserve.actors.request_actor import Abort, EndAll, OutputSlot, RequestActor, Submit
 from llmserve.actors.scheduler_actor import EngineStats, SchedulerActor
+from llmserve.attention import AttentionBackend
 from llmserve.config import EngineConfig, SpeculativeConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.scheduler import Scheduler
+from llmserve.distributed.parallel_state import single_rank
+from llmserve.distributed.workers import ParallelRunner, check_split
 from llmserve.model.runner import ModelRunner
 from llmserve.model.spec import ModelSpec, sampling_defaults
 from llmserve.outputs import RequestOutput
@@ -174,6 +177,20 @@ def resolve_proposer(config: SpeculativeConfig, plugins: Plugins, context: Propo
     return proposers[config.method](config, context)
 
 
+def build_runner(config: EngineConfig, plugins: Plugins, spec: ModelSpec, max_model_len: int, *,
+                 device: torch.device, dtype: torch.dtype, quant: QuantizationMethod, backend: AttentionBackend,
+                 strategies: dict[str, Any], proposer: bool = True, isolate_failures: bool = True) -> ModelRunner:
+    """The model runner of this process (of one tensor-parallel rank under tensor parallelism);
+    proposer: with speculative decoding's proposer, if configured (its draft model is whole on
+    this rank)."""
+    context = ProposerContext(device, dtype, backend, spec.vocab_size, max_model_len, config.scheduler.max_num_seqs,
+                              config.cache.block_size)
+    with single_rank():
+        drafts = resolve_proposer(config.speculative, plugins, context) if proposer else None
+    return ModelRunner(config, spec, backend, device, dtype, max_model_len, quant, strategies, drafts,
+                       plugins.model_classes().get(spec.architecture), isolate_failures=isolate_failures)
+
+
 class Frontend(abc.ABC):
     """What the APIs drive: `generate`, `abort`, `stop` and `snapshot`, through a request actor on
     this event loop. `Engine` runs the device side on the same loop; `ProcessEngine`
@@ -206,6 +223,8 @@ class Frontend(abc.ABC):
             self._tokenizer.set_result(None)
         self._requests_in: ObjectSendStream | None = None
         self._stop: anyio.Event | None = None
+        self.failure: Exception | None = None
+        """Why the device side stopped, if it failed after start-up."""
         self.strategies: dict[str, Any] = {}
         """Decoding strategies (llmserve/decoding.py) the request actor prepares requests for."""
 
@@ -281,7 +300,7 @@ class Frontend(abc.ABC):
         """Hand requests to the engine in one message: the scheduler takes them all before it plans
         (an offline batch's first step is then full). Read each one's outputs with `outputs`."""
         if self._requests_in is None:
-            raise RuntimeError("engine is not running")
+            raise RuntimeError("engine is not running" if self.failure is None else str(self.failure))
         await self._requests_in.send(subs)
 
     async def outputs(self, sub: Submit) -> AsyncIterator[RequestOutput]:
@@ -317,6 +336,17 @@ class Frontend(abc.ABC):
             await self.abort(request_id)
 
 
+class EngineFailed(RuntimeError):
+    """The device side failed after start-up; the engine has stopped."""
+
+
+def _root(exc: BaseException) -> BaseException:
+    """The first leaf of an exception group (anyio's task groups wrap what their tasks raise)."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
 class _Laps:
     """lap(name) -> the seconds since the previous lap (or creation), also kept in .seconds[name]."""
 
@@ -345,11 +375,14 @@ class Engine(Frontend):
         self.backend = self.plugins.select_backend(self.device, config)
         lap("config")
         self.strategies = self.plugins.decoding_strategies()
-        context = ProposerContext(self.device, self.dtype, self.backend, self.spec.vocab_size, self.max_model_len,
-                                  config.scheduler.max_num_seqs, config.cache.block_size)
-        self.runner = ModelRunner(config, self.spec, self.backend, self.device, self.dtype, self.max_model_len,
-                                  self.quant, self.strategies, resolve_proposer(config.speculative, self.plugins, context),
-                                  self.plugins.model_classes().get(self.spec.architecture))
+        ranks = config.parallel.tensor_parallel_size
+        if ranks > 1:  # the ranks' processes build their runners (distributed/workers.py)
+            check_split(self.spec, ranks)
+            self.runner = ParallelRunner(config, self.max_model_len, ranks)
+        else:
+            self.runner = build_runner(config, self.plugins, self.spec, self.max_model_len, device=self.device,
+                                       dtype=self.dtype, quant=self.quant, backend=self.backend,
+                                       strategies=self.strategies)
         lap("weights")
         num_blocks = self.runner.determine_num_blocks()
         lap("profile_step")
@@ -400,11 +433,25 @@ class Engine(Frontend):
             self.runner.eos_token_ids = sorted(self.scheduler.eos_token_ids)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        """Run the actors until `stop()`; reports started once they accept requests."""
+        """Run the actors until `stop()`; reports started once they accept requests. If the device
+        side fails (a tensor-parallel rank died), every request in flight ends with that error and
+        run raises it."""
         req_send, req_recv = anyio.create_memory_object_stream(64)
+        requests: list[RequestActor] = []
+
+        async def core(*, task_status: anyio.abc.TaskStatus) -> None:
+            try:
+                await self.run_core(req_send.clone(), task_status=task_status)
+            except Exception as exc:
+                self.failure = error = EngineFailed(f"the engine failed: {_root(exc)}")
+                for actor in requests:
+                    actor.fail_all(error)
+                raise error from exc
+
         async with anyio.create_task_group() as tg:
-            to_scheduler = await tg.start(self.run_core, req_send.clone())
-            await tg.start(self._request_actor(req_recv, to_scheduler).run)
+            to_scheduler = await tg.start(core)
+            requests.append(self._request_actor(req_recv, to_scheduler))
+            await tg.start(requests[0].run)
             await self._accept_until_stopped(req_send, task_status)
             tg.cancel_scope.cancel()
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from llmserve.actors.request_actor import OutputSlot, Submit
 from llmserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from llmserve.config import EngineConfig
-from llmserve.engine import Engine
+from llmserve.engine import Engine, EngineFailed
 from llmserve.logging import configure_logging
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
@@ -169,7 +169,10 @@ def _stop(engine: Engine, portal, portal_cm, run_future) -> None:
     """Stop the engine's loop and thread and release its memory (once: weakref.finalize's call)."""
     try:
         portal.call(engine.stop)
-        run_future.result()
+        try:
+            run_future.result()
+        except* EngineFailed:
+            pass  # its requests have ended with it; what is left here is to release the rest
     finally:
         portal_cm.__exit__(None, None, None)
         engine.release()

@@ -2,7 +2,7 @@
 
 Per layer, K and V are [num_blocks, block_size, num_kv_heads, head_dim] in the cache dtype (the
 model's, or FP8-e4m3 with a float32 scale per token and head, [num_blocks, block_size,
-num_kv_heads]). On CUDA the number of blocks is what `gpu_memory_utilization` leaves of the
+num_kv_heads]); num_kv_heads are this tensor-parallel rank's. On CUDA the number of blocks is what `gpu_memory_utilization` leaves of the
 device's memory after the weights and the activation peak of the largest step the scheduler can
 build, measured by running that step once (its K/V written to a cache just large enough).
 """
@@ -15,6 +15,7 @@ import torch
 
 from llmserve.attention import AttentionBackend, KVCache
 from llmserve.config import EngineConfig
+from llmserve.distributed.parallel_state import tp
 from llmserve.model.sampler import SamplingBatch, sample
 from llmserve.model.spec import ModelSpec
 from llmserve.model.step_inputs import Staging, StepInputs
@@ -25,13 +26,14 @@ log = structlog.get_logger("llmserve.runner")
 class KVCacheLayout:
     def __init__(self, spec: ModelSpec, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.spec, self.block_size, self.dtype, self.device = spec, block_size, dtype, device
+        self.kv_heads = spec.num_kv_heads // tp().kv_split(spec.num_kv_heads)[0]  # this tensor-parallel rank's
 
     def block_bytes(self) -> int:
-        return self.block_size * self.spec.kv_bytes_per_token(self.dtype)
+        return self.block_size * self.spec.kv_bytes_per_token(self.dtype) * self.kv_heads // self.spec.num_kv_heads
 
     def allocate(self, num_blocks: int) -> list[KVCache]:
         """One zeroed cache per layer."""
-        shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = (num_blocks, self.block_size, self.kv_heads, self.spec.head_dim)
 
         def layer_cache() -> KVCache:
             cache = KVCache(torch.zeros(shape, dtype=self.dtype, device=self.device),

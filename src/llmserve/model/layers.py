@@ -1,8 +1,10 @@
-"""Building blocks of the decoder: linear layers with shard-aware loading, RMSNorm, rotary embedding.
+"""Building blocks of the decoder: linear layers with shard-aware loading (whole, or split across
+tensor-parallel ranks: distributed/parallel_state.py), embeddings, RMSNorm, rotary embedding.
 
 Parameters are created uninitialised on the target device, in the default dtype the loader sets:
 the loader fills them in place from the checkpoint (or with random values for dummy weights), so
-weights exist once.
+weights exist once. A parallel layer cuts its rank's slice out of each checkpoint tensor before its
+quantization method sees it, so methods never know about ranks.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.attention import AttentionBackend, KVCache
+from llmserve.distributed.parallel_state import TensorParallel, all_gather_columns, all_reduce, tp
 from llmserve.quantization import QuantizationMethod, Unquantized, copy_checked, empty_param, shard_rows
 
 
@@ -43,6 +46,7 @@ class Linear(nn.Module):
     def load(self, leaf: str, tensor: torch.Tensor, shard: object = None) -> bool:
         """Copy a checkpoint tensor (weight, bias, or a quantization method's own tensors) into this
         layer, into `shard`'s rows if merged; False if nothing here uses `leaf`."""
+        tensor = self.rank_slice(leaf, tensor, shard)
         if leaf == "bias" and self.bias is not None:
             copy_checked(shard_rows(self, self.bias, shard), tensor, f"bias{'' if shard is None else f'[{shard}]'}")
             return True
@@ -55,17 +59,120 @@ class Linear(nn.Module):
         if self.bias is not None:
             self.bias.zero_()
 
+    def rank_slice(self, leaf: str, tensor: torch.Tensor, shard: object) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor: all of it, as every rank holds the whole layer."""
+        return tensor
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant.apply(self, x)
 
 
+class ColumnParallelLinear(Linear):
+    """Output rows split across the tensor-parallel ranks. Each shard (q, k, v; gate, up; or the
+    whole layer) is cut into `parts` equal row slices of which this rank holds slice `index`:
+    `splits` maps a shard to (parts, index), by default (ranks, rank). Rank-local rows keep the
+    shards' order, so a merged layer's local weight is [q_r; k_r; v_r] or [gate_r; up_r]."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[object, int], bias: bool = False,
+                 quant: QuantizationMethod | None = None, splits: dict[object, tuple[int, int]] | None = None) -> None:
+        self.tp = tp()
+        self.full_sizes = dict(shard_sizes)
+        self.splits = {s: (splits or {}).get(s, (self.tp.size, self.tp.rank)) for s in shard_sizes}
+        local = {}
+        for s, n in shard_sizes.items():
+            parts = self.splits[s][0]
+            if n % parts:
+                raise ValueError(f"{n} output rows{'' if s is None else f' of {s!r}'} must divide evenly over {parts} "
+                                 "tensor-parallel ranks")
+            local[s] = n // parts
+        merged = list(shard_sizes) != [None]
+        super().__init__(in_features, sum(local.values()), bias, local if merged else None, quant)
+
+    def rank_slice(self, leaf: str, tensor: torch.Tensor, shard: object) -> torch.Tensor:
+        if all(parts == 1 for parts, _ in self.splits.values()) or tensor.dim() == 0:
+            return tensor
+        shards = [shard] if shard is not None or list(self.full_sizes) == [None] else list(self.full_sizes)
+        full = sum(self.full_sizes[s] for s in shards)
+        if tensor.shape[0] != full:
+            if tensor.numel() == 1:  # a per-tensor value (an FP8 scale): every rank takes it
+                return tensor
+            raise ValueError(f"{self.quant.name!r} tensor {leaf!r} of shape {tuple(tensor.shape)} has no {full} output "
+                             f"rows to split across tensor-parallel ranks")
+        pieces, offset = [], 0
+        for s in shards:
+            parts, index = self.splits[s]
+            n = self.full_sizes[s] // parts
+            pieces.append(tensor.narrow(0, offset + index * n, n))
+            offset += self.full_sizes[s]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+class RowParallelLinear(Linear):
+    """Input columns split across the tensor-parallel ranks: each computes a partial product of
+    its slice of x, and one all-reduce sums them. The bias is added once, by rank 0."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 quant: QuantizationMethod | None = None) -> None:
+        self.tp = tp()
+        self.full_in = in_features
+        self.skip_bias = bias and self.tp.rank > 0
+        super().__init__(self.tp.split(in_features, "input columns"), out_features, bias and not self.skip_bias,
+                         None, quant)
+
+    def load(self, leaf: str, tensor: torch.Tensor, shard: object = None) -> bool:
+        if leaf == "bias" and self.skip_bias:
+            return True  # rank 0 adds it
+        return super().load(leaf, tensor, shard)
+
+    def rank_slice(self, leaf: str, tensor: torch.Tensor, shard: object) -> torch.Tensor:
+        if self.tp.size == 1 or tensor.dim() < 2:  # per-output-row values (scales, bias): whole on every rank
+            return tensor
+        if tensor.shape[-1] != self.full_in:
+            raise ValueError(f"{self.quant.name!r} tensor {leaf!r} of shape {tuple(tensor.shape)} has no {self.full_in} "
+                             f"input columns to split across tensor-parallel ranks")
+        return tensor.narrow(-1, self.tp.rank * self.in_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.quant.apply(self, x), self.tp)
+
+
 class Embedding(nn.Module):
+    """A [num_embeddings, dim] table (token embeddings; an untied lm_head's weight), split across
+    tensor-parallel ranks by rows: rank r holds rows [r*n, (r+1)*n) for n = ceil(num / ranks), the
+    last rank's tail zero-padded. A lookup takes each id's row from the rank that holds it (the
+    others add zeros); `logits` multiplies by every row and gathers the ranks' columns."""
+
     def __init__(self, num_embeddings: int, dim: int) -> None:
         super().__init__()
-        self.weight = empty_param(num_embeddings, dim)
+        self.tp: TensorParallel = tp()
+        self.num_embeddings = num_embeddings
+        self.rows = -(-num_embeddings // self.tp.size)
+        self.start = self.tp.rank * self.rows
+        self.weight = empty_param(self.rows, dim)
+
+    def load(self, tensor: torch.Tensor) -> None:
+        if tensor.shape != (self.num_embeddings, self.weight.shape[1]):
+            raise ValueError(f"shape mismatch loading an embedding: checkpoint {tuple(tensor.shape)}, model "
+                             f"{(self.num_embeddings, self.weight.shape[1])}")
+        mine = tensor[self.start:self.start + self.rows]
+        self.weight[:len(mine)].copy_(mine)
+        self.weight[len(mine):].zero_()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.rows)
+        x = F.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None].to(self.weight.dtype)
+        return all_reduce(x, self.tp)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, dim] -> hidden x table^T [N, num_embeddings], on every rank."""
+        out = F.linear(hidden, self.weight)
+        if self.tp.size == 1:
+            return out
+        out = all_gather_columns(out, self.tp)
+        return out if out.shape[1] == self.num_embeddings else out[:, :self.num_embeddings].contiguous()
 
 
 class RMSNorm(nn.Module):

@@ -9,11 +9,11 @@ Input is the step's flattened batch: input_ids and positions [T]; attention stat
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmserve.attention import AttentionBackend, AttentionMetadata, KVCache
-from llmserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
+from llmserve.distributed.parallel_state import tp
+from llmserve.model.layers import ColumnParallelLinear, Embedding, Linear, RMSNorm, RotaryEmbedding, RowParallelLinear
 from llmserve.model.spec import ModelSpec
 from llmserve.quantization import QuantizationMethod
 
@@ -23,11 +23,16 @@ class Attention(nn.Module):
                  quant: QuantizationMethod, window: int = 0) -> None:
         super().__init__()
         self.window = window or None  # sliding-window attention: the latest `window` keys only
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.attention_bias,
-                               shard_sizes={"q": q_size, "k": kv_size, "v": kv_size}, quant=quant)
-        self.o_proj = Linear(q_size, spec.hidden_size, quant=quant)
+        # this rank's heads (all of them with one rank): parallel_state.py's split
+        group, self.head_dim = tp(), spec.head_dim
+        self.num_heads = group.split(spec.num_heads, "num_attention_heads")
+        kv_split = group.kv_split(spec.num_kv_heads)
+        self.num_kv_heads = spec.num_kv_heads // kv_split[0]
+        q_size, kv_size = spec.num_heads * self.head_dim, spec.num_kv_heads * self.head_dim
+        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
+                                             bias=spec.attention_bias, quant=quant,
+                                             splits={"k": kv_split, "v": kv_split})
+        self.o_proj = RowParallelLinear(q_size, spec.hidden_size, quant=quant)
         self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
         self.rotary = rotary
@@ -52,10 +57,9 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, quant: QuantizationMethod,
                  intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.inter = intermediate_size or spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * self.inter, shard_sizes={0: self.inter, 1: self.inter},
-                                   quant=quant)
-        self.down_proj = Linear(self.inter, spec.hidden_size, quant=quant)
+        inter = intermediate_size or spec.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, {0: inter, 1: inter}, quant=quant)
+        self.down_proj = RowParallelLinear(inter, spec.hidden_size, quant=quant)
         self.backend = backend
         self.gelu = spec.hidden_act == "gelu_pytorch_tanh"
 
@@ -118,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
                                                  self.make_mlp(i, backend, quant))
                                     for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
-        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
+        self.lm_head = None if spec.tie_word_embeddings else Embedding(spec.vocab_size, spec.hidden_size)
 
     def make_mlp(self, layer: int, backend: AttentionBackend, quant: QuantizationMethod) -> nn.Module:
         """Layer `layer`'s feed-forward block: x [T, hidden] -> [T, hidden]."""
@@ -136,8 +140,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in the model's dtype (a float32 copy of a decode
         step's logits would cost more than the lm_head itself; consumers upcast where they compute)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        logits = (self.lm_head or self.embed_tokens).logits(hidden)
         cap = self.spec.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -152,14 +155,12 @@ class LlamaForCausalLM(nn.Module):
         name = name.removeprefix("model.")
         parts = name.split(".")
         leaf = parts[-1]
-        if parts[0] == "embed_tokens":
-            self.embed_tokens.weight.copy_(tensor)
+        if parts[0] in ("embed_tokens", "lm_head"):
+            getattr(self, parts[0]).load(tensor)
             return True
         if parts[0] == "norm":
             self.norm.weight.copy_(tensor + self.spec.norm_offset)
             return True
-        if parts[0] == "lm_head":
-            return self.lm_head.load(leaf, tensor)
         if parts[0] != "layers":
             return False
         module = self.layers[int(parts[1])]

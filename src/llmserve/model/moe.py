@@ -10,6 +10,11 @@ kernel (kernels/moe.py) reads them:
 Checkpoints store one tensor per expert and projection; each is copied (or quantized) into its
 slice as it is read, so the experts never exist twice. Where the quantization method quantizes,
 w13 and w2 hold its INT8/FP8 rows with float32 per-row scales beside them.
+
+Under tensor parallelism every rank holds every expert, each cut like a dense MLP: I/P of its gate
+and up rows and the matching I/P columns of down, so a layer's output is one all-reduce of the
+ranks' partial sums. (Expert parallelism, whole experts per rank, would cut the same tensors along
+E instead.)
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 from torch import nn
 
 from llmserve.attention import AttentionBackend
+from llmserve.distributed.parallel_state import all_reduce, tp
 from llmserve.model.layers import Linear
 from llmserve.model.llama import MLP, LlamaForCausalLM
 from llmserve.model.spec import ModelSpec
@@ -45,7 +51,9 @@ class FusedExperts(nn.Module):
         super().__init__()
         storage = quant.expert_weights()
         dtype, self.quantize = storage if storage is not None else (None, None)
-        self.num_experts, self.inter = num_experts, inter
+        self.tp = tp()
+        self.num_experts, self.full_inter = num_experts, inter
+        self.inter = inter = self.tp.split(inter, "moe_intermediate_size")  # this rank's rows of each expert
         self.dtype = torch.get_default_dtype()  # the model dtype: a full-precision checkpoint's
         self.w13 = empty_param(num_experts, 2 * inter, hidden, dtype=dtype)
         self.w2 = empty_param(num_experts, hidden, inter, dtype=dtype)
@@ -66,6 +74,9 @@ class FusedExperts(nn.Module):
             raise ValueError(f"checkpoint has expert {expert}, but the config says num_experts={self.num_experts}")
         rows, scale = self._rows(expert, projection)
         what = f"experts.{expert}.{projection}.weight"
+        dim = 1 if projection == "down_proj" else 0  # (down: [H, I]; gate, up: [I, H])
+        if self.tp.size > 1 and tensor.shape[dim] == self.full_inter:
+            tensor = tensor.narrow(dim, self.tp.rank * self.inter, self.inter)
         if self.quantize is None:
             copy_checked(rows, tensor, what)
             return
@@ -106,7 +117,8 @@ class SparseMoeBlock(nn.Module):
         logits = self.gate(x)
         if self.uniform_routing:
             logits = torch.rand_like(logits)
-        out = self.backend.fused_moe(x, logits, self.top_k, self.renormalize, e.w13, e.w2, e.scale13, e.scale2)
+        out = all_reduce(self.backend.fused_moe(x, logits, self.top_k, self.renormalize, e.w13, e.w2, e.scale13,
+                                                e.scale2), e.tp)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

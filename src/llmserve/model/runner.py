@@ -20,6 +20,7 @@ import torch
 from llmserve.attention import AttentionBackend
 from llmserve.config import EngineConfig
 from llmserve.core.kv_cache_manager import MAX_PREFIX_GROUPS
+from llmserve.distributed.parallel_state import tp
 from llmserve.messages import PLACEHOLDER, PrefixGroups, StepPlan, StepResult
 from llmserve.model.cuda_graphs import StepGraphs
 from llmserve.model.kv_cache import KVCacheLayout
@@ -86,7 +87,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, backend: AttentionBackend, device: torch.device,
                  dtype: torch.dtype, max_model_len: int, quant: QuantizationMethod | None = None,
                  strategies: dict[str, Any] | None = None, proposer: Proposer | None = None,
-                 model_class: type | None = None) -> None:
+                 model_class: type | None = None, isolate_failures: bool = True) -> None:
         self.config, self.spec, self.backend, self.device, self.dtype = config, spec, backend, device, dtype
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
@@ -114,6 +115,9 @@ class ModelRunner:
         self.waiting: _Sampling | None = None
         """The step launched last when its sampler waits for masks filling on the mask thread."""
         self.failed: set[str] = set()  # requests that failed a step, left out of the plans made before that was known
+        self.isolate_failures = isolate_failures
+        """A failed step fails its failing requests alone (re-run in parts); False: it raises (a
+        tensor-parallel rank: re-running parts alone would desert the other ranks' collectives)."""
         self.dropped: set[str] = set()
         """Requests that jumped forward after the step being launched was planned: they sample nothing in it."""
 
@@ -213,6 +217,8 @@ class ModelRunner:
                     self.in_flight = launched
                 self.timing.launched()
             except Exception:  # a failed step fails the requests that fail it alone, not the engine
+                if not self.isolate_failures:
+                    raise
                 log.exception("step failed; running it again to find its failing requests", step=plan.step_id,
                               num_reqs=len(plan.req_ids))
                 plan.token_ids[holes] = PLACEHOLDER  # as planned: the retries fill them in again
@@ -289,6 +295,8 @@ class ModelRunner:
             self.in_flight = self._queue(waiting)
             return []
         except Exception as exc:
+            if not self.isolate_failures:
+                raise
             log.exception("step failed", step=waiting.result.step_id, num_reqs=len(waiting.req_ids))
             self.failed.update(waiting.req_ids)
             return [StepResult(waiting.result.step_id, [], [],
@@ -363,8 +371,9 @@ class ModelRunner:
         if self.config.cache.cascade_attention == "auto":
             rows = np.diff(inputs.query_start_loc)[groups.members]
             sizes = np.add.reduceat(rows, groups.starts[:-1])
-            if not self.backend.cascade_pays(sizes, groups.hi - groups.lo, self.spec.num_heads,
-                                             self.spec.num_kv_heads, self.spec.head_dim, self.device):
+            heads = self.spec.num_heads // tp().size  # this rank's
+            if not self.backend.cascade_pays(sizes, groups.hi - groups.lo, heads, self.kv.kv_heads,
+                                             self.spec.head_dim, self.device):
                 return None
         return groups
 
@@ -430,6 +439,8 @@ class ModelRunner:
         try:
             return self._finish(flight, ahead)
         except Exception as exc:
+            if not self.isolate_failures:
+                raise
             log.exception("step failed", step=flight.result.step_id, num_reqs=len(flight.req_ids))
             self.failed.update(flight.req_ids)
             return StepResult(flight.result.step_id, [], [],

@@ -1,0 +1,107 @@
+"""Tensor parallelism on CPU: ranks are processes joined by gloo. Every architecture split over 2
+ranks, and over 4 (more ranks than KV heads, tied embeddings, biases, experts), gives transformers'
+greedy tokens (float32), as one rank does (test_equivalence.py); sampled tokens equal one rank's;
+chunked prefill, prefix hits, preemption and n > 1 keep working; a rank that dies ends the engine
+with its error at once; a model that does not divide over the ranks is refused before any starts."""
+
+import time
+
+import pytest
+import torch
+from test_equivalence import MAX_TOKENS, assert_pool_back_to_total, generate, reference
+
+from llmserve import LLM, SamplingParams
+from llmserve.config import EngineConfig
+from llmserve.distributed.parallel_state import TensorParallel, all_gather_columns, all_reduce
+from llmserve.testing import ARCHS
+
+
+def tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_two_ranks_match_transformers(checkpoint, arch):
+    prompts, expected = reference(checkpoint, arch)
+    with LLM(checkpoint(arch), dtype="float32", device="cpu", tensor_parallel_size=2, log_interval_s=0) as llm:
+        assert [o.outputs[0].token_ids for o in generate(llm, prompts)] == expected
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-mha-tied", "qwen2-moe"])
+def test_four_ranks_match_transformers(checkpoint, arch):
+    """llama and qwen2 have 2 KV heads, each then on two ranks; llama-mha-tied has 4 and ties its
+    lm_head to the embeddings (a vocabulary of 384 rows: 96 a rank); qwen2-moe's experts and
+    shared expert are cut four ways."""
+    prompts, expected = reference(checkpoint, arch)
+    with LLM(checkpoint(arch), dtype="float32", device="cpu", tensor_parallel_size=4, log_interval_s=0) as llm:
+        assert [o.outputs[0].token_ids for o in generate(llm, prompts)] == expected
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
+def test_ranks_keep_chunks_prefix_hits_preemption_and_sampled_n(checkpoint, arch):
+    """A step budget of 7 tokens, a cache small enough to preempt, repeated prompts (prefix hits),
+    and n=2 seeded samples: the tokens of one rank under the same settings."""
+    prompts, expected = reference(checkpoint, arch)
+    options = dict(dtype="float32", device="cpu", log_interval_s=0, max_num_batched_tokens=7, block_size=4,
+                   num_blocks=40, max_model_len=96, reserve_growth=False)
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, n=2, seed=7)
+    with LLM(checkpoint(arch), **options) as one:
+        want = tokens(one.generate([{"prompt_token_ids": p} for p in prompts], sampled, use_tqdm=False))
+    with LLM(checkpoint(arch), tensor_parallel_size=2, **options) as llm:
+        greedy = generate(llm, prompts + prompts, n=2)
+        assert tokens(greedy) == [[e, e] for e in expected + expected]
+        assert llm.engine.kv.prefix_hits > 0
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], sampled, use_tqdm=False)) == want
+        assert_pool_back_to_total(llm)
+
+
+def test_int8_splits_like_the_model(checkpoint):
+    """int8 quantizes each rank's slice as it loads (row-parallel layers: per-row scales of the
+    rank's columns); the logits stay those of one int8 rank within quantization's own error."""
+    path = checkpoint("llama")
+    ids = reference(checkpoint, "llama")[0][1]
+    with LLM(path, dtype="float32", device="cpu", quantization="int8", log_interval_s=0) as one:
+        want = one.engine.runner.prompt_logits(ids)
+    with LLM(path, dtype="float32", device="cpu", quantization="int8", tensor_parallel_size=2,
+             log_interval_s=0) as llm:
+        got = llm.engine.runner.prompt_logits(ids)
+    assert got.shape == want.shape
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.999
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_a_rank_that_dies_ends_the_engine_at_once(checkpoint):
+    llm = LLM(checkpoint("llama"), dtype="float32", device="cpu", tensor_parallel_size=2, log_interval_s=0)
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        assert len(llm.generate(["The quick brown fox"], params, use_tqdm=False)[0].outputs[0].token_ids) == MAX_TOKENS
+        llm.engine.runner._procs[1].kill()
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 failed: its process exited with code -9"):
+            llm.generate(["The quick brown fox", "Hi"], params, use_tqdm=False)
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 failed"):  # and so does every later call
+            llm.generate(["Hi"], params, use_tqdm=False)
+        assert time.monotonic() - start < 10
+    finally:
+        llm.shutdown()
+    assert llm.engine.runner._procs == []  # rank 0 was stopped with it
+
+
+def test_a_model_that_does_not_divide_is_refused_before_ranks_start(checkpoint):
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must divide evenly over tensor_parallel_size 3"):
+        LLM(checkpoint("llama"), dtype="float32", device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="parallel.distributed_executor_backend must be 'mp'"):
+        EngineConfig.from_kwargs(tensor_parallel_size=2, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match="parallel.tensor_parallel_size must be >= 1"):
+        EngineConfig.from_kwargs(tensor_parallel_size=0)
+
+
+def test_kv_heads_split_or_repeat_over_the_ranks():
+    """Ranks outnumbering the KV heads share them: rank r reads KV head r * heads // ranks."""
+    assert [TensorParallel(4, r).kv_split(2) for r in range(4)] == [(2, 0), (2, 0), (2, 1), (2, 1)]
+    assert [TensorParallel(2, r).kv_split(8) for r in range(2)] == [(2, 0), (2, 1)]
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(3\) and tensor_parallel_size \(2\)"):
+        TensorParallel(2, 0).kv_split(3)
+    x = torch.ones(2, 3)  # one rank: the collectives hand back their input
+    assert all_reduce(x) is x and all_gather_columns(x) is x
