@@ -178,3 +178,15 @@ def test_llmserve_serve_builtin_serves_with_the_flags(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_every_subpackage_ships_in_the_wheel():
+    """pyproject.toml lists the packages by hand (kernels/ and plugins/ live outside src/): a new
+    subpackage left off the list would be missing from every install but an editable one."""
+    import tomllib
+    from pathlib import Path
+    root = Path(__file__).parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(("llmserve",) + p.parent.relative_to(root / "src" / "llmserve").parts)
+             for p in (root / "src" / "llmserve").rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)
