@@ -14,6 +14,7 @@ import openai
 from anyio.from_thread import start_blocking_portal
 
 from llmserve.config import EngineConfig
+from llmserve.distributed.replicas import ReplicatedEngine
 from llmserve.engine import Engine, Frontend
 from llmserve.engine_process import ProcessEngine
 from llmserve.server.run import serve
@@ -43,18 +44,22 @@ class Server:
 @contextmanager
 def running_server(engine_process: bool = False, model: str = "builtin", model_opts: dict | None = None,
                    **server_opts):
-    """server_opts: [server] keys, and the sections "cache", "scheduler" and "speculative" as dicts;
-    model_opts: [model] keys."""
+    """server_opts: [server] keys, and the sections "cache", "scheduler", "speculative" and
+    "parallel" as dicts; model_opts: [model] keys. With data_parallel_size > 1, replicas."""
     port = free_port()
-    sections = {name: server_opts.pop(name, {}) for name in ("cache", "scheduler", "speculative")}
+    sections = {name: server_opts.pop(name, {}) for name in ("cache", "scheduler", "speculative", "parallel")}
     config = EngineConfig.from_dict({
         "model": {"model": model, "device": "cpu", "dtype": "float32", **(model_opts or {})},
         "cache": {"num_blocks": 256, "block_size": 16, **sections["cache"]},
         "scheduler": {"log_interval_s": 0, **sections["scheduler"]},
         "speculative": sections["speculative"],
+        "parallel": sections["parallel"],
         "server": {"port": port, **server_opts},
     })
-    engine = ProcessEngine(config) if engine_process else Engine(config)
+    if config.parallel.data_parallel_size > 1:
+        engine = ReplicatedEngine(config)
+    else:
+        engine = ProcessEngine(config) if engine_process else Engine(config)
     with start_blocking_portal("asyncio") as portal:
         stop = portal.call(anyio.Event)
         future, _ = portal.start_task(partial(serve, config, stop=stop, handle_signals=False, engine=engine))

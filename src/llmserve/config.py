@@ -121,11 +121,16 @@ class ParallelConfig:
     """Devices one model is split over (Megatron-style), one process per rank; its attention heads
     (and KV heads, or the ranks their count), MLP width must divide evenly. On CUDA rank r uses
     device r (after model.device's index); on CPU the ranks share the cores (gloo collectives)."""
+    data_parallel_size: int = 1
+    """Replicas of the engine behind one server (`llmserve serve`), each with its own device side
+    process and tensor_parallel_size devices (replica i from device i * tensor_parallel_size);
+    requests go to the least loaded, or to the one that served their prefix."""
     distributed_executor_backend: str = "mp"
-    """How rank processes start: mp (local processes, multiprocessing's spawn)."""
+    """How rank processes start: mp (local processes)."""
 
     def __post_init__(self) -> None:
         _check(self.tensor_parallel_size >= 1, "parallel", "tensor_parallel_size", ">= 1", self.tensor_parallel_size)
+        _check(self.data_parallel_size >= 1, "parallel", "data_parallel_size", ">= 1", self.data_parallel_size)
         _check(self.distributed_executor_backend == "mp", "parallel", "distributed_executor_backend",
                "'mp' (ray is not supported yet)", self.distributed_executor_backend)
 

@@ -205,18 +205,21 @@ class Frontend(abc.ABC):
     sampling_defaults: dict[str, float | int]
     """Sampling values for requests that leave them unset (resolve_sampling_defaults)."""
 
-    def __init__(self, config: EngineConfig, plugins: Plugins | None = None, *, with_tokenizer: bool = True) -> None:
+    def __init__(self, config: EngineConfig, plugins: Plugins | None = None, *, with_tokenizer: bool = True,
+                 tokenizer: Future | None = None) -> None:
         """What both sides need: the plugins, the checkpoint's shape, the context limit, the
         tokenizer. The tokenizer loads on a thread meanwhile (importing transformers alone takes
         seconds): it overlaps the device side's start-up, which waits for the GPU and Triton's
-        compiler."""
+        compiler. `tokenizer`: one already loading (shared by data-parallel replicas)."""
         config.model.model = resolve_model_dir(config.model.model)
         self.config = config
         self.plugins = plugins or Plugins.from_config(config.plugins)
         self.spec = ModelSpec.from_dir(config.model.model, self.plugins.model_classes())
         self.max_model_len = resolve_max_model_len(config, self.spec)
         self.sampling_defaults = resolve_sampling_defaults(config)
-        if with_tokenizer:
+        if tokenizer is not None:
+            self._tokenizer = tokenizer
+        elif with_tokenizer:
             self._tokenizer = load_in_background(load_tokenizer, config.model.tokenizer or config.model.model)
         else:
             self._tokenizer = Future()
@@ -367,6 +370,9 @@ class Engine(Frontend):
         """with_tokenizer=False: a device side only (the engine process), told the tokenizer's
         end-of-sequence id later through `add_eos_token_id`."""
         lap = _Laps()
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError("parallel.data_parallel_size > 1 runs replicas behind the server (llmserve serve); "
+                             "one engine in this process is one replica")
         super().__init__(config, plugins, with_tokenizer=with_tokenizer)
         m = config.model
         self.quant = resolve_quantization(m.quantization, self.spec, self.plugins)

@@ -24,6 +24,7 @@ import struct
 import sys
 import tempfile
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,8 +107,8 @@ class CoreInfo:
 class ProcessEngine(Frontend):
     """A Frontend whose device side runs in a child process, started by `run` and stopped with it."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, tokenizer: Future | None = None) -> None:
+        super().__init__(config, tokenizer=tokenizer)
         self.device = "starting"
         self.kv_tokens = 0
         self.pid: int | None = None

@@ -21,6 +21,7 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 
 from llmserve.config import EngineConfig
+from llmserve.distributed.replicas import ReplicatedEngine
 from llmserve.engine import Engine, Frontend
 from llmserve.engine_process import ProcessEngine
 from llmserve.server.app import create_app, served_model_name
@@ -36,7 +37,10 @@ async def serve(config: EngineConfig, *, stop: anyio.Event | None = None, handle
                 engine: Frontend | None = None, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
     """Run until `stop` is set or a signal arrives. Reports started (with the bound port) once listening."""
     if engine is None:
-        engine = ProcessEngine(config) if config.server.engine_process else Engine(config)
+        if config.parallel.data_parallel_size > 1:
+            engine = ReplicatedEngine(config)
+        else:
+            engine = ProcessEngine(config) if config.server.engine_process else Engine(config)
     draining = anyio.Event()
     app = create_app(engine, config, draining)
     stop = stop or anyio.Event()
