@@ -75,9 +75,9 @@ run)
     { nvidia-smi; "$PY" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'; } \
         > "$OUT/env.txt" 2>&1
     set +e
-    # The GPU tests take longer than one call allows: TESTS_PART=1 runs test_gpu.py but the float32
-    # equivalence of Gemma and the mixtures of experts, 2 those, test_moe.py and the sampling kernels,
-    # 3 the attention and matmul kernels and cascade; unset: all.
+    # The GPU tests take longer than one call allows: TESTS_PART=1 runs the engine's GPU tests but the
+    # float32 equivalence of Gemma and the mixtures of experts, 2 those, the MoE kernel's and the
+    # sampling kernels' tests, 3 the attention and matmul kernels' and cascade's; unset: all.
     part=()
     case "${TESTS_PART:-}" in
         1) part=(-k "test_gpu and not (float32 and (gemma or moe or mixtral))") ;;

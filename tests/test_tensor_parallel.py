@@ -91,8 +91,8 @@ def test_a_rank_that_dies_ends_the_engine_at_once(checkpoint):
 def test_a_model_that_does_not_divide_is_refused_before_ranks_start(checkpoint):
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must divide evenly over tensor_parallel_size 3"):
         LLM(checkpoint("llama"), dtype="float32", device="cpu", tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="parallel.distributed_executor_backend must be 'mp'"):
-        EngineConfig.from_kwargs(tensor_parallel_size=2, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match="parallel.distributed_executor_backend must be 'mp' or 'ray'"):
+        EngineConfig.from_kwargs(tensor_parallel_size=2, distributed_executor_backend="slurm")
     with pytest.raises(ValueError, match="parallel.tensor_parallel_size must be >= 1"):
         EngineConfig.from_kwargs(tensor_parallel_size=0)
 
@@ -105,3 +105,28 @@ def test_kv_heads_split_or_repeat_over_the_ranks():
         TensorParallel(2, 0).kv_split(3)
     x = torch.ones(2, 3)  # one rank: the collectives hand back their input
     assert all_reduce(x) is x and all_gather_columns(x) is x
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster in this process (the engine's ray.init() finds it), small."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, object_store_memory=128 * 2**20, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def test_ranks_as_ray_actors_match_transformers_and_a_dead_actor_ends_the_engine(checkpoint, ray_cluster):
+    prompts, expected = reference(checkpoint, "qwen2")
+    llm = LLM(checkpoint("qwen2"), dtype="float32", device="cpu", tensor_parallel_size=2,
+              distributed_executor_backend="ray", log_interval_s=0)
+    try:
+        assert [o.outputs[0].token_ids for o in generate(llm, prompts)] == expected
+        ray_cluster.kill(llm.engine.runner._actors[1])
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 failed: its actor died"):
+            generate(llm, prompts)
+    finally:
+        llm.shutdown()
+    assert llm.engine.runner._actors == []

@@ -126,13 +126,14 @@ class ParallelConfig:
     process and tensor_parallel_size devices (replica i from device i * tensor_parallel_size);
     requests go to the least loaded, or to the one that served their prefix."""
     distributed_executor_backend: str = "mp"
-    """How rank processes start: mp (local processes)."""
+    """How the ranks start: mp (processes on this machine) | ray (Ray actors on the machines of a Ray
+    cluster, placed by a placement group; `pip install 'llmserve[ray]'`; also with one rank)."""
 
     def __post_init__(self) -> None:
         _check(self.tensor_parallel_size >= 1, "parallel", "tensor_parallel_size", ">= 1", self.tensor_parallel_size)
         _check(self.data_parallel_size >= 1, "parallel", "data_parallel_size", ">= 1", self.data_parallel_size)
-        _check(self.distributed_executor_backend == "mp", "parallel", "distributed_executor_backend",
-               "'mp' (ray is not supported yet)", self.distributed_executor_backend)
+        _check(self.distributed_executor_backend in ("mp", "ray"), "parallel", "distributed_executor_backend",
+               "'mp' or 'ray'", self.distributed_executor_backend)
 
 
 @dataclass(slots=True)

@@ -35,7 +35,7 @@ from llmserve.config import EngineConfig, SpeculativeConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.scheduler import Scheduler
 from llmserve.distributed.parallel_state import single_rank
-from llmserve.distributed.workers import ParallelRunner, check_split
+from llmserve.distributed.workers import check_split, start_ranks
 from llmserve.model.runner import ModelRunner
 from llmserve.model.spec import ModelSpec, sampling_defaults
 from llmserve.outputs import RequestOutput
@@ -381,10 +381,10 @@ class Engine(Frontend):
         self.backend = self.plugins.select_backend(self.device, config)
         lap("config")
         self.strategies = self.plugins.decoding_strategies()
-        ranks = config.parallel.tensor_parallel_size
-        if ranks > 1:  # the ranks' processes build their runners (distributed/workers.py)
-            check_split(self.spec, ranks)
-            self.runner = ParallelRunner(config, self.max_model_len, ranks)
+        p = config.parallel
+        if p.tensor_parallel_size > 1 or p.distributed_executor_backend == "ray":
+            check_split(self.spec, p.tensor_parallel_size)  # the ranks build their runners (distributed/workers.py)
+            self.runner = start_ranks(config, self.max_model_len)
         else:
             self.runner = build_runner(config, self.plugins, self.spec, self.max_model_len, device=self.device,
                                        dtype=self.dtype, quant=self.quant, backend=self.backend,

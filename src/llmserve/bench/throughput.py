@@ -195,7 +195,8 @@ def run(workload: str, *, peers: tuple[str, ...] = (), peer_requests: int = 64, 
         llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         timing = llm.engine.runner.timing
         timing.clear()
-        if torch.cuda.is_available():
+        ranks = engine_kwargs.get("tensor_parallel_size", 1)
+        if torch.cuda.is_available() and ranks == 1:  # (ranks run in processes of their own: not timed here)
             timing.time_device()  # device busy/idle per step: two CUDA events a step
         if profile:
             # A prefill step, steady decode with all requests running, and the long tail's small batches.
@@ -249,7 +250,8 @@ def run(workload: str, *, peers: tuple[str, ...] = (), peer_requests: int = 64, 
         quant = engine_kwargs.get("quantization")
         fp8_kv = engine_kwargs.get("kv_cache_dtype", "auto") != "auto"
         flops = device.get("fp8_flop_per_s", device["bf16_flop_per_s"]) if quant == "fp8" else device["bf16_flop_per_s"]
-        bw = device["copy_bytes_per_s"]
+        ranks = engine_kwargs.get("tensor_parallel_size", 1)  # the devices' bandwidths and rates add up
+        flops, bw = flops * ranks, device["copy_bytes_per_s"] * ranks
         shape = {"weight_itemsize": 1 if quant in ("int8", "fp8") else 2,
                  "kv_dtype": torch.float8_e4m3fn if fp8_kv else torch.bfloat16}
         roof = roofline_seconds(w, spec, bw, flops, **shape)
@@ -274,7 +276,8 @@ def vllm_peer(w: Workload, site: str | None, timeout_s: float, engine_kwargs: di
     if torch.cuda.is_available():  # what the peer finds free: vLLM asks for gpu_memory_utilization of the total
         torch.cuda.empty_cache()
         free = torch.cuda.mem_get_info()[0]
-    settings = llm_settings(engine_kwargs.get("max_num_seqs", 256), engine_kwargs.get("max_num_batched_tokens", 8192))
+    settings = llm_settings(engine_kwargs.get("max_num_seqs", 256), engine_kwargs.get("max_num_batched_tokens", 8192),
+                            engine_kwargs.get("tensor_parallel_size", 1))
     try:
         peer = run_vllm_peer(w, site=site, settings=settings, timeout_s=timeout_s)
     except VllmPeerError as exc:
@@ -354,6 +357,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this run (seconds)")
     ap.add_argument("--quantization", help="model.quantization (int8, fp8, ...)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="cache.kv_cache_dtype (auto, fp8)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="parallel.tensor_parallel_size (the roofline then adds up that many devices; the vllm peer "
+                         "runs with the same)")
     ap.add_argument("--detokenize", action="store_true",
                     help="a tokenizer covering the model's vocabulary in its directory: outputs become text, "
                          "as with a real checkpoint (WORKLOADS.md's runs have none)")
@@ -377,7 +383,8 @@ def main(argv: list[str] | None = None) -> None:
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  reserve_growth=args.reserve_growth, enforce_eager=args.enforce_eager, log_interval_s=10.0,
                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, detokenize=args.detokenize,
-                 enable_prefix_caching=args.enable_prefix_caching, cascade_attention=args.cascade_attention)
+                 enable_prefix_caching=args.enable_prefix_caching, cascade_attention=args.cascade_attention,
+                 tensor_parallel_size=args.tensor_parallel_size)
     report(result, args.json)
     for line in peer_lines(result):
         print(line, file=sys.stderr)

@@ -60,13 +60,15 @@ def find_vllm(site: str | None) -> str:
     return str(Path(spec.origin).parent)
 
 
-def llm_settings(max_num_seqs: int, max_num_batched_tokens: int) -> dict:
+def llm_settings(max_num_seqs: int, max_num_batched_tokens: int, tensor_parallel_size: int = 1) -> dict:
     """vLLM `LLM(...)` keyword arguments beside the model path: dummy bf16 weights, no tokenizer
-    (token-id prompts, outputs not detokenized), our engine's batch limits, otherwise its defaults
-    (gpu_memory_utilization as in the shared measurements; prefix caching on, reset before timing)."""
+    (token-id prompts, outputs not detokenized), our engine's batch limits and tensor parallelism,
+    otherwise its defaults (gpu_memory_utilization as in the shared measurements; prefix caching
+    on, reset before timing)."""
     return {"load_format": "dummy", "skip_tokenizer_init": True, "dtype": "bfloat16",
             "gpu_memory_utilization": 0.9, "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens, "enable_prefix_caching": True}
+            "max_num_batched_tokens": max_num_batched_tokens, "enable_prefix_caching": True,
+            "tensor_parallel_size": tensor_parallel_size}
 
 
 def peer_env(site: str | None, base: dict[str, str] | None = None) -> dict[str, str]:

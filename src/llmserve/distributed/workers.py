@@ -22,6 +22,7 @@ alone retrying parts of a step would leave the others in collectives it no longe
 
 from __future__ import annotations
 
+import abc
 import os
 import pickle
 import shutil
@@ -64,36 +65,48 @@ def check_split(spec: ModelSpec, size: int) -> None:
             group.split(spec.moe.shared_intermediate_size, "shared_expert_intermediate_size")
 
 
-class ParallelRunner:
-    """What the engine calls on a ModelRunner (step, flush, busy, the KV cache's sizing and
-    allocation, graph capture, prompt_logits, release), for `size` rank processes."""
+def start_ranks(config: EngineConfig, max_model_len: int) -> RankRunner:
+    """The ranks of parallel.tensor_parallel_size, started by parallel.distributed_executor_backend."""
+    size = config.parallel.tensor_parallel_size
+    if config.parallel.distributed_executor_backend == "ray":
+        from llmserve.distributed.ray_ranks import RayRanks
+        return RayRanks(config, max_model_len, size)
+    return ProcessRanks(config, max_model_len, size)
 
-    def __init__(self, config: EngineConfig, max_model_len: int, size: int) -> None:
+
+class RankRunner(abc.ABC):
+    """What the engine calls on a ModelRunner (step, flush, busy, the KV cache's sizing and
+    allocation, graph capture, prompt_logits, release), for `size` ranks. A transport (local
+    processes, Ray actors) provides `_call`, `_stop_all` and `release`."""
+
+    def __init__(self, size: int) -> None:
         self.size = size
         self.timing = StepTiming()  # host time of each step call, here
         self.graphs: SimpleNamespace | None = None
-        self._busy = False
-        self._store = tempfile.mkdtemp(prefix="llmserve-tp-")
-        self._conns: list[Connection] = []
-        self._procs: list[subprocess.Popen] = []
-        # Started as `python -m` (not multiprocessing's spawn, which would run the caller's script
-        # again in each rank, as a script without a __main__ guard would notice).
-        for rank in range(size):
-            here, there = socket.socketpair()
-            proc = subprocess.Popen([sys.executable, "-m", "llmserve.distributed", str(there.fileno())],
-                                    pass_fds=(there.fileno(),))
-            there.close()
-            conn = Connection(here.detach())
-            conn.send_bytes(pickle.dumps((rank, size, f"file://{self._store}/store", config, max_model_len)))
-            self._conns.append(conn)
-            self._procs.append(proc)
-        try:
-            info = self._gather("ready")
-        except BaseException:
-            self.release()
-            raise
-        self.block_size, self.cascade = info[0]["block_size"], info[0]["cascade"]
         self.num_blocks = 0
+        self._busy = False
+
+    def _started(self, info: dict) -> None:
+        """Rank 0's report once every rank has built its runner."""
+        self.block_size, self.cascade = info["block_size"], info["cascade"]
+
+    @abc.abstractmethod
+    def _call(self, method: str, *args: Any, everyone: bool = False) -> Any:
+        """runner.`method`(*args) on every rank; rank 0's return value (every rank's, in rank order,
+        with everyone). A rank that fails meanwhile ends them all (`_fail`)."""
+
+    @abc.abstractmethod
+    def _stop_all(self) -> None:
+        """End every rank at once, whatever it is doing."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Stop the ranks (their device memory goes with them)."""
+
+    def _fail(self, rank: int, why: str, value_error: bool = False) -> None:
+        self._stop_all()  # the others may wait for it in a collective: nothing would wake them
+        log.error("tensor-parallel rank failed; stopping the engine", rank=rank, error=why)
+        raise (ValueError(why) if value_error else RankFailed(f"tensor-parallel rank {rank} failed: {why}"))
 
     # ---- the ModelRunner surface -----------------------------------------------------------------
 
@@ -138,6 +151,37 @@ class ParallelRunner:
     def prompt_logits(self, token_ids: list[int]):
         return self._call("prompt_logits", token_ids)
 
+    def _steps(self, method: str, *args: Any) -> list[StepResult]:
+        results, self._busy = self._call(method, *args)
+        return results
+
+
+class ProcessRanks(RankRunner):
+    """The ranks as local processes, each on a socket to this one."""
+
+    def __init__(self, config: EngineConfig, max_model_len: int, size: int) -> None:
+        super().__init__(size)
+        self._store = tempfile.mkdtemp(prefix="llmserve-tp-")
+        self._conns: list[Connection] = []
+        self._procs: list[subprocess.Popen] = []
+        # Started as `python -m` (not multiprocessing's spawn, which would run the caller's script
+        # again in each rank, as a script without a __main__ guard would notice).
+        for rank in range(size):
+            here, there = socket.socketpair()
+            proc = subprocess.Popen([sys.executable, "-m", "llmserve.distributed", str(there.fileno())],
+                                    pass_fds=(there.fileno(),))
+            there.close()
+            conn = Connection(here.detach())
+            conn.send_bytes(pickle.dumps((rank, size, f"file://{self._store}/store", config, max_model_len)))
+            self._conns.append(conn)
+            self._procs.append(proc)
+        try:
+            info = self._gather("ready")
+        except BaseException:
+            self.release()
+            raise
+        self._started(info[0])
+
     def release(self) -> None:
         """Stop the rank processes (their device memory goes with them)."""
         for conn in self._conns:
@@ -157,10 +201,6 @@ class ParallelRunner:
         shutil.rmtree(self._store, ignore_errors=True)
 
     # ---- calls -----------------------------------------------------------------------------------
-
-    def _steps(self, method: str, *args: Any) -> list[StepResult]:
-        results, self._busy = self._call(method, *args)
-        return results
 
     def _call(self, method: str, *args: Any, everyone: bool = False) -> Any:
         """runner.`method`(*args) on every rank, the plan pickled once; rank 0's return value (every
@@ -199,50 +239,54 @@ class ParallelRunner:
                 del pending[rank]
         return values
 
-    def _fail(self, rank: int, why: str, value_error: bool = False) -> None:
-        procs = self._procs
-        for proc in procs:  # the others may wait for it in a collective: nothing would wake them
+    def _stop_all(self) -> None:
+        for proc in self._procs:
             if proc.poll() is None:
                 proc.kill()
-        for proc in procs:
+        for proc in self._procs:
             proc.wait()
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
         shutil.rmtree(self._store, ignore_errors=True)
-        message = f"tensor-parallel rank {rank} failed: {why}"
-        log.error("tensor-parallel rank failed; stopping the engine", rank=rank, error=why)
-        raise (ValueError(why) if value_error else RankFailed(message))
 
 
-def rank_main(conn: Connection) -> None:
-    """A rank's process: join the group, build its runner, then answer calls until told to exit."""
+def build_rank(rank: int, size: int, init_method: str, config: EngineConfig, max_model_len: int,
+               device_offset: int) -> tuple[Any, dict]:
+    """Join the group as `rank` and build this rank's ModelRunner on model.device's index plus
+    `device_offset` (CUDA) -> (runner, what the engine needs to know of it)."""
     import torch
 
     from llmserve.distributed import parallel_state
     from llmserve.engine import build_runner, resolve_device, resolve_dtype, resolve_quantization
     from llmserve.plugin_manager import Plugins
 
+    device = resolve_device(config.model.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", (device.index or 0) + device_offset)
+        torch.cuda.set_device(device)
+    else:  # ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    parallel_state.init_tensor_parallel(rank, size, "nccl" if device.type == "cuda" else "gloo", init_method,
+                                        COLLECTIVE_TIMEOUT_S)
+    plugins = Plugins.from_config(config.plugins)
+    spec = ModelSpec.from_dir(config.model.model, plugins.model_classes())
+    runner = build_runner(config, plugins, spec, max_model_len, device=device,
+                          dtype=resolve_dtype(config.model.dtype, spec, device),
+                          quant=resolve_quantization(config.model.quantization, spec, plugins),
+                          backend=plugins.select_backend(device, config), strategies=plugins.decoding_strategies(),
+                          proposer=rank == 0, isolate_failures=False)
+    return runner, {"block_size": runner.block_size, "cascade": runner.cascade}
+
+
+def rank_main(conn: Connection) -> None:
+    """A rank's process: join the group, build its runner, then answer calls until told to exit."""
     rank, size, init_method, config, max_model_len = pickle.loads(conn.recv_bytes())
     try:
-        device = resolve_device(config.model.device)
-        if device.type == "cuda":
-            device = torch.device("cuda", (device.index or 0) + rank)
-            torch.cuda.set_device(device)
-        else:  # ranks share the cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-        parallel_state.init_tensor_parallel(rank, size, "nccl" if device.type == "cuda" else "gloo", init_method,
-                                            COLLECTIVE_TIMEOUT_S)
-        plugins = Plugins.from_config(config.plugins)
-        spec = ModelSpec.from_dir(config.model.model, plugins.model_classes())
-        runner = build_runner(config, plugins, spec, max_model_len, device=device,
-                              dtype=resolve_dtype(config.model.dtype, spec, device),
-                              quant=resolve_quantization(config.model.quantization, spec, plugins),
-                              backend=plugins.select_backend(device, config), strategies=plugins.decoding_strategies(),
-                              proposer=rank == 0, isolate_failures=False)
-        conn.send_bytes(pickle.dumps(("ok", {"block_size": runner.block_size, "cascade": runner.cascade})))
+        runner, info = build_rank(rank, size, init_method, config, max_model_len, device_offset=rank)
+        conn.send_bytes(pickle.dumps(("ok", info)))
     except BaseException as exc:
-        conn.send_bytes(pickle.dumps(("error", (isinstance(exc, ValueError), _describe(exc)))))
+        conn.send_bytes(pickle.dumps(("error", (isinstance(exc, ValueError), describe(exc)))))
         return
     while True:
         try:
@@ -252,16 +296,17 @@ def rank_main(conn: Connection) -> None:
         if method == "exit":
             return
         try:
-            value = _dispatch(runner, method, args)
+            value = dispatch(runner, method, args)
             reply = ("ok", value if rank == 0 or everyone else None)
         except BaseException as exc:
-            reply = ("error", (False, _describe(exc)))
+            reply = ("error", (False, describe(exc)))
         conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
         if reply[0] == "error":
             return
 
 
-def _dispatch(runner, method: str, args: tuple) -> Any:
+def dispatch(runner, method: str, args: tuple) -> Any:
+    """runner.`method`(*args), as a rank answers the engine's call."""
     if method in ("step", "flush"):
         return getattr(runner, method)(*args), runner.busy
     if method == "capture_graphs":
@@ -276,7 +321,7 @@ def _dispatch(runner, method: str, args: tuple) -> Any:
     return getattr(runner, method)(*args)
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     if isinstance(exc, ValueError):
         return str(exc)
     return "".join(traceback.format_exception_only(exc)).strip() + "\n" + "".join(traceback.format_tb(exc.__traceback__)[-3:])
