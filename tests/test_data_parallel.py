@@ -3,6 +3,7 @@ and come back as one engine's would; the router balances by load and keeps a pre
 served it; /metrics adds the replicas up."""
 
 import dataclasses
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -19,11 +20,34 @@ from llmserve.engine import EngineSnapshot
 PROMPTS = [f"Item {i}: the list type" for i in range(8)]
 
 
-def test_two_replicas_serve_concurrent_streams_as_one_engine():
+@functools.cache
+def one_engines_texts() -> list[str]:
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     with LLM("builtin", device="cpu", dtype="float32", log_interval_s=0) as llm:
-        want = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    with running_server(parallel={"data_parallel_size": 2}) as server:
+        return [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_two_replicas_serve_concurrent_streams_as_one_engine():
+    serve_through_two_replicas({"data_parallel_size": 2})
+
+
+def test_two_replicas_place_their_ranks_on_a_local_ray_cluster(monkeypatch):
+    """Each replica's engine process joins the cluster (RAY_ADDRESS) and runs its rank as an actor."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, object_store_memory=128 * 2**20, include_dashboard=False, log_to_driver=False)
+    try:
+        monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+        serve_through_two_replicas({"data_parallel_size": 2, "distributed_executor_backend": "ray"},
+                                   # two ranks' bundles of one CPU each are reserved in the cluster
+                                   during=lambda: ray.available_resources().get("CPU") == 2)
+    finally:
+        ray.shutdown()
+
+
+def serve_through_two_replicas(parallel: dict, during=lambda: True) -> None:
+    want = one_engines_texts()
+    with running_server(parallel=parallel) as server:
+        assert during()
         engine = server.engine
         assert isinstance(engine, ReplicatedEngine) and len({r.pid for r in engine.replicas}) == 2
         client = server.client()
