@@ -56,6 +56,29 @@ def test_ranks_keep_chunks_prefix_hits_preemption_and_sampled_n(checkpoint, arch
         assert_pool_back_to_total(llm)
 
 
+def test_ranks_keep_structured_outputs_and_speculation(checkpoint):
+    """Every rank fills the grammar's masks and samples alike, and rank 0 alone proposes (ngram):
+    seeded constrained samples and speculated greedy outputs are one rank's, drafts checked."""
+    from conftest import hold_speculation_on
+    from test_structured_outputs import SCHEMAS
+
+    from llmserve import StructuredOutputsParams as Structured
+    prompts = ["one two three one two three one two", "The quick brown fox"]
+    constrained = [SamplingParams(max_tokens=40, temperature=0.7, seed=s, n=2,
+                                  structured_outputs=Structured(json=SCHEMAS[0])) for s in (1, 2)]
+    free = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    options = dict(dtype="float32", device="cpu", log_interval_s=0,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    results = []
+    for ranks in (1, 2):
+        with LLM(checkpoint("llama"), tensor_parallel_size=ranks, **options) as llm:
+            hold_speculation_on(llm)
+            results.append((tokens(llm.generate(prompts, constrained, use_tqdm=False)),
+                            tokens(llm.generate(prompts, free, use_tqdm=False)), llm.engine.scheduler.spec.draft_tokens))
+    assert results[1] == results[0]
+    assert results[1][2] > 0
+
+
 def test_int8_splits_like_the_model(checkpoint):
     """int8 quantizes each rank's slice as it loads (row-parallel layers: per-row scales of the
     rank's columns); the logits stay those of one int8 rank within quantization's own error."""
