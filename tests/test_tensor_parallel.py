@@ -153,3 +153,13 @@ def test_ranks_as_ray_actors_match_transformers_and_a_dead_actor_ends_the_engine
     finally:
         llm.shutdown()
     assert llm.engine.runner._actors == []
+
+
+def test_ranks_stop_when_start_up_fails_after_they_started(checkpoint, monkeypatch):
+    """A cache too small for max_model_len is found once the ranks have sized it: they stop too."""
+    import llmserve.distributed.workers as workers
+    started, real = [], workers.ProcessRanks.__init__
+    monkeypatch.setattr(workers.ProcessRanks, "__init__", lambda self, *a: started.append(self) or real(self, *a))
+    with pytest.raises(ValueError, match="max_model_len 256 needs 16 KV blocks of 16 tokens, but only 4 fit"):
+        LLM(checkpoint("llama"), dtype="float32", device="cpu", tensor_parallel_size=2, num_blocks=4)
+    assert started and started[0]._procs == []

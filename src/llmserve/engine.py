@@ -390,27 +390,15 @@ class Engine(Frontend):
                                        dtype=self.dtype, quant=self.quant, backend=self.backend,
                                        strategies=self.strategies)
         lap("weights")
-        num_blocks = self.runner.determine_num_blocks()
-        lap("profile_step")
-        bs = config.cache.block_size
-        if num_blocks * bs < self.max_model_len:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} needs {-(-self.max_model_len // bs)} KV blocks of {bs} tokens, "
-                f"but only {num_blocks} fit ({num_blocks * self.runner.block_bytes() / 2**30:.2f} GiB); lower "
-                f"model.max_model_len or give the cache more memory (cache.gpu_memory_utilization / cache.cpu_kv_cache_gib)")
-        self.runner.allocate_kv_cache(num_blocks)
-        self.kv_tokens = num_blocks * bs
-        lap("kv_cache")
-        if self.device.type == "cuda" and not m.enforce_eager:
-            s = config.scheduler
-            self.runner.capture_graphs(s.max_num_seqs, s.max_num_batched_tokens)
-            graphs = self.runner.graphs
-            log.info("captured CUDA graphs", decode_sizes=len(graphs.sizes), max_batch=s.max_num_seqs,
-                     mixed_sizes=len(graphs.token_sizes), max_tokens=s.max_num_batched_tokens,
-                     seconds=round(lap("cuda_graphs"), 2))
+        try:
+            num_blocks = self._allocate_cache(lap)
+        except BaseException:
+            self.runner.release()  # its device memory (a tensor-parallel runner: its processes) goes back first
+            raise
         s = config.scheduler
-        self.kv = KVCacheManager(num_blocks, bs, max_model_len=self.max_model_len, reserve_growth=s.reserve_growth,
-                                 prefix_groups=self.runner.cascade, window=self.spec.kv_window)
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, max_model_len=self.max_model_len,
+                                 reserve_growth=s.reserve_growth, prefix_groups=self.runner.cascade,
+                                 window=self.spec.kv_window)
         self.scheduler = Scheduler(max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
                                    max_model_len=self.max_model_len, policy=s.policy,
                                    eos_token_ids=frozenset(self.spec.eos_token_ids),
@@ -430,6 +418,29 @@ class Engine(Frontend):
                  kv_gib=round(num_blocks * self.runner.block_bytes() / 2**30, 3),
                  sampling_defaults=self.sampling_defaults or "openai",
                  startup_s={k: round(v, 2) for k, v in self.startup_phases.items()})
+
+    def _allocate_cache(self, lap: _Laps) -> int:
+        """Size the KV cache, allocate it, capture the CUDA graphs (which bake in its address); its blocks."""
+        config, m = self.config, self.config.model
+        num_blocks = self.runner.determine_num_blocks()
+        lap("profile_step")
+        bs = config.cache.block_size
+        if num_blocks * bs < self.max_model_len:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} needs {-(-self.max_model_len // bs)} KV blocks of {bs} tokens, "
+                f"but only {num_blocks} fit ({num_blocks * self.runner.block_bytes() / 2**30:.2f} GiB); lower "
+                f"model.max_model_len or give the cache more memory (cache.gpu_memory_utilization / cache.cpu_kv_cache_gib)")
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv_tokens = num_blocks * bs
+        lap("kv_cache")
+        if self.device.type == "cuda" and not m.enforce_eager:
+            s = config.scheduler
+            self.runner.capture_graphs(s.max_num_seqs, s.max_num_batched_tokens)
+            graphs = self.runner.graphs
+            log.info("captured CUDA graphs", decode_sizes=len(graphs.sizes), max_batch=s.max_num_seqs,
+                     mixed_sizes=len(graphs.token_sizes), max_tokens=s.max_num_batched_tokens,
+                     seconds=round(lap("cuda_graphs"), 2))
+        return num_blocks
 
     def add_eos_token_id(self, token_id: int | None) -> None:
         """The tokenizer's end-of-sequence id ends requests (unless ignore_eos) besides the
