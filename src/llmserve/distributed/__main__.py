@@ -1,4 +1,4 @@
-"""A tensor-parallel rank's process: `python -m llmserve.distributed FD`, as ParallelRunner starts it
+"""A tensor-parallel rank's process: `python -m llmserve.distributed FD`, as ProcessRanks starts it
 (FD: its end of the socket to the engine)."""
 
 import sys

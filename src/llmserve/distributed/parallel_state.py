@@ -48,6 +48,10 @@ class TensorParallel:
                              "divide one another")
         return parts, self.rank * parts // self.size
 
+    def kv_heads(self, num_kv_heads: int) -> int:
+        """This rank's KV heads (a slice of kv_split's)."""
+        return num_kv_heads // self.kv_split(num_kv_heads)[0]
+
 
 _tp = TensorParallel()
 

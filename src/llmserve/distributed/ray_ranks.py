@@ -20,12 +20,8 @@ import pickle
 import socket
 from typing import Any
 
-import structlog
-
 from llmserve.config import EngineConfig
 from llmserve.distributed.workers import RankFailed, RankRunner, build_rank, describe, dispatch
-
-log = structlog.get_logger("llmserve.workers")
 
 PLACEMENT_TIMEOUT_S = 120.0
 """How long to wait for the cluster to find room for every rank."""

@@ -1,5 +1,6 @@
 """Tensor parallelism's processes: one per rank, each holding a ModelRunner over its slice of the
-model, driven from the engine as one runner (`ParallelRunner`).
+model, driven from the engine as one runner (`RankRunner`: `ProcessRanks` here, `RayRanks` in
+ray_ranks.py).
 
 Every rank runs every step in full: the same plan, the same forward pass (its layers' collectives
 meet the other ranks'), the same logits (gathered), so the same sampled tokens, since the sampler
@@ -8,7 +9,7 @@ plan, and rank 0's result is the step's result. Only rank 0 proposes drafts (spe
 its draft model is whole on its own device, and the drafts reach the others in the next plans.
 
     engine process                             rank processes (python -m llmserve.distributed)
-    ExecutorActor -> ParallelRunner.step(plan)
+    ExecutorActor -> ProcessRanks.step(plan)  
                       pickle once, send to all ─► rank 0: runner.step(plan) ─┐ all-reduce per layer,
                                                ─► rank 1: runner.step(plan) ─┤ all-gather of logits
                                                ─► ...                        ─┘ (NCCL on CUDA, gloo on CPU)
@@ -85,6 +86,7 @@ class RankRunner(abc.ABC):
         self.graphs: SimpleNamespace | None = None
         self.num_blocks = 0
         self._busy = False
+        self._eos_token_ids: list[int] = []
 
     def _started(self, info: dict) -> None:
         """Rank 0's report once every rank has built its runner."""
@@ -138,11 +140,12 @@ class RankRunner(abc.ABC):
 
     @property
     def eos_token_ids(self) -> list[int]:
-        return self._call("get", "eos_token_ids")
+        return self._eos_token_ids
 
     @eos_token_ids.setter
     def eos_token_ids(self, ids: list[int]) -> None:
         self._call("set", "eos_token_ids", ids)
+        self._eos_token_ids = ids
 
     @property
     def cascade_steps(self) -> int:
@@ -193,12 +196,8 @@ class ProcessRanks(RankRunner):
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for conn in self._conns:
-            conn.close()
-        self._conns, self._procs = [], []
-        shutil.rmtree(self._store, ignore_errors=True)
+                pass  # killed below
+        self._stop_all()
 
     # ---- calls -----------------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ log = structlog.get_logger("llmserve.runner")
 class KVCacheLayout:
     def __init__(self, spec: ModelSpec, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.spec, self.block_size, self.dtype, self.device = spec, block_size, dtype, device
-        self.kv_heads = spec.num_kv_heads // tp().kv_split(spec.num_kv_heads)[0]  # this tensor-parallel rank's
+        self.kv_heads = tp().kv_heads(spec.num_kv_heads)  # this tensor-parallel rank's
 
     def block_bytes(self) -> int:
         return self.block_size * self.spec.kv_bytes_per_token(self.dtype) * self.kv_heads // self.spec.num_kv_heads

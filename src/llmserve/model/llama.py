@@ -27,7 +27,7 @@ class Attention(nn.Module):
         group, self.head_dim = tp(), spec.head_dim
         self.num_heads = group.split(spec.num_heads, "num_attention_heads")
         kv_split = group.kv_split(spec.num_kv_heads)
-        self.num_kv_heads = spec.num_kv_heads // kv_split[0]
+        self.num_kv_heads = group.kv_heads(spec.num_kv_heads)
         q_size, kv_size = spec.num_heads * self.head_dim, spec.num_kv_heads * self.head_dim
         self.qkv_proj = ColumnParallelLinear(spec.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
                                              bias=spec.attention_bias, quant=quant,
