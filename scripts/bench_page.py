@@ -194,9 +194,15 @@ def speculative_rows(figs) -> list[str]:
                          f"{on.get('tokens_per_verify_step', 1):.2f} tokens each")
         pair = d.get("pair", {})
         if pair:
-            t = pair["target"]
+            t, dr = pair["target"], pair.get("draft")
+            if dr and dr.get("teacher"):
+                draft = (f"a {dr['parameters'] / 1e6:.0f}M draft distilled from it (held-out perplexity "
+                         f"{dr['heldout_perplexity']:.1f}, its argmax the target's at "
+                         f"{100 * dr['heldout_argmax_agreement']:.0f}% of held-out positions)")
+            else:
+                draft = "the built-in model as its draft"
             parts.append(f"trained target ({t['parameters'] / 1e6:.0f}M, held-out perplexity {t['heldout_perplexity']:.1f}), "
-                         f"the built-in model as its draft:")
+                         f"{draft}:")
         for key, label in (("draft_b1", "draft, batch 1, greedy"), ("draft_b1_sampled", "draft, batch 1, T 0.7"),
                            ("draft_b8", "draft, batch 8"), ("ngram_b1", "n-gram, batch 1, copy-heavy")):
             if key in pair:

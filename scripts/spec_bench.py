@@ -21,8 +21,9 @@ repeating it), four in turn, 256 greedy tokens each; n-gram proposals with k = 4
 deciding (a fresh one each run). Reported: TPOT on and off, their ratio, and the tokens produced
 per verify step (1 + drafts kept / verify steps).
 
-pair (not in `all`; --target DIR): a target trained by `train_builtin_model.py --size target` on
-the built-in model's text and tokenizer, bf16, the built-in model as its draft (k = 4): eight
+pair (not in `all`; --target DIR [--draft DIR]): a target trained by `train_builtin_model.py --size
+target` on the built-in model's text and tokenizer, bf16, its draft (k = 4; by default the built-in
+model, or one distilled from the target with `train_builtin_model.py --teacher`): eight
 held-out documents' first 400 characters, 256 tokens each, one at a time greedy and sampled
 (temperature 0.7), then all eight at once; then the target with n-gram proposals on copy-heavy
 prompts as in `ngram`. Outputs may part in bf16 (agreeing_prefix says how far they agree).
@@ -176,14 +177,14 @@ def ngram() -> dict:
         return {"b1": compare(llm, sides, prompts, params, "ngram b1", one_by_one=True)}
 
 
-def pair(target: str) -> dict:
-    """The trained target (train_builtin_model.py --size target) with the built-in model as its
-    draft, then with n-gram proposals on copy-heavy prompts; bf16."""
-    builtin = Path(llmserve.__file__).parent / "builtin_model"
+def pair(target: str, draft: str | None = None) -> dict:
+    """The trained target (train_builtin_model.py --size target) with its draft (by default the
+    built-in model), then with n-gram proposals on copy-heavy prompts; bf16."""
+    draft = draft or str(Path(llmserve.__file__).parent / "builtin_model")
     docs = [d.strip() for d in (Path(target) / "heldout.txt").read_text().split("<|doc|>") if len(d.strip()) > 600]
     out = {}
     with LLM(target, dtype="bfloat16", log_interval_s=0, enable_prefix_caching=False,
-             speculative_config={"method": "draft", "model": str(builtin), "num_speculative_tokens": 4}) as llm:
+             speculative_config={"method": "draft", "model": draft, "num_speculative_tokens": 4}) as llm:
         tok = llm.get_tokenizer()
         prompts = [tok.encode(d[:400]) for d in docs[:8]]
         greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=256)
@@ -200,9 +201,12 @@ def pair(target: str) -> dict:
         speculation = llm.engine.scheduler.speculation
         sides = {"off": lambda: None, "on": lambda: speculation}
         out["ngram_b1"] = compare(llm, sides, prompts, greedy, "target ngram b1", exact=False, one_by_one=True)
-    training = json.loads((Path(target) / "training.json").read_text())
-    out["target"] = {"parameters": training["parameters"], "steps": training["steps"],
-                     "heldout_perplexity": math.exp(training["log"][-1]["heldout_loss"])}
+    for name, path in (("target", target), ("draft", draft)):
+        training = json.loads((Path(path) / "training.json").read_text())
+        last = training["log"][-1]
+        out[name] = {"parameters": training["parameters"], "steps": training["steps"],
+                     "heldout_perplexity": math.exp(last["heldout_loss"]), "teacher": training.get("teacher"),
+                     "heldout_argmax_agreement": last.get("heldout_argmax_agreement")}
     return out
 
 
@@ -220,6 +224,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", default="all", choices=["verify", "ngram", "load", "pair", "all"])
     ap.add_argument("--target", help="pair: the trained target's directory")
+    ap.add_argument("--draft", help="pair: its draft's directory (default: the built-in model)")
     ap.add_argument("--json")
     args = ap.parse_args()
     results = {}
@@ -231,7 +236,7 @@ def main() -> None:
         if args.mode in ("load", "all"):
             results["load"] = load(tmp + "/small")
         if args.mode == "pair":
-            results["pair"] = pair(args.target)
+            results["pair"] = pair(args.target, args.draft)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     json.dump(results, sys.stdout, indent=1)

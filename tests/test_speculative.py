@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from conftest import ARCHS, Register, hold_speculation_on
+from conftest import ARCHS, Register, hold_speculation_on, record_calls
 
 import llmserve
 from llmserve import LLM, SamplingParams
@@ -499,7 +499,10 @@ def test_a_failing_or_out_of_vocabulary_proposer_costs_no_request(checkpoint):
 
 # ---- the draft-model proposer ----------------------------------------------------------------------
 
-def test_a_draft_model_that_is_the_model_itself_has_every_greedy_draft_kept(checkpoint):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_draft_model_that_is_the_model_itself_has_every_greedy_draft_kept(checkpoint, graphs):
+    """graphs: the engine's steps and the draft's passes through their CUDA graphs' padded buffers
+    (emulated: the same buffers run eagerly)."""
     ck = checkpoint("llama")
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     with LLM(ck, **COMMON) as llm:
@@ -507,11 +510,48 @@ def test_a_draft_model_that_is_the_model_itself_has_every_greedy_draft_kept(chec
     config = {"method": "draft", "model": ck, "num_speculative_tokens": 4}
     with LLM(ck, **COMMON, speculative_config=config, max_num_batched_tokens=32) as llm:  # chunked prompts
         hold_speculation_on(llm)
+        proposer = llm.engine.runner.proposer
+        if graphs:
+            llm.engine.runner.capture_graphs(llm.config.scheduler.max_num_seqs, 32, emulate=True)
+            first, chained = record_calls(proposer.graphs, "_replay"), record_calls(proposer.chain, "_forward")
         assert run(llm, params) == plain
         spec = llm.engine.scheduler.spec
-        proposer = llm.engine.runner.proposer
     assert spec.drafts > 0 and spec.accepted_tokens == spec.draft_tokens  # its own argmax, every time
     assert proposer.cached == {} and proposer.pool.num_free == proposer.pool.num_blocks  # forgotten at the end
+    if graphs:  # every chain padded to a captured batch size; pass 0 (two tokens a request) a mixed step
+        assert chained and {b for b, in chained} <= set(proposer.chain.sizes)
+        assert first and {kind for kind, _ in first} == {"mixed"}
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_draft_proposals_are_the_draft_models_greedy_continuations(checkpoint, graphs):
+    """Called directly, with the model itself as the draft: whatever its cache holds (nothing, the
+    drafts it proposed, drafts the output then departs from), each request gets the next `limit`
+    tokens of the plain greedy output, each request its own limit."""
+    ck = checkpoint("llama")
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    with LLM(ck, **COMMON) as llm:
+        plain = [outs[0] for outs in run(llm, greedy)]
+    prompts = [array("q", p) for p in PROMPTS]
+    with LLM(ck, **COMMON, speculative_config={"method": "draft", "model": ck, "num_speculative_tokens": 4}) as llm:
+        proposer = llm.engine.runner.proposer
+        if graphs:
+            llm.engine.runner.capture_graphs(llm.config.scheduler.max_num_seqs, 64, emulate=True)
+            first = record_calls(proposer.graphs, "_replay")
+        ids = [f"r{i}" for i in range(len(prompts))]
+        # (one token each after limits of 1: pass 0 is a decode step)
+        for done, limits in [(0, [4, 1, 3, 2]), (4, [4, 4, 4, 4]), (6, [2, 3, 0, 4]), (13, [1, 4, 4, 2]),
+                             (20, [1, 1, 1, 1]), (21, [3, 3, 3, 3])]:
+            got = proposer.propose(ids, [(p, out[:done]) for p, out in zip(prompts, plain)], limits)
+            assert got == [out[done:done + k] for out, k in zip(plain, limits)], done
+        # a request whose output departed from its drafts: its cache falls back to the common prefix
+        wrong = [out[:24] + [(out[24] + 1) % 100] for out in plain]
+        proposer.propose(ids, [(p, o) for p, o in zip(prompts, wrong)], [4] * 4)
+        assert proposer.propose(ids, [(p, o[:25]) for p, o in zip(prompts, plain)], [4] * 4) == [o[25:29] for o in plain]
+        proposer.forget(ids)
+        assert proposer.pool.num_free == proposer.pool.num_blocks
+        if graphs:
+            assert {kind for kind, _ in first} == {"decode", "mixed"}
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

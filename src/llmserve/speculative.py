@@ -52,7 +52,10 @@ class Proposer(Protocol):
 
     # Optional: a proposer that keeps state per request defines
     #   forget(req_ids: list[str]) -> None
-    # called when those requests end. (A proposer that reads the model's hidden states, as
+    # called when those requests end; one that runs a model on the device defines
+    #   capture_graphs(emulate: bool) -> None
+    # called once the engine's KV cache exists, where the engine captures CUDA graphs of its own
+    # steps (not under enforce_eager; emulate: tests without CUDA). (A proposer that reads the model's hidden states, as
     # EAGLE-style heads do, needs a way to receive them that this protocol does not have yet.)
 
 

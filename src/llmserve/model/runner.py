@@ -173,6 +173,8 @@ class ModelRunner:
         self.graphs = StepGraphs(self.model, self.staging, max_batch, max_tokens, max_blocks, emulate=emulate,
                                  cascade_groups=MAX_PREFIX_GROUPS if self.cascade else 0)
         self.graphs.capture()
+        if hasattr(self.proposer, "capture_graphs"):  # a draft model's passes (plugins/draft_model.py)
+            self.proposer.capture_graphs(emulate=emulate)
 
     # Steps are launched, then finished. launch() queues the forward pass and the sampler on the
     # device and starts a non-blocking copy of the sampled tokens to pinned memory; finish() waits
