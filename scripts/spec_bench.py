@@ -89,7 +89,7 @@ def timed(llm, prompts, params, speculation, one_by_one: bool = False) -> dict:
     tokens = [o.outputs[0].token_ids for o in outs]
     return {"wall_s": wall, "steps": sum(s.iteration_tokens) - steps0, "output_tokens": sum(map(len, tokens)),
             "verify_steps": s.spec.drafts - checks0, "draft_tokens": s.spec.draft_tokens - drafts0,
-            "kept_tokens": s.spec.accepted_tokens - kept0, "tokens": tokens}
+            "kept_tokens": s.spec.accepted_tokens - kept0, "proposer_cost_steps": s.spec_control.cost, "tokens": tokens}
 
 
 def compare(llm, sides: dict, prompts, params, label: str, exact: bool = True, one_by_one: bool = False,

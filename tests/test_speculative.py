@@ -161,6 +161,30 @@ def test_speculation_stops_while_it_keeps_too_few_drafts_and_probes_before_it_st
     assert c.probe_step is None and not c.active
 
 
+def test_the_controller_judges_proposals_by_the_step_that_checks_them():
+    """A request's first proposing step is not counted (its drafts are not checked yet: a slow
+    proposer would otherwise stop speculation before anything was checked); a step that checked
+    drafts counts what it kept, and one that waited for proposals that did not come counts zero."""
+    s = make_scheduler()
+    records = record_calls(s.spec_control, "record")
+    s.add(NewRequest("a", array("q", [1, 2, 3]), SamplingParams(seed=1, max_tokens=40)))
+
+    def step(accepted=None, drafts=()):
+        p = s.schedule()
+        feedback(s, p)
+        e = p.entries[0]
+        s.on_result(StepResult(p.step_id, ["a"], [5], accepted={"a": accepted} if accepted else {},
+                               drafts={"a": list(drafts)}, propose_cost=0.1))
+        return e
+
+    assert step(drafts=[6, 7, 8]).propose == 3 and records == []  # only proposed: not judged
+    assert step(accepted=[6, 7, 4], drafts=[]).drafts == 3 and records == [(1, 2, 0.1)]  # two kept
+    step()  # checked nothing: its proposals did not come
+    assert records[-1] == (1, 0, 0.1)
+    step(drafts=[9])  # none came again
+    assert records[-1] == (1, 0, 0.1) and len(records) == 3
+
+
 def test_a_probe_step_overlaps_and_its_proposals_only_decide():
     s = make_scheduler()
     s.spec_control.active, s.spec_control.wait = False, 0

@@ -248,8 +248,8 @@ class StepResult:
     drafts: dict[str, list[int]] = field(default_factory=dict)
     """Tokens proposed to follow each request's last one (speculative decoding; empty: none found)."""
     propose_cost: float = 0.0
-    """The proposer's time for these drafts over the rest of a step's (the executor's running mean
-    of the time between finished steps, less it)."""
+    """The proposer's time for these drafts, in steps: over the executor's running mean of the
+    time from one finished step's end (its proposals made) to the next step's result."""
     dropped_next: set[str] = field(default_factory=set)
     """Of `jumps`, those whose next step was launched before this one finished, with the sampled
     token as its input: they sample nothing there, and where the jump replaced that token, its

@@ -100,7 +100,8 @@ class SpecControl:
     """Whether the engine speculates now, from the drafts speculation keeps.
 
     Speculating, its measure is a running mean (weight ALPHA a step) of the drafts kept per
-    speculating request per step, steps that only proposed counted as zero. Below MIN_GAIN plus
+    speculating request per step; a step that waited for proposals that did not come counts as
+    zero (a request's first proposals are judged by the step that checks them). Below MIN_GAIN plus
     the proposer's cost it stops: a step that checks drafts costs 1.2-1.4 plain steps (measured on
     an H100 from a 6M to an 8B model: 1.19-1.25 for the lost overlap of planning with the device,
     the rest for the checked positions; BENCHMARKS.md), so a request must gain about 0.4 tokens a

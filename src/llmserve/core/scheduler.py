@@ -66,6 +66,8 @@ class Request:
     """Drafts the step in flight checks for it."""
     proposing: bool = False
     """Drafts are to be proposed for it once the step in flight has finished."""
+    missed: bool = False
+    """Its last step asked for proposals and none came (speculative decoding)."""
 
     @property
     def num_output(self) -> int:
@@ -261,18 +263,23 @@ class Scheduler:
             return any(req.pending and s.serves(req.params, req.prepared) for req in self.running)
         return any(req.pending and (req.checking or req.proposing) for req in self.running)
 
-    def _followed(self, req: Request, tokens: list[int], proposed: list[int] | None) -> int:
+    def _followed(self, req: Request, tokens: list[int], proposed: list[int] | None) -> tuple[bool, int]:
         """Book a request's step under speculation: the drafts it checked (`tokens`: those it kept,
-        then the token after them) and those proposed to follow. Returns the drafts it kept."""
-        k, req.checking, req.proposing = req.checking, 0, False
+        then the token after them) and those proposed to follow. Returns whether the step counts
+        for SpecControl, and the drafts it kept. It counts where it checked drafts, or where it
+        waited for proposals that did not come (a synchronous step for nothing); not where it only
+        asked for its first proposals, which the next step checks."""
+        k, asked, req.checking, req.proposing = req.checking, req.proposing, 0, False
         kept = len(tokens) - 1 if k else 0
         if k:
             self.spec.record(k, kept)
             if kept < k:  # the rejected drafts' slots are computed again
                 req.num_computed -= k - kept
                 req.retract += k - kept
+        counted = k > 0 or req.missed
+        req.missed = asked and not proposed
         req.drafts = proposed or None
-        return kept
+        return counted, kept
 
     def _is_last(self, req: Request) -> bool:
         """The token in flight ends the request by length."""
@@ -310,7 +317,7 @@ class Scheduler:
                 bisect.insort(self.waiting, req, key=lambda r: r.key)
             req.status = RequestStatus.PREEMPTED
             req.num_computed = 0
-            req.checking, req.proposing, req.drafts = 0, False, None  # the KV manager dropped the drafts
+            req.checking, req.proposing, req.drafts, req.missed = 0, False, None, False  # the KV manager dropped the drafts
             req.num_preemptions += 1
             self.num_preemptions += 1
         return self.fail(fb.failed)
@@ -347,8 +354,11 @@ class Scheduler:
             self.jumped_tokens += len(tokens) - 1
             if req.checking or req.proposing:
                 tokens = result.accepted.get(req_id, tokens)
-                speculated += 1
-                kept += self._followed(req, tokens, result.drafts.get(req_id))
+                counted, n = self._followed(req, tokens, result.drafts.get(req_id))
+                speculated += counted
+                kept += n
+            else:
+                req.missed = False
             if req_id in result.dropped_next:  # the step after this one samples nothing for it
                 req.pending -= 1
                 if tokens[0] != token:  # and the token it computed is replaced: taken back

@@ -101,7 +101,9 @@ class ModelRunner:
                                       jump_forward=config.scheduler.jump_forward)
         self.proposer = proposer
         """Speculative decoding's proposer (llmserve/speculative.py); None: no speculation."""
-        self._period: float | None = None  # running mean of the seconds between finished steps (with a proposer)
+        # running mean of the seconds from the end of one finished step (its proposals made) to the
+        # next one's result: a step's time without proposing (with a proposer)
+        self._period: float | None = None
         self._finished_at = 0.0
         self.num_blocks = 0
         self.graphs: StepGraphs | None = None
@@ -512,7 +514,7 @@ class ModelRunner:
                 self._propose(result, flight.propose)
                 took = time.perf_counter() - now
                 if self._period is not None:  # (the first step's cost is not known: none reported)
-                    result.propose_cost = took / max(self._period - took, 0.1 * self._period)
+                    result.propose_cost = took / self._period
             self._finished_at = time.perf_counter()
         return result
 
