@@ -185,6 +185,24 @@ def test_the_controller_judges_proposals_by_the_step_that_checks_them():
     assert records[-1] == (1, 0, 0.1) and len(records) == 3
 
 
+def test_drafts_from_before_a_pause_in_speculation_are_never_checked():
+    """Drafts follow the token they were proposed after: a step planned without speculation (the
+    controller stopped it) moves the request on, so when speculation starts again they are gone."""
+    s = make_scheduler()
+    s.add(NewRequest("a", array("q", [1, 2, 3]), SamplingParams(seed=1, max_tokens=40)))
+    p = s.schedule()
+    feedback(s, p)
+    s.on_result(StepResult(p.step_id, ["a"], [5], drafts={"a": [6, 7, 8]}))
+    s.spec_control.active, s.spec_control.wait = False, 5  # stopped: the next step goes without drafts
+    p = s.schedule()
+    assert p.entries[0].drafts == 0 and p.entries[0].propose == 0
+    feedback(s, p)
+    s.on_result(StepResult(p.step_id, ["a"], [6]))
+    s.spec_control.active = True  # started again: [6, 7, 8] followed 5, not 6
+    p = s.schedule()
+    assert p.entries[0].drafts == 0 and p.entries[0].num_tokens == 1 and p.entries[0].propose == 3
+
+
 def test_a_probe_step_overlaps_and_its_proposals_only_decide():
     s = make_scheduler()
     s.spec_control.active, s.spec_control.wait = False, 0

@@ -202,11 +202,14 @@ class Scheduler:
         step_id = next(self._step)
         if self.speculation is not None:
             control = self.spec_control
-            if len(entries) <= self.speculation.max_batch:
-                if control.active:
-                    for entry in entries:  # drafts take what the budget has left
-                        budget = self._speculate(self.requests[entry.req_id], entry, budget)
-                elif control.probe_due:
+            small = len(entries) <= self.speculation.max_batch
+            if small and control.active:
+                for entry in entries:  # drafts take what the budget has left
+                    budget = self._speculate(self.requests[entry.req_id], entry, budget)
+            else:
+                for entry in entries:  # its next token comes without them: they would no longer follow it
+                    self.requests[entry.req_id].drafts = None
+                if small and control.probe_due:
                     self._probe(entries, step_id)
             control.planned()
         freed, self._to_free = self._to_free, []
