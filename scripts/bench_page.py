@@ -14,6 +14,7 @@ the page's figures:
     name = "W-small"                  # the row; the newest run that has a figure of this name wins
     file = "w-small-vllm.json"
     baseline = "w-small-none.json"    # optional: the same call's unmodified run, for a ratio
+    modes = ["verify"]                # spec_bench figures: optional, only these modes of the file
     offline = "w-small.json"          # W-serve rows: the same call's offline run it is a fraction of
     same_call = "..."                 # optional: what the same call measured beside it (from its log)
 
@@ -181,6 +182,8 @@ def speculative_rows(figs) -> list[str]:
     rows = ["| figure | measured | run |", "|---|---|---|"]
     for fig, run in figs:
         d = fig["file_data"]
+        if "modes" in fig:  # the figure shows only these of its file's modes (a later run has the others)
+            d = {mode: d[mode] for mode in fig["modes"] if mode in d}
         parts = []
         for b, r in d.get("verify", {}).items():
             parts.append(f"8B shape, {b}: a step checking 4 drafts {r['on']['ms_per_step']:.2f} ms, one waiting for the "

@@ -21,7 +21,6 @@ references) is refused, as are built-in tools, non-text input and background run
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
