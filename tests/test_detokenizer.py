@@ -89,7 +89,8 @@ def test_streamed_equals_windowed_on_random_ids(kind, tmp_path):
     """Random output ids (as random weights sample them: broken characters, special tokens, ids past
     the tokenizer's vocabulary) after a text prompt or random prompt ids give the same text both
     ways, and the same text as decoding prompt + output and cutting the prompt's text off; the
-    final call flushes a held-back broken character as U+FFFD."""
+    final call flushes a held-back broken character as U+FFFD. A final-only sequence (no stop
+    strings), decoded once at its end, gets the same text."""
     fast = train_tokenizer(str(tmp_path)) if kind == "byte-level" else _metaspace_tokenizer()
     rng = random.Random(0)
     vocab = len(fast)
@@ -100,16 +101,32 @@ def test_streamed_equals_windowed_on_random_ids(kind, tmp_path):
         out = [rng.randrange(vocab + 5) for _ in range(rng.randrange(1, 40))]
         streamed = Detokenizer(fast, prompt, True, [], False)
         windowed = Detokenizer(_Windowed(fast), prompt, True, [], False)
+        deferred = Detokenizer(fast, prompt, True, [], False, final_only=True)
         i = 0
         while i < len(out):
             k = rng.randrange(1, 4)
             final = i + k >= len(out)
             streamed.add(out[i:i + k], final=final)
             windowed.add(out[i:i + k], final=final)
+            deferred.add(out[i:i + k], final=final)
             i += k
-        assert streamed.text == windowed.text
+        assert streamed.text == windowed.text == deferred.text
         context = prompt[-5:]
         whole = fast.decode(context + out, skip_special_tokens=True)
         assert streamed.text == whole[len(fast.decode(context, skip_special_tokens=True)):]
         saw_flush |= streamed.text.endswith("\ufffd")
     assert saw_flush or kind == "metaspace"  # byte fallback decodes a broken character at once
+
+
+def test_final_only_text_is_decoded_once_at_the_end_or_when_shown(tok):
+    """A final-only sequence decodes nothing per step; its text appears with the final tokens, or
+    when shown before them (an abort ends it early). With stop strings, or without a fast
+    tokenizer, it detokenizes as it goes."""
+    d = Detokenizer(tok, tok.encode("Once"), True, [], False, final_only=True)
+    d.add(tok.encode(" upon a"))
+    assert d.text == ("" if rust_tokenizer(tok) is not None else " upon a")
+    assert d.visible_text(True) == " upon a"
+    d.add(tok.encode(" time"), final=True)
+    assert d.text == " upon a time"
+    stops = Detokenizer(tok, [], True, ["time"], False, final_only=True)
+    assert stops.add(tok.encode("upon a time")) == "time" and stops.text == "upon a "

@@ -24,7 +24,7 @@ HELP_ONLY = [
     "gc_bench.py", "int8_sweep.py", "moe_bench.py", "sampler_bench.py", "sass_stats.py", "spec_bench.py", "startup_bench.py",
     "structured_bench.py",
 ]
-RUN = ["bench_page.py", "bench_summary.py", "train_builtin_model.py"]
+RUN = ["bench_page.py", "bench_summary.py", "host_bench.py", "train_builtin_model.py"]
 HELPERS = ["graph_timing.py"]  # imported by the GPU benchmarks above, so their --help imports it too
 SHELL = ["gpu_suite.sh", "run.sh", "setup_venv.sh", "test.sh"]  # setup_venv.sh: sourced by both, and by CI
 
@@ -91,6 +91,15 @@ def test_bench_summary_prints_a_result(tmp_path):
     assert "w-small.json: 6.500 s, 19000 tok/s, 80.0% of roofline (85.0% at the sustained matmul rate)" in out
     assert "129-256: 100 in 3.800 s" in out
     assert "idle before" in out
+
+
+def test_host_bench_times_steps_without_device_work(tmp_path):
+    out = tmp_path / "host.json"
+    run_script("host_bench.py", "--batch", "1,4", "--steps", "8", "--runs", "1", "--shared-prefix", "16",
+               "--json", str(out), timeout=120)
+    rows = json.loads(out.read_text())
+    assert [r["batch"] for r in rows] == [1, 4]
+    assert all(r["ms_per_step"] > 0 and len(r["walls_s"]) == 1 for r in rows)
 
 
 def test_benchmarks_page_is_rendered_from_its_result_files():

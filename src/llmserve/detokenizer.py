@@ -9,6 +9,11 @@ A fast (Rust) tokenizer does that in `tokenizers.decoders.DecodeStream`, started
 last tokens: one call a token, several times cheaper than the two `PreTrainedTokenizer.decode`
 calls of the window method, which other tokenizers still use; on a large batch detokenizing is
 most of the event loop's work a step.
+
+A sequence whose text nobody reads before it ends (an offline batch's: only the finished output is
+published) and that has no stop strings to look for defers it all: its ids are kept, and the text
+is decoded once, as the fast tokenizer decodes the prompt's last tokens and the output together
+with the prompt's part cut off (which is what the stream adds up to).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ def rust_tokenizer(tokenizer: Any) -> Any | None:
 
 class Detokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool,
-                 stop: list[str], include_stop: bool) -> None:
+                 stop: list[str], include_stop: bool, *, final_only: bool = False) -> None:
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids[-_WINDOW:])  # the left context of the first output token
         self.prefix_offset = 0
@@ -40,7 +45,9 @@ class Detokenizer:
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self._rust = rust_tokenizer(tokenizer)
-        if self._rust is not None:
+        self._deferred: list[int] | None = [] if final_only and not stop and self._rust is not None else None
+        """The output ids not decoded yet, where the text is decoded once at the end."""
+        if self._rust is not None and self._deferred is None:
             from tokenizers.decoders import DecodeStream
 
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
@@ -61,6 +68,11 @@ class Detokenizer:
         `final` marks the sequence's last call: an incomplete character is then emitted as U+FFFD.
         """
         if self.tokenizer is None:
+            return None
+        if self._deferred is not None:
+            self._deferred.extend(token_ids)
+            if final:
+                self._decode_deferred()
             return None
         old_len = len(self.text)
         if self._rust is not None:
@@ -90,6 +102,12 @@ class Detokenizer:
             del self.ids[:drop]
             self.prefix_offset, self.read_offset = 0, self.read_offset - drop
 
+    def _decode_deferred(self) -> None:
+        context = self._rust.decode(self.ids, self.skip_special)
+        self.text += self._rust.decode(self.ids + self._deferred, self.skip_special)[len(context):]
+        self.ids += self._deferred
+        self._deferred = []
+
     def _add_windowed(self, token_ids: list[int], final: bool) -> None:
         self.ids.extend(token_ids)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
@@ -117,6 +135,8 @@ class Detokenizer:
 
     def visible_text(self, finished: bool) -> str:
         """Text safe to show: while running, the tail that could begin a stop string is held back."""
+        if self._deferred:  # ended without its final tokens (an abort): what it has
+            self._decode_deferred()
         if finished or not self.stop:
             return self.text
         return self.text[:len(self.text) - self.hold] if self.hold else self.text

@@ -280,8 +280,8 @@ class RequestActor:
         base_seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
         req = _Request(sub.req_id, prompt, ids, p, sub.slot,
                        [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None) for i in range(p.n)],
-                       [Detokenizer(self.tokenizer, ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output)
-                        for _ in range(p.n)],
+                       [Detokenizer(self.tokenizer, ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output,
+                                    final_only=sub.final_only) for _ in range(p.n)],
                        prompt_logprobs=[None] if p.prompt_logprobs is not None else None, final_only=sub.final_only)
         self.requests[sub.req_id] = req
         if not sub.final_only:
@@ -338,7 +338,8 @@ class RequestActor:
                 comp.finish_reason, comp.stop_reason = "stop", stop
                 if up.finish_reason is None:
                     stopped.append(up.req_id)
-            touched[req.req_id] = req
+            if not req.final_only or comp.finish_reason is not None:  # (final_only: nothing to show before)
+                touched[req.req_id] = req
         if stopped:
             await self.to_scheduler.send(FinishRequests(stopped, "stop"))
         if aborted:
