@@ -156,9 +156,6 @@ class KVCacheManager:
 
     # ---- paired verbs ------------------------------------------------------------------------
 
-    def _blocks_needed(self, req: KVRequest, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
-
     def find_cached_prefix(self, req: KVRequest) -> list[int]:
         """Block ids of the longest cached prefix, leaving at least the last token to compute."""
         if not req.use_prefix_cache:
@@ -218,8 +215,8 @@ class KVCacheManager:
     def extend(self, req: KVRequest, num_tokens: int) -> int | None:
         """Blocks for up to `num_tokens` more tokens of a running request; None if they don't fit."""
         n = min(num_tokens, len(req.token_ids) - req.num_computed)
-        need = self._blocks_needed(req, req.num_computed + n)
-        if need:
+        need = -(-(req.num_computed + n) // self.block_size) - len(req.block_ids)
+        if need > 0:
             new = self.pool.allocate(need)
             if new is None:
                 return None
@@ -234,9 +231,9 @@ class KVCacheManager:
         self._hash_full_blocks(req)
 
     def _hash_full_blocks(self, req: KVRequest) -> None:
-        if not req.use_prefix_cache:
-            return
         B = self.block_size
+        if not req.use_prefix_cache or min(req.num_computed, len(req.token_ids)) // B <= len(req.block_hashes):
+            return  # no block filled since (the common case: a step's one token)
         known = len(req.token_ids) - req.num_drafts - (len(req.token_ids) > 0 and req.token_ids[-1] == PLACEHOLDER)
         parent = req.block_hashes[-1] if req.block_hashes else req.root_hash
         for i in range(len(req.block_hashes), min(req.num_computed, known) // B):
@@ -321,7 +318,7 @@ class KVCacheManager:
         waiting_for_room = False
         used = 0  # tokens scheduled so far
         for idx, e in enumerate(entries):
-            if e.req_id in preempted or e.req_id in failed:
+            if (preempted or failed) and (e.req_id in preempted or e.req_id in failed):
                 continue
             req = self.requests[e.req_id]
             admitting = e.admitted is not None
@@ -428,6 +425,8 @@ class KVCacheManager:
             req.num_computed -= e.retract  # those slots are computed again, with the tokens replacing them
             req.token_ids.extend(e.new_token_ids)
             self._hash_full_blocks(req)
+            req.num_drafts = e.drafts
+            return
         self.requests[e.req_id].num_drafts = e.drafts
 
     def _fail(self, req_id: str, exc: Exception, failed: dict[str, str]) -> None:

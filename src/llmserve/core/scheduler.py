@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import operator
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from llmserve.speculative import SpecControl, SpecCounters, Speculation
 
 
 _PLACEHOLDER = array("q", [PLACEHOLDER])  # times the tokens in flight
+_policy_key = operator.attrgetter("key")
 MAX_TENTATIVE = 128
 """New requests a step proposes past its spent budget at most (see Scheduler.schedule)."""
 
@@ -47,6 +49,8 @@ class Request:
     params: SamplingParams
     key: tuple[int, float, int]
     """Policy order: (priority, arrival, sequence number); smaller runs first."""
+    end: int
+    """num_tokens at which it ends by length (max_tokens, max_model_len)."""
     status: RequestStatus = RequestStatus.WAITING
     num_computed: int = 0
     pending: int = 0
@@ -113,10 +117,12 @@ class Scheduler:
     def add(self, new: NewRequest) -> None:
         priority = new.priority if self.policy == "priority" else 0
         prompt = array("q", new.prompt_token_ids)
+        end = self.max_model_len if new.params.max_tokens is None else \
+            min(self.max_model_len, len(prompt) + new.params.max_tokens)
         req = Request(new.req_id, len(prompt), prompt, len(prompt), new.params,
-                      (priority, new.arrival, next(self._seq)), group=new.group, prepared=new.prepared)
+                      (priority, new.arrival, next(self._seq)), end, group=new.group, prepared=new.prepared)
         self.requests[req.req_id] = req
-        bisect.insort(self.waiting, req, key=lambda r: r.key)
+        bisect.insort(self.waiting, req, key=_policy_key)
 
     def finish(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """End requests from outside (abort, stop string); their blocks are freed next step."""
@@ -165,8 +171,10 @@ class Scheduler:
         seats = self.max_num_seqs - len(self.running)
         tentative = MAX_TENTATIVE if self.cache_hits else 0
         entries: list[ScheduledRequest] = []
-        for req in heapq.merge(self.running, self.waiting, key=lambda r: r.key):
-            admitting = req.status != RequestStatus.RUNNING
+        running = RequestStatus.RUNNING
+        queue = heapq.merge(self.running, self.waiting, key=_policy_key) if self.waiting else self.running
+        for req in queue:
+            admitting = req.status != running
             if budget == 0:  # only new requests go on, tentatively
                 if not seats or not tentative:
                     break
@@ -175,7 +183,7 @@ class Scheduler:
             if admitting:
                 if seats == 0 or req.pending:
                     continue
-            elif req.pending and self._is_last(req):
+            elif req.pending and req.num_tokens + req.pending >= req.end:  # its token in flight is its last
                 continue
             admission = None
             if admitting:
@@ -190,7 +198,9 @@ class Scheduler:
                 seats -= 1
             lacking = req.num_tokens + req.pending - req.num_computed
             n = min(lacking, budget) if budget else lacking
-            new_tokens = req.unsent + _PLACEHOLDER * req.pending
+            new_tokens = req.unsent
+            if req.pending:
+                new_tokens.extend(_PLACEHOLDER * req.pending)
             entries.append(ScheduledRequest(req.req_id, n, new_tokens, req.key, admission,
                                             0 if admitting else req.retract, tentative=budget == 0))
             req.unsent = array("q")
@@ -250,10 +260,7 @@ class Scheduler:
 
     def _room(self, req: Request) -> int:
         """Tokens it may still produce (max_tokens, max_model_len)."""
-        room = self.max_model_len - req.num_tokens
-        if req.params.max_tokens is not None:
-            room = min(room, req.params.max_tokens - req.num_output)
-        return room
+        return req.end - req.num_tokens
 
     def must_wait(self) -> bool:
         """The next step cannot be planned before the one in flight finishes: some request of it
@@ -284,12 +291,6 @@ class Scheduler:
         req.drafts = proposed or None
         return counted, kept
 
-    def _is_last(self, req: Request) -> bool:
-        """The token in flight ends the request by length."""
-        p = req.params
-        return ((p.max_tokens is not None and req.num_output + req.pending >= p.max_tokens)
-                or req.num_tokens + req.pending >= self.max_model_len)
-
     def on_feedback(self, fb: StepFeedback) -> EngineOutputs:
         """Follow what the KV manager did with the proposal; the requests it failed end here."""
         if tokens := sum(n for _, n, _ in fb.scheduled.values()):
@@ -307,7 +308,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 self.waiting.remove(req)
                 req.status = RequestStatus.RUNNING
-                bisect.insort(self.running, req, key=lambda r: r.key)
+                bisect.insort(self.running, req, key=_policy_key)
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = fb.cached_tokens.get(req_id, 0)
                     req.queue_time_s = time.monotonic() - req.key[1]
@@ -317,7 +318,7 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-                bisect.insort(self.waiting, req, key=lambda r: r.key)
+                bisect.insort(self.waiting, req, key=_policy_key)
             req.status = RequestStatus.PREEMPTED
             req.num_computed = 0
             req.checking, req.proposing, req.drafts, req.missed = 0, False, None, False  # the KV manager dropped the drafts
@@ -340,17 +341,28 @@ class Scheduler:
         if result.step_id == self.spec_control.probe_step:
             self.spec_control.probed(len(result.drafts), sum(1 for d in result.drafts.values() if d))
         speculated = kept = 0  # requests of the step that proposed or checked drafts; drafts kept
+        requests, eos = self.requests, self.eos_token_ids
+        plain = not (result.logprobs or result.jumps or result.accepted or result.dropped_next)
         for req_id, token in zip(result.req_ids, result.token_ids):
-            req = self.requests.get(req_id)
+            req = requests.get(req_id)
             if req is None:
                 continue  # finished while the step ran: its token is discarded
             req.pending -= 1
-            update = SequenceUpdate(req_id, [], num_cached_tokens=req.num_cached_tokens,
-                                    queue_time_s=req.queue_time_s)
-            if req_id in result.logprobs:
-                update.logprobs += result.logprobs[req_id]
+            update = SequenceUpdate(req_id, [token], None, None, [], [], req.num_cached_tokens, req.queue_time_s)
             if req.held_prompt_logprobs:
                 update.prompt_logprobs, req.held_prompt_logprobs = req.held_prompt_logprobs, []
+            if plain and not (req.checking or req.proposing):  # one sampled token: the common case
+                req.missed = False
+                req.num_tokens += 1
+                req.unsent.append(token)
+                self.generation_tokens += 1
+                if token in eos or token in req.params.stop_token_ids or req.num_tokens >= req.end:
+                    self._check_stop(req, token, update)
+                updates.append(update)
+                continue
+            update.new_token_ids = []
+            if req_id in result.logprobs:
+                update.logprobs += result.logprobs[req_id]
             # jump-forward: the tokens that replace the sampled one; speculation: the drafts kept
             # and the token after them; each counted and checked
             tokens = result.jumps.get(req_id, (token,)) if result.jumps else (token,)
@@ -380,14 +392,15 @@ class Scheduler:
         return EngineOutputs(updates)
 
     def _check_stop(self, req: Request, token: int, update: SequenceUpdate) -> bool:
-        """Whether `token` ends the request (then it is finished, and `update` says why)."""
+        """Whether `token` ends the request (then it is finished, and `update` says why): only if it
+        is an end-of-sequence or stop token, or the request reached its length."""
         p = req.params
         past_min = req.num_output >= p.min_tokens
         if past_min and not p.ignore_eos and token in self.eos_token_ids:
             status, update.finish_reason = RequestStatus.FINISHED_STOPPED, "stop"
         elif past_min and token in p.stop_token_ids:
             status, update.finish_reason, update.stop_reason = RequestStatus.FINISHED_STOPPED, "stop", token
-        elif (p.max_tokens is not None and req.num_output >= p.max_tokens) or req.num_tokens >= self.max_model_len:
+        elif req.num_tokens >= req.end:
             status, update.finish_reason = RequestStatus.FINISHED_LENGTH, "length"
         else:
             return False
