@@ -17,6 +17,11 @@ level-0 group shares keys [0, hi0); a level-1 group, a subset of a level-0 group
            [S, 2S)     level-1 prefix                   (valid for rows with levels == 2)
            [2S, 2S+X)  the row's suffix, X decode splits (always)
 
+In a decode step every row has such a row of slots; in a step with prompt rows (no suffix
+splits) only the covered rows do, at their part_rows (attention.CascadeMetadata), so that a
+step of thousands of prompt tokens with a few hundred decode rows in groups takes partials for
+those alone.
+
 Prefix kernel grid: (query tiles of all groups, S, num_kv_heads). Like the paged kernel, program p
 finds its (group, tile) from the groups' row offsets alone (a cumulative sum), so the grid depends
 only on capacities and a CUDA graph serves any groups that fit. A tile is BLOCK_Q query rows x
@@ -48,13 +53,13 @@ PREFIX_SPLITS = 4
 @triton.jit(do_not_specialize=["num_groups", "ml_half", "stride_bt"])
 def _cascade_prefix_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr, part_ptr, ml_ptr,
-    row_start_ptr, rows_ptr, seq_ptr, lo_ptr, hi_ptr, level_ptr,
+    row_start_ptr, rows_ptr, seq_ptr, lo_ptr, hi_ptr, level_ptr, part_rows_ptr,
     scale, num_heads, num_groups, ml_half, stride_qt, stride_qh,
     stride_cb, stride_ct, stride_ch, stride_bt, stride_sb, stride_st,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_D: tl.constexpr,
     HEAD_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     FP8: tl.constexpr, DOT_TY: tl.constexpr, SPLITS: tl.constexpr, NUM_SLOTS: tl.constexpr,
-    GROUPS_P: tl.constexpr, PDL: tl.constexpr,
+    GROUPS_P: tl.constexpr, COMPACT: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_start(PDL)
     g, q_tile = _find_query_tile(row_start_ptr, num_groups, tl.program_id(0), BLOCK_Q, GROUPS_P)
@@ -95,7 +100,11 @@ def _cascade_prefix_kernel(
                             BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=False, CAUSAL=False, WINDOW=0, SOFTCAP=0.0)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, idx, full, s_hi, s_hi, qk_scale, d, d_ok, *kv,
                             BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=True, CAUSAL=False, WINDOW=0, SOFTCAP=0.0)
-    slot = (tok.to(tl.int64) * num_heads + head) * NUM_SLOTS + tl.load(level_ptr + g) * SPLITS + split
+    if COMPACT:  # only covered rows have partials, at their own rows
+        prow = tl.load(part_rows_ptr + tok, mask=row_ok, other=0)
+    else:
+        prow = tok
+    slot = (prow.to(tl.int64) * num_heads + head) * NUM_SLOTS + tl.load(level_ptr + g) * SPLITS + split
     tl.store(part_ptr + slot[:, None] * HEAD_D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
     tl.store(ml_ptr + slot, m_i, mask=row_ok)
     tl.store(ml_ptr + ml_half + slot, l_i, mask=row_ok)
@@ -139,8 +148,11 @@ def cascade_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     block_m, block_n, warps, stages, prefix_splits = config or prefix_config(fp32, group)
     prefix_slots = LEVELS * prefix_splits
     slots = prefix_slots + (suffix_splits if suffix_splits > 1 else 0)  # one slice: merged in the suffix kernel
-    part = torch.empty(num_tokens, num_heads, slots, head_dim, dtype=torch.float32, device=query.device)
-    ml = torch.empty(2, num_tokens, num_heads, slots, dtype=torch.float32, device=query.device)
+    compact = cascade.part_rows is not None
+    assert not compact or suffix_splits == 1, "compact partials serve steps without suffix splits"
+    part_rows = cascade.num_part_rows if compact else num_tokens
+    part = torch.empty(part_rows, num_heads, slots, head_dim, dtype=torch.float32, device=query.device)
+    ml = torch.empty(2, part_rows, num_heads, slots, dtype=torch.float32, device=query.device)
     group_p = triton.next_power_of_2(group)
     block_q = max(block_m, group_p) // group_p
     num_groups, num_rows = cascade.seq.shape[0], cascade.rows.shape[0]
@@ -150,18 +162,20 @@ def cascade_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         _cascade_prefix_kernel[grid](
             query, k_cache, v_cache, block_tables, *((k_scale, v_scale) if fp8 else (seq_lens, seq_lens)), part, ml,
             cascade.row_start, cascade.rows, cascade.seq, cascade.lo, cascade.hi, cascade.level,
-            scale, num_heads, num_groups, num_tokens * num_heads * slots, query.stride(0), query.stride(1),
+            cascade.part_rows if compact else cascade.levels,
+            scale, num_heads, num_groups, part_rows * num_heads * slots, query.stride(0), query.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
             BLOCK_SIZE=block_size, GROUP=group, GROUP_P=group_p, HEAD_D=head_dim,
             HEAD_P=max(triton.next_power_of_2(head_dim), 16), BLOCK_Q=block_q, BLOCK_N=block_n,
             PRECISION="ieee" if fp32 else "tf32", FP8=fp8, DOT_TY=tl.float32 if fp32 else tl.float16,
             SPLITS=prefix_splits, NUM_SLOTS=slots, GROUPS_P=max(16, triton.next_power_of_2(num_groups)),
-            PDL=on, num_warps=warps, num_stages=stages, launch_pdl=on)
+            COMPACT=compact, PDL=on, num_warps=warps, num_stages=stages, launch_pdl=on)
     paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
                     out=out, k_scale=k_scale, v_scale=v_scale, num_splits=suffix_splits, seq_order=seq_order,
                     tiles=SUFFIX_TILES if decode and not fp32 else None, kv_start=cascade.kv_start,
-                    partials=(part, ml, prefix_slots), levels=(cascade.levels, prefix_splits))
+                    partials=(part, ml, prefix_slots), levels=(cascade.levels, prefix_splits),
+                    part_rows=cascade.part_rows)
     if suffix_splits > 1:
         merge_partials(out, part, ml, cascade.levels, prefix_splits, LEVELS)
     return out
@@ -184,11 +198,12 @@ ROW_HEAD_NS = 4.0
 
 
 def worth_it(sizes: np.ndarray, lengths: np.ndarray, num_heads: int, num_kv_heads: int, head_dim: int,
-             sms: int, fp32: bool = False) -> bool:
+             sms: int, fp32: bool = False, extra_ns: float = 0.0) -> bool:
     """Whether cascade attention makes a step's attention faster: the prefix reads it saves (each
     group of n rows reads its prefix once a query tile instead of n times) against what it adds
     (the prefix kernel's reads, which run at less than full speed with fewer programs than two an
-    SM, two launches, the partials). `sizes` [G] query rows per group, `lengths` [G] prefix keys."""
+    SM, two launches, the partials, and `extra_ns` a layer besides). `sizes` [G] query rows per
+    group, `lengths` [G] prefix keys."""
     sizes, lengths = sizes.astype(np.float64), lengths.astype(np.float64)
     key_bytes = 4.0 * num_kv_heads * head_dim  # K and V, two bytes each
     saved = float(((sizes - 1) * lengths).sum()) * key_bytes / SHARED_BYTES_PER_NS
@@ -197,4 +212,4 @@ def worth_it(sizes: np.ndarray, lengths: np.ndarray, num_heads: int, num_kv_head
     tiles = np.ceil(sizes / max(1, block_m // triton.next_power_of_2(group)))
     programs = float(tiles.sum()) * splits * num_kv_heads
     prefix = float((tiles * lengths).sum()) * key_bytes / PREFIX_BYTES_PER_NS * max(1.0, 2 * sms / programs)
-    return saved > FIXED_NS + ROW_HEAD_NS * float(sizes.sum()) * num_heads + prefix
+    return saved > FIXED_NS + extra_ns + ROW_HEAD_NS * float(sizes.sum()) * num_heads + prefix

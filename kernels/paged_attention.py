@@ -63,8 +63,8 @@ from llmserve.kernels.hardware import pdl, pdl_start, sm_count
 @triton.jit(do_not_specialize=["ml_half", "stride_bt", "num_seqs"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    seq_order_ptr, k_scale_ptr, v_scale_ptr, part_ptr, ml_ptr, kv_start_ptr, levels_ptr, scale, num_heads, num_seqs,
-    ml_half,
+    seq_order_ptr, k_scale_ptr, v_scale_ptr, part_ptr, ml_ptr, kv_start_ptr, levels_ptr, part_rows_ptr, scale,
+    num_heads, num_seqs, ml_half,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt, stride_sb, stride_st,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
@@ -72,7 +72,7 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr, FP8: tl.constexpr, DOT_TY: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE: tl.constexpr, ORDERED: tl.constexpr, SEQS_P: tl.constexpr, PDL: tl.constexpr,
     CASCADE: tl.constexpr, NUM_SLOTS: tl.constexpr, SLOT0: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    COMPACT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     pdl_start(PDL)
     if DECODE:  # a program per sequence; axis 1 numbers the key slices
@@ -143,8 +143,12 @@ def _paged_attention_kernel(
                                 BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=True, CAUSAL=True, WINDOW=0,
                                 SOFTCAP=SOFTCAP)
     if CASCADE and NUM_SPLITS == 1:  # fold in the prefix partials the cascade kernel left in slots [0, SLOT0)
-        base = ((q_start + tok) * num_heads + head) * NUM_SLOTS
         covered = tl.load(levels_ptr + q_start + tok, mask=row_ok, other=0) * PREFIX_SPLITS
+        if COMPACT:  # only covered rows have partials, at their own rows
+            prow = tl.load(part_rows_ptr + q_start + tok, mask=row_ok & (covered > 0), other=0)
+        else:
+            prow = q_start + tok
+        base = (prow * num_heads + head) * NUM_SLOTS
         for s in tl.static_range(SLOT0):
             ok = row_ok & (s < covered)
             m_s = tl.load(ml_ptr + base + s, mask=ok, other=float("-inf"))
@@ -325,7 +329,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     seq_order: torch.Tensor | None = None, kv_start: torch.Tensor | None = None,
                     partials: tuple[torch.Tensor, torch.Tensor, int] | None = None,
                     levels: tuple[torch.Tensor, int] | None = None, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, part_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as reference.paged_attention_reference. `max_query_len` 1 says every query
     length is 1 (a decode step, a program per sequence); any other value, that some may be longer
     (its exact value does not matter). `tiles` overrides (BLOCK_N, num_warps, num_stages);
@@ -339,7 +343,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out; `partials` (part [T, Hq, S, D], ml [2, T, Hq, S], first slot) holds the prefix partials in
     the slots before `first`, of which row t has levels[0][t] * levels[1] (`levels`). With one key
     slice a sequence, each program merges them into its result and writes `out`; with more, the
-    unnormalised results go to slots first .. first + splits - 1 (the caller merges them all)."""
+    unnormalised results go to slots first .. first + splits - 1 (the caller merges them all).
+    `part_rows` int32 [T] (one key slice only): row t's partials are part's row part_rows[t], where
+    part holds the covered rows' alone (attention.CascadeMetadata)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and query.stride(2) == 1
@@ -362,6 +368,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if partials is not None:
         part, ml, slot0 = partials
         assert slot0 + (splits if splits > 1 else 0) <= part.shape[2] and kv_start is not None and levels is not None
+        assert part_rows is None or splits == 1
     elif splits > 1:
         part = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
         ml = torch.empty(2, num_tokens, num_heads, splits, dtype=torch.float32, device=query.device)
@@ -374,13 +381,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         grid = (num_seqs, splits, num_kv_heads)
     else:  # an upper bound on the query tiles: each sequence's last tile may be partial
         grid = (triton.cdiv(num_tokens, block_q) + num_seqs, 1, num_kv_heads)
-    ml_half = num_tokens * num_heads * num_slots
+    ml_half = (part.shape[0] if part is not out else num_tokens) * num_heads * num_slots
     on = pdl(query.device)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         seq_order if seq_order is not None else seq_lens, *scales, part, ml,
-        kv_start if kv_start is not None else seq_lens, levels[0] if levels is not None else seq_lens, scale,
-        num_heads, num_seqs, ml_half,
+        kv_start if kv_start is not None else seq_lens, levels[0] if levels is not None else seq_lens,
+        part_rows if part_rows is not None else seq_lens, scale, num_heads, num_seqs, ml_half,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
@@ -390,7 +397,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         DOT_TY=tl.float32 if fp32 else tl.float16, NUM_SPLITS=splits,
         DECODE=decode, ORDERED=seq_order is not None, SEQS_P=0 if decode else max(16, triton.next_power_of_2(num_seqs)),
         PDL=on, CASCADE=kv_start is not None, NUM_SLOTS=num_slots, SLOT0=slot0,
-        PREFIX_SPLITS=levels[1] if levels is not None else 0, WINDOW=window or 0,
+        PREFIX_SPLITS=levels[1] if levels is not None else 0, COMPACT=part_rows is not None, WINDOW=window or 0,
         SOFTCAP=float(softcap or 0.0),
         num_warps=warps, num_stages=stages, launch_pdl=on,
     )

@@ -44,9 +44,10 @@ class CUDABackend(AttentionBackend):
                                      v_scale=cache.v_scale, seq_order=meta.seq_order, window=window,
                                      softcap=softcap)
 
-    def cascade_pays(self, sizes, lengths, num_heads, num_kv_heads, head_dim, device) -> bool:
+    def cascade_pays(self, sizes, lengths, num_heads, num_kv_heads, head_dim, device, eager_ns=0.0) -> bool:
         from llmserve.kernels.hardware import sm_count
-        return self._cascade.worth_it(sizes, lengths, num_heads, num_kv_heads, head_dim, sm_count(device))
+        return self._cascade.worth_it(sizes, lengths, num_heads, num_kv_heads, head_dim, sm_count(device),
+                                      extra_ns=eager_ns)
 
     def rms_norm(self, x, weight, eps, residual=None):
         return self._fused.rms_norm(x, weight, eps, residual)

@@ -116,6 +116,42 @@ def test_padded_capacity_like_a_cuda_graph():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_a_step_with_prompt_rows_groups_its_short_rows_with_partials_for_them_alone(group, dtype):
+    """A mixed step as the runner attends it: prompt chunks (past a cached prefix, or from scratch)
+    beside decode rows and draft checks of the same prefixes; only rows of at most
+    MAX_CASCADE_QUERY tokens stay in the groups, and only they get partial results."""
+    from llmserve.model.runner import MAX_CASCADE_QUERY
+    members = [("a", 3, own, 1) for own in (0, 5, 9)] + [("a", 3, 2, 5), ("a", 3, 0, 23)]  # decodes, drafts, a chunk
+    members += [("b", 2, 1, 1), ("b", 2, 0, 17), (None, 0, 0, 12), ("c", 4, 3, 1), ("c", 4, 0, 30)]
+    q, kc, vc, tables, qsl, seq_lens, ctx_blocks = shared_batch(members, block_size=4, group=group, dtype=dtype)
+    everything = find_prefix_groups(tables, ctx_blocks, 4)
+    groups = everything.only(np.diff(qsl) <= MAX_CASCADE_QUERY)
+    assert groups.num_groups == 1 and sorted(groups.members.tolist()) == [0, 1, 2, 3]  # b and c: one row left each
+    to = lambda a: torch.from_numpy(a).to(DEVICE)  # noqa: E731
+    args = (q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), to(tables), to(qsl), to(seq_lens), 0.25)
+    meta = metadata(groups, qsl, len(seq_lens))
+    part_rows = np.empty(int(qsl[-1]), dtype=np.int32)
+    meta.num_part_rows = CascadeMetadata.pack_part_rows(meta.levels.cpu().numpy(), part_rows)
+    meta.part_rows = to(part_rows)
+    assert meta.num_part_rows == 3 + 5
+    out = torch.full_like(args[0], float("nan"))
+    cascade_attention(*args, int(np.diff(qsl).max()), meta, out=out)
+    torch.testing.assert_close(out.float(), paged_attention_reference(*args).float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_groups_limited_to_some_rows():
+    groups = PrefixGroups(np.array([0, 3, 5, 7], np.int32), np.array([0, 1, 2, 1, 2, 3, 4], np.int32),
+                          np.array([0, 8, 0], np.int32), np.array([8, 16, 8], np.int32), np.array([0, 1, 0], np.int32))
+    kept = groups.only(np.array([True, True, True, True, False]))
+    assert kept.starts.tolist() == [0, 3, 5] and kept.members.tolist() == [0, 1, 2, 1, 2]
+    assert kept.lo.tolist() == [0, 8] and kept.level.tolist() == [0, 1]  # the group left with one row is gone
+    nested = groups.only(np.array([True, True, False, True, True]))
+    assert nested.members.tolist() == [0, 1, 3, 4] and nested.level.tolist() == [0, 0]
+    assert groups.only(np.array([True, False, False, False, True])) is None
+
+
 def test_a_group_of_one_and_long_prefixes_in_slices():
     """Groups the KV manager never makes (one member) still compute right; prefixes longer than
     the prefix kernel's slices span several key tiles each."""
@@ -245,6 +281,54 @@ def test_triton_cascade_matches_transformers(checkpoint, expected, graphs):
         pm.unregister(plugin)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("backend", ["cpu", "triton-graphs"] if not torch.cuda.is_available() else ["cpu"])
+def test_steps_with_prompt_rows_attend_their_short_rows_groups_once(checkpoint, expected, backend):
+    """The first request ends early; the third, admitted on the prefix the first left cached,
+    computes its last few prompt tokens in a step beside the second's decode row: that step
+    attends the shared prefix once for both, eagerly (its graph has no cascade), and every output
+    is still transformers' (the CPU reference; the Triton kernels in the interpreter, graphs
+    emulated)."""
+    from llmserve import LLM, SamplingParams
+    from llmserve.hookspecs import hookimpl
+    from llmserve.plugin_manager import get_plugin_manager
+    from llmserve.plugins.cuda import CUDABackend
+
+    class TritonEverywhere:
+        @hookimpl
+        def llmserve_select_backend(self, device, config):
+            return CUDABackend()
+
+    pm, plugin = get_plugin_manager(), TritonEverywhere()
+    if backend != "cpu":
+        pm.register(plugin, name="triton-everywhere")
+    try:
+        with LLM(checkpoint("llama"), dtype="float32", device="cpu", block_size=4, max_num_seqs=4,
+                 max_num_batched_tokens=64, cascade_attention="always", log_interval_s=0) as llm:
+            runner, events = llm.engine.runner, []
+            if backend != "cpu":
+                runner.capture_graphs(4, 64, emulate=True)
+                run_mixed = runner.graphs.run_mixed
+                runner.graphs.run_mixed = lambda *a: events.append("mixed graph") or run_mixed(*a)
+            original = runner._cascade
+
+            def recorded(plan, inputs, graphed):
+                groups = original(plan, inputs, graphed)
+                events.append("cascade, prompt rows" if inputs.max_query_len > 1 and groups is not None else "step")
+                return groups
+            runner._cascade = recorded
+            lengths = [2, 5, 5]
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]],
+                                [SamplingParams(max_tokens=n, temperature=0) for n in lengths], use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == [e[:n] for e, n in zip(expected, lengths)]
+            used = [i for i, e in enumerate(events) if e == "cascade, prompt rows"]
+            assert used and all(events[i + 1:i + 2] != ["mixed graph"] for i in used)
+            assert backend == "cpu" or "mixed graph" in events  # (the graphs serve the other mixed steps)
+    finally:
+        if backend != "cpu":
+            pm.unregister(plugin)
+
+
 def test_the_cost_model_picks_cascade_for_long_shared_prefixes_only():
     from llmserve.kernels.cascade import worth_it
     one = lambda rows, keys, sms=132: worth_it(np.array([rows]), np.array([keys]), 16, 8, 128, sms)  # noqa: E731
@@ -254,22 +338,28 @@ def test_the_cost_model_picks_cascade_for_long_shared_prefixes_only():
     assert not one(8, 8192)  # too few programs to read the prefix at speed
 
 
-def test_large_steps_run_without_cascade(checkpoint, expected):
-    """A step of more tokens than twice max_num_seqs (a prompt's prefill) attends plainly: its
-    partial results would take memory the KV cache's sizing did not count."""
+def test_prompt_chunks_attend_their_prefix_plainly(checkpoint, expected):
+    """A prompt chunk longer than MAX_CASCADE_QUERY joins no group (its own query tiles read the
+    prefix once each either way), and a step's grouped rows stay within twice max_num_seqs: their
+    partial results are memory the KV cache's sizing did not count."""
     from llmserve import LLM
+    from llmserve.model.runner import MAX_CASCADE_QUERY
     with LLM(checkpoint("llama"), dtype="float32", device="cpu", block_size=4, cascade_attention="always",
              max_num_seqs=2, max_num_batched_tokens=24, log_interval_s=0) as llm:
         runner, seen = llm.engine.runner, []
         original = runner._cascade
 
-        def recorded(plan, inputs):
-            groups = original(plan, inputs)
-            seen.append((inputs.num_tokens, plan.prefix_groups is not None, groups is not None))
+        def recorded(plan, inputs, graphed):
+            groups = original(plan, inputs, graphed)
+            query_lens = np.diff(inputs.query_start_loc)
+            rows = 0 if groups is None else int(query_lens[np.unique(groups.members)].sum())
+            seen.append((plan.prefix_groups is not None, int(query_lens.max()),
+                         None if groups is None else int(query_lens[groups.members].max()), rows))
             return groups
         runner._cascade = recorded
         # the first prompt's second chunk and the second prompt's first (after the six blocks the
         # first chunk left cached) share a prefix in a step of 24 tokens; then decode steps of 2
         assert _generate(llm, PROMPTS[:2]) == expected[:2]
-        assert any(used for *_, used in seen) and all(n <= 4 for n, _, used in seen if used)
-        assert any(n > 4 and grouped and not used for n, grouped, used in seen)
+        assert any(longest > MAX_CASCADE_QUERY and grouped and used is None for grouped, longest, used, _ in seen)
+        assert any(used for _, _, used, _ in seen)
+        assert all(used <= MAX_CASCADE_QUERY and rows <= 4 for _, _, used, rows in seen if used)

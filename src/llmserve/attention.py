@@ -35,7 +35,14 @@ class CascadeMetadata:
     row_start[g + 1]], all past keys [lo[g], hi[g]) of sequence seq[g]'s block table, which their
     own tables hold too; level[g] 0 (lo = 0) or 1 (nested in a level-0 group, its keys after that
     group's). kv_start [S]: each sequence's first key of its own; levels [T]: the groups covering
-    each row. Groups past the last real one have no rows (a CUDA graph's padding)."""
+    each row. Groups past the last real one have no rows (a CUDA graph's padding).
+
+    A row's partial results (the prefix passes' and, in a decode step split over key slices, the
+    suffix's) take a row of float32 slots each: a decode step gives every row its own (row t's
+    are row t). A step with prompt rows, where only a few of up to max_num_batched_tokens rows
+    are covered, gives them to the covered rows alone: part_rows [T] int32, the partials row of
+    each covered row (covered rows in order; the others' entries are never read), num_part_rows
+    of them."""
     row_start: torch.Tensor
     rows: torch.Tensor
     seq: torch.Tensor
@@ -44,6 +51,8 @@ class CascadeMetadata:
     level: torch.Tensor
     kv_start: torch.Tensor
     levels: torch.Tensor
+    part_rows: torch.Tensor | None = None
+    num_part_rows: int = 0
 
     @staticmethod
     def size(groups: int, rows: int, seqs: int, tokens: int) -> int:
@@ -75,6 +84,14 @@ class CascadeMetadata:
         np.maximum.at(kv_start, groups.members, groups.hi[member_group])
         covered = np.bincount(groups.members, minlength=len(counts))  # a level-1 member is in a level-0 group too
         levels[:int(query_start_loc[-1])] = np.repeat(covered, counts)
+
+    @staticmethod
+    def pack_part_rows(levels: np.ndarray, out: np.ndarray) -> int:
+        """Fill `out` (int32 [T]) with part_rows for a batch whose rows are covered `levels` [T]
+        times: the covered rows' partials rows in order; returns how many rows are covered."""
+        np.cumsum(levels > 0, out=out)
+        out -= 1
+        return int(out[-1]) + 1 if len(out) else 0
 
     @classmethod
     def view(cls, packed: torch.Tensor, capacity: tuple[int, int, int, int]) -> CascadeMetadata:
@@ -118,10 +135,12 @@ class AttentionBackend:
         raise NotImplementedError
 
     def cascade_pays(self, sizes: np.ndarray, lengths: np.ndarray, num_heads: int, num_kv_heads: int,
-                     head_dim: int, device: torch.device) -> bool:
+                     head_dim: int, device: torch.device, eager_ns: float = 0.0) -> bool:
         """Cascade attention's cost model: whether a step's attention is faster with it, where its
         groups have sizes [G] query rows and prefixes of lengths [G] keys (cache.cascade_attention
-        = "auto" asks this every step)."""
+        = "auto" asks this every step). eager_ns: what a layer of the step loses besides, running
+        eagerly instead of replaying its CUDA graph (a step with prompt rows: their graphs have no
+        cascade); cascade must save more than that too."""
         return False
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

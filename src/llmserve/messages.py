@@ -136,6 +136,20 @@ class PrefixGroups:
     def num_groups(self) -> int:
         return len(self.lo)
 
+    def only(self, keep: np.ndarray) -> PrefixGroups | None:
+        """These groups with their members limited to the plan rows where `keep` (bool [rows]) is
+        set; groups left with fewer than two are dropped (a level-1 group's members lie in its
+        level-0 group's, so it never outlives that group). None if no group is left."""
+        kept = keep[self.members]
+        sizes = np.add.reduceat(kept.astype(np.int32), self.starts[:-1]) if len(self.lo) else np.zeros(0, np.int32)
+        alive = sizes >= 2
+        if not alive.any():
+            return None
+        member_alive = np.repeat(alive, np.diff(self.starts)) & kept
+        starts = np.zeros(int(alive.sum()) + 1, dtype=np.int32)
+        np.cumsum(sizes[alive], out=starts[1:])
+        return PrefixGroups(starts, self.members[member_alive], self.lo[alive], self.hi[alive], self.level[alive])
+
 
 @dataclass(slots=True)
 class StepPlan:

@@ -35,6 +35,16 @@ from llmserve.speculative import Proposer, kept_drafts
 
 log = structlog.get_logger("llmserve.runner")
 
+MAX_CASCADE_QUERY = 8
+"""In a step with prompt rows, a request joins its prefix group with at most this many tokens (a
+decode token, drafts to check, a short jump): those are what cascade saves reads for. A longer
+chunk's own query tiles each read the prefix once either way, and its partial results would take
+memory the KV cache's sizing did not count."""
+EAGER_LAYER_NS = 150_000.0
+"""What a layer of a step with prompt rows loses running eagerly instead of replaying its graph
+(which has no cascade): its ~9 launches from Python. An estimate of the H100 host's launch cost,
+not yet measured against the graph."""
+
 _DEVICE_ERRORS = (torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()
 """Errors of the device itself (a CUDA fault): every later launch fails too, so no part of a step
 that raised one is retried."""
@@ -329,9 +339,10 @@ class ModelRunner:
         graphed = self.graphs is not None and self.graphs.fits(len(plan.req_ids)) and decode
         mixed_graphed = (self.graphs is not None and not decode
                          and self.graphs.fits_mixed(plan.num_tokens, len(plan.req_ids)))
-        cascade = None if mixed_graphed else self._cascade(plan, inputs)  # (mixed graphs have no cascade)
+        cascade = self._cascade(plan, inputs, mixed_graphed)
         if cascade is not None and graphed and not self.graphs.fits_cascade(len(plan.req_ids), cascade):
             cascade = None
+        mixed_graphed = mixed_graphed and cascade is None  # (mixed graphs have no cascade: it runs eagerly)
         self.cascade_steps += cascade is not None
         if graphed:  # hidden has the captured size's rows; those past the batch are padding
             hidden = self.graphs.run(inputs, from_device, cascade)
@@ -363,21 +374,29 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[self.staging.to_device(last)])[:num]
         return _Forward(result, list(plan.req_ids), logits, drafts, plan.propose)
 
-    def _cascade(self, plan: StepPlan, inputs: StepInputs) -> PrefixGroups | None:
+    def _cascade(self, plan: StepPlan, inputs: StepInputs, graphed: bool) -> PrefixGroups | None:
         """The plan's prefix groups if this step attends them once per group (cascade attention):
-        always where cache.cascade_attention says so, by the backend's cost model for "auto"; not
-        in a step of more tokens than twice max_num_seqs (a large prefill)."""
+        always where cache.cascade_attention says so, by the backend's cost model for "auto". In a
+        step with prompt rows, only requests of at most MAX_CASCADE_QUERY tokens join their groups
+        (at most twice max_num_seqs rows in all), and where the step has a graph (`graphed`: one
+        without cascade) the model weighs running it eagerly too."""
         groups = plan.prefix_groups
         if groups is None or not self.cascade:
             return None
-        if inputs.num_tokens > 2 * self.config.scheduler.max_num_seqs:
-            return None  # its partial results (float32, every row x head x slot) are memory the KV sizing left out
+        query_lens = np.diff(inputs.query_start_loc)
+        if inputs.max_query_len > 1:
+            groups = groups.only(query_lens <= MAX_CASCADE_QUERY)
+            if groups is None:
+                return None
+            covered = np.zeros(len(query_lens), dtype=bool)
+            covered[groups.members] = True
+            if int(query_lens[covered].sum()) > 2 * self.config.scheduler.max_num_seqs:
+                return None  # their partial results (float32, row x head x slot) are memory the KV sizing left out
         if self.config.cache.cascade_attention == "auto":
-            rows = np.diff(inputs.query_start_loc)[groups.members]
-            sizes = np.add.reduceat(rows, groups.starts[:-1])
+            sizes = np.add.reduceat(query_lens[groups.members], groups.starts[:-1])
             heads = self.spec.num_heads // tp().size  # this rank's
-            if not self.backend.cascade_pays(sizes, groups.hi - groups.lo, heads, self.kv.kv_heads,
-                                             self.spec.head_dim, self.device):
+            if not self.backend.cascade_pays(sizes, groups.hi - groups.lo, heads, self.kv.kv_heads, self.spec.head_dim,
+                                             self.device, eager_ns=EAGER_LAYER_NS if graphed else 0.0):
                 return None
         return groups
 

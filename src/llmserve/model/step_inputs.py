@@ -110,4 +110,8 @@ class Staging:
             host, staged = self.empty((CascadeMetadata.size(*capacity),), np.int32)
             CascadeMetadata.pack(cascade, qsl, host, capacity)
             meta.cascade = CascadeMetadata.view(self.send(staged), capacity)
+            if inputs.max_query_len > 1:  # prompt rows: partials for the covered rows alone
+                part_rows, staged = self.empty((inputs.num_tokens,), np.int32)
+                meta.cascade.num_part_rows = CascadeMetadata.pack_part_rows(host[-inputs.num_tokens:], part_rows)
+                meta.cascade.part_rows = self.send(staged)  # (levels: the layout's last part)
         return to_dev(inputs.token_ids), to_dev(inputs.positions), meta
