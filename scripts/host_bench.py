@@ -10,8 +10,9 @@ manager, the executor's inputs and results, the request actor's detokenizing and
 the hand-offs between them. On the GPU this work runs beside the device's; once it takes longer
 than a step's device time, it sets the pace (large batches of small models, cascade attention,
 constrained decoding, a speculating engine waiting for its last step). B requests of 100 random
-prompt tokens (after a shared prefix of --shared-prefix tokens, one of 8, as W-prefix has) each
-generate --steps tokens at temperature 0.6, ignore_eos; the fastest of --runs generate calls
+prompt tokens (after a shared prefix of --shared-prefix tokens, one of 8, as W-prefix has; cascade
+attention as --cascade-attention says, whose groups the CPU's cost model never picks) each generate
+--steps tokens at temperature 0.6, ignore_eos; the fastest of --runs generate calls
 counts, ms per step = its wall time / --steps.
 """
 
@@ -44,15 +45,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--shared-prefix", type=int, default=0)
+    ap.add_argument("--cascade-attention", default="auto", choices=["auto", "always", "never"])
     ap.add_argument("--json")
     args = ap.parse_args()
     no_device_work()
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        make_checkpoint(tmp, "llama", hidden_size=HIDDEN, num_hidden_layers=1, max_position_embeddings=4096)
-        llm = LLM(tmp, dtype="float32", max_model_len=4096, max_num_seqs=max(batches), cpu_kv_cache_gib=0.25,
-                  log_interval_s=0)
+        make_checkpoint(tmp, "llama", hidden_size=HIDDEN, num_hidden_layers=1, max_position_embeddings=8192)
+        llm = LLM(tmp, dtype="float32", max_model_len=8192, max_num_seqs=max(batches), cpu_kv_cache_gib=1.0,
+                  cascade_attention=args.cascade_attention, log_interval_s=0)
         vocab = llm.engine.spec.vocab_size
         rng = random.Random(0)
         prefixes = [[rng.randrange(3, vocab) for _ in range(args.shared_prefix)] for _ in range(8)]
