@@ -497,7 +497,9 @@ def sample_filtered_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k:
     return out
 
 
-def _hash32_torch(x: torch.Tensor) -> torch.Tensor:
+def hash32_reference(x: torch.Tensor) -> torch.Tensor:
+    """_hash32 in torch, on int64 values below 2**32 (tensors or numpy arrays): also derives a
+    stream of its own from a key."""
     x = x ^ (x >> 16)
     x = (x * _M1) & _MASK
     x = x ^ (x >> 15)
@@ -515,7 +517,7 @@ def _uniform(h: torch.Tensor) -> torch.Tensor:
 def uniform_reference(key: torch.Tensor, salt: int = _U_SALT) -> torch.Tensor:
     """float32 [B]: the u in (0, 1) that sample_rows draws for each row key (with _FILTER_SALT: that
     a round of sample_filtered_rows draws for its stream)."""
-    return _uniform(_hash32_torch((key & _MASK) ^ salt))
+    return _uniform(hash32_reference((key & _MASK) ^ salt))
 
 
 def sample_rows_reference(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -596,4 +598,4 @@ def row_keys(seeds, out_index):
     Works alike on torch tensors and numpy int64 arrays (the runner hashes on the host: a few
     vector ops there instead of ~35 tiny kernel launches per step)."""
     lo, hi = seeds & _MASK, (seeds >> 32) & _MASK
-    return _hash32_torch(_hash32_torch(lo ^ _hash32_torch(hi)) ^ ((out_index * _GOLDEN) & _MASK))
+    return hash32_reference(hash32_reference(lo ^ hash32_reference(hi)) ^ ((out_index * _GOLDEN) & _MASK))

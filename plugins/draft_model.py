@@ -8,8 +8,8 @@ Per request it keeps the tokens its cache holds. Each call, for the requests ask
     common  = the longest prefix of its cached tokens that `known` shares
               (drafts the target rejected since fall away here)
     pass 0:   one forward pass over every request's known[common:] (a new request: its whole
-              prompt); the argmax at each one's last position is its first draft
-    chain:    passes 1 .. k - 1 of one token per request, each feeding the argmax of the pass
+              prompt); the choice at each one's last position is its first draft
+    chain:    passes 1 .. k - 1 of one token per request, each feeding the choice of the pass
               before on the device (_Chain); a request asked for fewer drafts stops early
     the host reads all the drafts at once. The cache then holds known + drafts[:-1].
 
@@ -18,10 +18,12 @@ StepGraphs of a decode or mixed step (the catch-up is one or two tokens a reques
 state), the chain one graph per batch size for all k - 1 passes. A small draft is bound by its
 launches, so eagerly its proposals cost several of the target's steps.
 
-Drafts are the draft model's greedy choices: a deterministic proposal, which the engine checks
-exactly (llmserve/speculative.py) for greedy and sampled requests alike. A request whose blocks do
-not fit in the draft's cache gets no drafts (and gives its cache back); the cache holds
-`max_num_seqs` requests of max_model_len tokens, capped at DRAFT_CACHE_TOKENS.
+A choice is the draft model's argmax (`propose`, and requests with temperature 0), or for a
+request that samples freely a draw from q = softmax(logits / T) at the stream the engine gives it
+(`propose_sampled`), q kept for the check (llmserve/speculative.py): both through the backend's
+sample_rows (its T = 0 rows take the argmax). A request whose blocks do not fit in the draft's
+cache gets no drafts (and gives its cache back); the cache holds `max_num_seqs` requests of
+max_model_len tokens, capped at DRAFT_CACHE_TOKENS.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class DraftModelProposer:
         if spec.vocab_size != context.vocab_size:
             raise ValueError(f"speculative.model {config.model!r} has a vocabulary of {spec.vocab_size} tokens, the "
                              f"model {context.vocab_size}: the draft must share the model's tokenizer")
-        self.device, self.block_size = context.device, context.block_size
+        self.device, self.block_size, self.backend = context.device, context.block_size, context.backend
         self.k = config.num_speculative_tokens
         self.model = load_model(config.model, spec, context.backend, dtype=context.dtype, device=context.device,
                                 max_positions=context.max_model_len)
@@ -75,8 +77,8 @@ class DraftModelProposer:
         # nobody speculates above disable_by_batch_size running requests: graphs up to that
         self.graph_batch = min(context.max_num_seqs, config.disable_by_batch_size)
         self.graphs: StepGraphs | None = None  # pass 0's
-        self.chain = _Chain(self.model, self.staging, self.block_size, context.max_num_seqs, self.k - 1,
-                            self.max_blocks)
+        self.chain = _Chain(self.model, self.staging, context.backend, self.block_size, self.graph_batch, self.k - 1,
+                            self.max_blocks, spec.vocab_size)
 
     def capture_graphs(self, emulate: bool = False) -> None:
         """Capture pass 0's decode and mixed graphs (up to k + 1 tokens a request) and the chain's,
@@ -91,9 +93,15 @@ class DraftModelProposer:
             if (cached := self.cached.pop(req_id, None)) is not None:
                 self.pool.free(cached.blocks)
 
-    @torch.inference_mode()
     def propose(self, req_ids: list[str], sequences: list[tuple[array, list[int]]], limits: list[int]) -> list[list[int]]:
+        return self.propose_sampled(req_ids, sequences, limits, [0.0] * len(req_ids), [None] * len(req_ids))[0]
+
+    @torch.inference_mode()
+    def propose_sampled(self, req_ids: list[str], sequences: list[tuple[array, list[int]]], limits: list[int],
+                        temperatures: list[float], keys: list[np.ndarray | None],
+                        ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         drafts: list[list[int]] = [[] for _ in req_ids]
+        probs: list[torch.Tensor | None] = [None] * len(req_ids)
         rows, feeds, starts, wants = [], [], [], []  # requests drafted for, the tokens each feeds first, where they start, drafts
         for i, (req_id, (prompt, output), limit) in enumerate(zip(req_ids, sequences, limits)):
             limit = min(limit, self.k)
@@ -117,24 +125,40 @@ class DraftModelProposer:
             starts.append(common)
             wants.append(limit)
         if not rows:
-            return drafts
+            return drafts, probs
         blocks = [self.cached[req_ids[i]].blocks for i in rows]
         tables = np.zeros((len(rows), max(map(len, blocks))), dtype=np.int32)
         for row, ids in enumerate(blocks):
             tables[row, :len(ids)] = ids
-        first = self._first(feeds, np.array(starts, dtype=np.int32), tables)
-        out = first[:, None]
+        temps = np.array([temperatures[i] for i in rows], dtype=np.float32)
+        sampled = bool(temps.any())
+        streams = np.zeros((len(rows), self.k), dtype=np.int64)  # each draft's random stream (sampled rows)
+        for row, i in enumerate(rows):
+            if temperatures[i] > 0:
+                streams[row, :wants[row]] = keys[i][:wants[row]]
+        temps_dev = self.staging.to_device(temps)
+        logits = self._first(feeds, np.array(starts, dtype=np.int32), tables)
+        first = self.backend.sample_rows(logits, temps_dev, self.staging.to_device(np.ascontiguousarray(streams[:, 0])))
+        out, q = first[:, None], None
+        if sampled:
+            q = _distribution(logits, temps_dev)[:, None]
         if max(wants) > 1:  # draft p (p >= 2) is fed at the position after the known tokens' p - 2
             ends = np.array([s + len(f) for s, f in zip(starts, feeds)], dtype=np.int64)
-            out = torch.cat([out, self.chain.run(first, ends, np.array(wants, dtype=np.int32) - 1, tables)], dim=1)
-        for i, row, want in zip(rows, out.tolist(), wants):  # the host waits here, once
-            drafts[i] = row[:want]
+            more, more_q = self.chain.run(first, ends, np.array(wants, dtype=np.int32) - 1, tables,
+                                          temps if sampled else None, streams[:, 1:])
+            out = torch.cat([out, more], dim=1)
+            if sampled:
+                q = torch.cat([q, more_q], dim=1)
+        for row, (i, tokens, want) in enumerate(zip(rows, out.tolist(), wants)):  # the host waits here, once
+            drafts[i] = tokens[:want]
             self.cached[req_ids[i]].tokens.extend(drafts[i][:-1])  # its cache holds all drafts but the last
-        return drafts
+            if temperatures[i] > 0:
+                probs[i] = q[row, :want]
+        return drafts, probs
 
     def _first(self, feeds: list[np.ndarray], starts: np.ndarray, tables: np.ndarray) -> torch.Tensor:
         """Pass 0: each request's `feeds` from position `starts`, through a captured graph where
-        one fits; the argmax token after each one's last (int64 [requests], on the device)."""
+        one fits; the logits at each one's last ([requests, V], on the device)."""
         query_lens = np.array([len(f) for f in feeds], dtype=np.int32)
         inputs = StepInputs.build(np.concatenate(feeds), query_lens, starts, tables, self.block_size)
         graphs, S, T = self.graphs, inputs.num_reqs, inputs.num_tokens
@@ -145,27 +169,38 @@ class DraftModelProposer:
         else:
             hidden = self.model(*self.staging.forward_inputs(inputs))
         last = self.staging.to_device((inputs.query_start_loc[1:] - 1).astype(np.int64))
-        return self.model.compute_logits(hidden[last]).argmax(-1)
+        return self.model.compute_logits(hidden[last])
+
+
+def _distribution(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """float32 softmax(logits / T) per row (rows of T = 0: of the logits, never read)."""
+    return torch.softmax(logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None], dim=-1)
 
 
 class _Chain:
     """The draft's passes 1 .. P, one token per request each, chained on the device: pass p feeds
-    the argmax of pass p - 1 and derives its positions, KV slots and context lengths from static
+    the choice of pass p - 1 and derives its positions, KV slots and context lengths from static
     buffers, so no pass waits for the host and all P replay as one CUDA graph per batch size
-    (graph_sizes up to the speculating limit; larger batches run the same code eagerly).
+    (graph_sizes up to the speculating limit), in two variants: argmaxes, or draws (each row's
+    own temperature, 0 for an argmax) with their distributions kept.
 
     static buffer   rows 0 .. n - 1 (this call)                 rows n .. b - 1 (padding)
     ids             each request's first draft (pass 0's)      stale
     positions       the first draft's position                 0
     counts          passes the request makes (its drafts - 1)  0
     block_tables    its blocks                                 stale (never read through)
+    temperatures    its temperature (draws)                    0
+    keys [P, .]     its drafts' random streams (draws)         0
+    probs [P, ., V] the distributions drawn from (draws)       ignored
 
     A row past its count (and every padding row) writes no KV (slot -1), attends one key and is
-    fed position 0: its argmaxes are computed and ignored.
+    fed position 0: its choices are computed and ignored.
     """
 
-    def __init__(self, model, staging: Staging, block_size: int, capacity: int, passes: int, max_blocks: int) -> None:
-        self.model, self.staging, self.block_size, self.passes = model, staging, block_size, passes
+    def __init__(self, model, staging: Staging, backend, block_size: int, capacity: int, passes: int,
+                 max_blocks: int, vocab: int) -> None:
+        self.model, self.staging, self.backend, self.block_size, self.passes = model, staging, backend, block_size, passes
+        self.capacity = capacity
         device, i32, i64 = staging.device, torch.int32, torch.int64
         self.ids = torch.zeros(capacity, dtype=i64, device=device)
         self.positions = torch.zeros(capacity, dtype=i64, device=device)
@@ -174,12 +209,16 @@ class _Chain:
         self.block_tables = torch.zeros(capacity, max_blocks, dtype=i32, device=device)
         self.qsl = torch.arange(capacity + 1, dtype=i32, device=device)
         self.rows = torch.arange(capacity, dtype=i64, device=device)
+        self.temperatures = torch.zeros(capacity, dtype=torch.float32, device=device)
+        self.keys = torch.zeros(passes, capacity, dtype=i64, device=device)
+        self.probs = torch.zeros(passes, capacity, vocab, dtype=torch.float32, device=device)
         self.sizes: list[int] = []
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
 
-    def _forward(self, b: int) -> torch.Tensor:
-        """All passes over the static buffers' first b rows: the argmaxes, int64 [b, passes]."""
+    def _forward(self, b: int, sampled: bool = False) -> torch.Tensor:
+        """All passes over the static buffers' first b rows: the choices, int64 [b, passes] (with
+        `sampled`, draws, and their distributions in `probs`)."""
         ids, start, tables = self.ids[:b], self.positions[:b], self.block_tables[:b]
         last_block = tables.shape[1] - 1
         out = []
@@ -192,7 +231,13 @@ class _Chain:
             meta = AttentionMetadata(slots, tables, self.qsl[:b + 1], seq_lens, max_query_len=1,
                                      seq_order=self.seq_order[:b])
             hidden = self.model(ids, torch.where(live, pos, 0), meta)
-            ids = self.model.compute_logits(hidden).argmax(-1)
+            logits = self.model.compute_logits(hidden)
+            if sampled:
+                temperatures = self.temperatures[:b]
+                self.probs[p, :b] = _distribution(logits, temperatures)
+                ids = self.backend.sample_rows(logits, temperatures, self.keys[p, :b])
+            else:
+                ids = logits.argmax(-1)
             out.append(ids)
         return torch.stack(out, dim=1)
 
@@ -203,25 +248,38 @@ class _Chain:
             return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        variants = [(b, sampled) for b in reversed(self.sizes) for sampled in (False, True)]
         with torch.cuda.stream(stream):  # warm-up off the capture (Triton compiles, cuBLAS handles)
-            for b in self.sizes:
-                self._forward(b)
+            for b, sampled in variants:
+                self._forward(b, sampled)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.sizes):
+        for key in variants:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self.outputs[b] = self._forward(b)
-            self.graphs[b] = graph
+                self.outputs[key] = self._forward(*key)
+            self.graphs[key] = graph
 
-    def run(self, first: torch.Tensor, positions: np.ndarray, counts: np.ndarray, tables: np.ndarray) -> torch.Tensor:
+    def run(self, first: torch.Tensor, positions: np.ndarray, counts: np.ndarray, tables: np.ndarray,
+            temperatures: np.ndarray | None = None, keys: np.ndarray | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Drafts 2 .. for n requests: `first` their first drafts (int64 [n], on the device),
         `positions` where each is fed (int64 [n]), `counts` passes each makes (int32 [n], at most
-        P), `tables` their block tables (int32 [n, width]). Returns int64 [n, P] on the device
-        (row i's first counts[i] entries are its drafts)."""
+        P), `tables` their block tables (int32 [n, width]); with `temperatures` (float32 [n]) and
+        `keys` (int64 [n, P]: each pass's random stream), draws. Returns int64 [n, P] on the device
+        (row i's first counts[i] entries are its drafts) and, for draws, the distributions they
+        were drawn from (float32 [n, P, V], a copy)."""
         n, width = tables.shape
         b = next((s for s in self.sizes if s >= n), n)
+        sampled = temperatures is not None
+        if sampled:
+            temps, staged = self.staging.empty((b,), np.float32)
+            temps[:n], temps[n:] = temperatures, 0.0
+            self.temperatures[:b].copy_(staged, non_blocking=True)
+            streams, staged = self.staging.empty((self.passes, b), np.int64)
+            streams[:, :n], streams[:, n:] = keys.T, 0
+            self.keys[:, :b].copy_(staged, non_blocking=True)
         host, staged = self.staging.empty((b,), np.int64)
         host[:n], host[n:] = positions, 0
         self.positions[:b].copy_(staged, non_blocking=True)
@@ -232,11 +290,13 @@ class _Chain:
         self.seq_order[:b].copy_(staged[1], non_blocking=True)
         self.block_tables[:n, :width].copy_(self.staging.stage(tables), non_blocking=True)
         self.ids[:n].copy_(first)
-        if b in self.graphs:
-            self.graphs[b].replay()
-            return self.outputs[b][:n]
-        with torch.inference_mode():
-            return self._forward(b)[:n]
+        if (b, sampled) in self.graphs:
+            self.graphs[b, sampled].replay()
+            out = self.outputs[b, sampled][:n]
+        else:
+            with torch.inference_mode():
+                out = self._forward(b, sampled)[:n]
+        return out, self.probs[:, :n].transpose(0, 1).clone() if sampled else None
 
 
 def _common_prefix(a: array, b: array) -> int:

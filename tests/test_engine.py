@@ -516,7 +516,7 @@ async def test_a_large_batch_reaches_the_scheduler_two_steps_at_a_time():
 
     inbox_in, inbox = anyio.create_memory_object_stream(inf)
     to_scheduler, from_actor = anyio.create_memory_object_stream(inf)
-    actor = RequestActor(None, vocab_size=100, max_model_len=64, seed=0, inbox=inbox, to_scheduler=to_scheduler,
+    actor = RequestActor(None, vocab_size=100, max_model_len=64, inbox=inbox, to_scheduler=to_scheduler,
                          step_tokens=16)
     subs = [Submit(str(i), [i + 1] * 5, SamplingParams(max_tokens=2), OutputSlot()) for i in range(20)]
     messages, admitted_at_first = [], None

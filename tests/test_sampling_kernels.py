@@ -47,9 +47,9 @@ def _unhash32(h: int) -> int:
 def test_sample_rows_never_draws_a_token_of_zero_weight_at_either_end_of_u():
     """u at its largest (the salted key hashes to 0xFFFFFFFF) lands on the last token of nonzero
     weight, u at its smallest on the first, whatever the -inf logits around them."""
-    from llmserve.kernels.sampling import _U_SALT, _hash32_torch, uniform_reference
+    from llmserve.kernels.sampling import _U_SALT, hash32_reference, uniform_reference
     keys = torch.tensor([_unhash32(0xFFFFFFFF) ^ _U_SALT, _unhash32(0) ^ _U_SALT], device=DEVICE)
-    assert _hash32_torch(keys.cpu() ^ _U_SALT).tolist() == [0xFFFFFFFF, 0]
+    assert hash32_reference(keys.cpu() ^ _U_SALT).tolist() == [0xFFFFFFFF, 0]
     u = uniform_reference(keys)
     assert 0 < u[1] < u[0] < 1
     logits = torch.zeros(2, 64, device=DEVICE)

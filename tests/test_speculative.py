@@ -561,7 +561,8 @@ def test_a_draft_model_that_is_the_model_itself_has_every_greedy_draft_kept(chec
     assert spec.drafts > 0 and spec.accepted_tokens == spec.draft_tokens  # its own argmax, every time
     assert proposer.cached == {} and proposer.pool.num_free == proposer.pool.num_blocks  # forgotten at the end
     if graphs:  # every chain padded to a captured batch size; pass 0 (two tokens a request) a mixed step
-        assert chained and {b for b, in chained} <= set(proposer.chain.sizes)
+        assert chained and {b for b, _ in chained} <= set(proposer.chain.sizes)
+        assert not any(sampled for _, sampled in chained)  # greedy requests: argmaxes
         assert first and {kind for kind, _ in first} == {"mixed"}
 
 
@@ -647,3 +648,91 @@ def test_the_executor_reports_what_its_proposer_costs(checkpoint):
             assert control.cost > 1 and not control.active  # a tiny model's step is far shorter than 50 ms
     finally:
         pm.unregister(plugin)
+
+
+# ---- drafts drawn from a distribution ------------------------------------------------------------
+
+def test_a_draft_drawn_from_q_is_kept_with_probability_min_1_p_over_q_and_tokens_follow_p():
+    """check_sampled_drafts on one position, 40,000 rows with their own streams: the tokens follow
+    p (goodness of fit), and a draft d is kept (the row's token is d: a rejected d has p(d) < q(d),
+    so the redraw from max(p - q, 0) is never d) with probability min(1, p(d) / q(d)), in all
+    sum(min(p, q))."""
+    from llmserve.kernels.sampling import row_keys, sample_rows_reference
+    from llmserve.model.sampler import check_sampled_drafts
+    from llmserve.speculative import draft_keys
+
+    rows, temperature = 40_000, 0.7
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 0.3, 1.5])
+    q_logits = torch.tensor([0.0, 2.0, 0.5, 1.0, -1.0, 0.0, -2.0, 1.5])  # a draft model that disagrees
+    p = torch.softmax(logits / temperature, -1)
+    q = torch.softmax(q_logits / temperature, -1)
+    temps = torch.full((rows,), temperature)
+    seeds = torch.arange(rows, dtype=torch.int64) * 7919
+    drafts = sample_rows_reference(q_logits.expand(rows, -1), temps,
+                                   torch.from_numpy(np.concatenate([draft_keys(s, 3, 1) for s in seeds.tolist()])))
+    keys = row_keys(seeds, torch.full((rows,), 3))
+    tokens = check_sampled_drafts(logits.expand(rows, -1), temps, keys, drafts, q.expand(rows, -1))
+    observed = torch.bincount(tokens, minlength=8).double()
+    expected = p.double() * rows
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    assert float(torch.special.gammaincc(torch.tensor(3.5, dtype=torch.float64), torch.tensor(stat / 2))) > 0.001
+    kept = tokens == drafts
+    assert abs(kept.double().mean().item() - float(torch.minimum(p, q).sum())) < 0.01
+    for x in range(8):  # each draft token kept with probability min(1, p / q)
+        if (drafts == x).sum() >= 500:
+            assert abs(kept[drafts == x].double().mean().item() - min(1.0, float(p[x] / q[x]))) < 0.04, x
+
+
+def sampled_runs(llm, n, prompts, max_tokens=4):
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True)  # unseeded: drafts drawn
+    return [o[0] for o in run(llm, [params] * n, prompts)]
+
+
+def test_unseeded_samples_with_drawn_drafts_follow_the_plain_distribution(checkpoint):
+    """A draft model unlike the target (vocabulary of 64): unseeded requests at temperature 1 get
+    drafts drawn from the draft's distribution, checked with min(1, p / q); the tokens after the
+    first (where drafts are checked) follow the plain engine's distribution (chi-square per
+    position), and more drafts are kept than the same draft's greedy choices keep."""
+    ck = checkpoint("llama", vocab_size=64)
+    draft = checkpoint("llama", vocab_size=64, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                       num_attention_heads=2, num_key_value_heads=1, seed=3)
+    prompts = [[5, 6, 7]] * 600
+    config = {"method": "draft", "model": draft, "num_speculative_tokens": 3, "disable_by_batch_size": 600}
+    with LLM(ck, **COMMON) as llm:
+        plain = sampled_runs(llm, 600, prompts)
+    with LLM(ck, **COMMON, speculative_config=config) as llm:
+        hold_speculation_on(llm)
+        drawn = sampled_runs(llm, 600, prompts)
+        spec = llm.engine.scheduler.spec
+        kept_drawn = spec.accepted_tokens / spec.draft_tokens
+    with LLM(ck, **COMMON, speculative_config=config) as llm:
+        hold_speculation_on(llm)
+        seeded = [SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True, seed=i) for i in range(600)]
+        run(llm, seeded, prompts)  # seeded: greedy drafts
+        spec = llm.engine.scheduler.spec
+        kept_greedy = spec.accepted_tokens / spec.draft_tokens
+    assert drawn != plain and spec.drafts > 100
+    for position in (1, 2, 3):
+        counts = np.zeros((2, 64))
+        for row, outs in enumerate((plain, drawn)):
+            for o in outs:
+                counts[row, o[position]] += 1
+        assert chi_square_pvalue(counts[:, counts.sum(0) > 0]) > 0.001, position
+    assert kept_drawn > kept_greedy + 0.05
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_drawn_drafts_from_the_model_itself_are_all_kept(checkpoint, graphs):
+    """With the model itself as the draft, q is p: a drawn draft is kept with probability 1 (a
+    greedy draft only with p of the argmax), through the draft's graphs too (emulated)."""
+    ck = checkpoint("llama")
+    with LLM(ck, **COMMON, speculative_config={"method": "draft", "model": ck, "num_speculative_tokens": 3}) as llm:
+        hold_speculation_on(llm)
+        proposer = llm.engine.runner.proposer
+        if graphs:
+            llm.engine.runner.capture_graphs(llm.config.scheduler.max_num_seqs, 64, emulate=True)
+        chained = record_calls(proposer.chain, "_forward")
+        sampled_runs(llm, 4, PROMPTS, max_tokens=30)
+        spec = llm.engine.scheduler.spec
+    assert spec.drafts > 20 and spec.accepted_tokens >= 0.99 * spec.draft_tokens
+    assert chained and all(sampled for _, sampled in chained)

@@ -246,7 +246,7 @@ class Frontend(abc.ABC):
 
     def _request_actor(self, inbox: ObjectReceiveStream, to_scheduler: ObjectSendStream) -> RequestActor:
         return RequestActor(self.tokenizer, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
-                            seed=self.config.model.seed, inbox=inbox, to_scheduler=to_scheduler,
+                            inbox=inbox, to_scheduler=to_scheduler,
                             step_tokens=self.config.scheduler.max_num_batched_tokens, strategies=self.strategies,
                             eos_token_ids=tuple(sorted(self.eos_token_ids)))
 

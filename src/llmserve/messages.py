@@ -30,7 +30,8 @@ class NewRequest:
     prompt_token_ids: array
     """int64, the engine's copy of the prompt (the scheduler copies it again per request)."""
     params: SamplingParams
-    """Per-sample parameters (n == 1); `seed` is always set."""
+    """Per-sample parameters (n == 1); `seed` None: unseeded (the executor derives the sample's
+    random stream from the engine's seed and its id)."""
     priority: int = 0
     arrival: float = 0.0
     group: str | None = None

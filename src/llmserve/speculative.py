@@ -12,11 +12,20 @@ forward pass checks them all.
 
 Why this is exact: the rejection sampler of Leviathan et al. (arXiv 2211.17192) accepts a draft d
 drawn from q with probability min(1, p(d) / q(d)) and otherwise draws from max(p - q, 0),
-normalised. Our proposers are deterministic (q puts all its mass on d): d is accepted with
-probability p(d), and a rejection draws from p without d. Drawing x from p and keeping d when
-x == d does exactly that, and x given x != d is the residual. Since x is the plain sampler's own
-draw (its counter-hash stream, model/sampler.py), a seeded request produces the same tokens with and
-without speculation, and greedy rows keep a draft while it is the argmax.
+normalised. For a fixed proposal (q puts all its mass on d: n-gram, a draft model's greedy
+choice) d is accepted with probability p(d), and a rejection draws from p without d. Drawing x
+from p and keeping d when x == d does exactly that, and x given x != d is the residual. Since x is
+the plain sampler's own draw (its counter-hash stream, model/sampler.py), a seeded request produces
+the same tokens with and without speculation, and greedy rows keep a draft while it is the argmax.
+
+A proposer that can draw its drafts from a distribution (`propose_sampled`: the draft model)
+does so for the requests that sample freely: temperature > 0, no top-k/top-p/min-p, and no seed
+of their own (a seeded request must give the plain engine's tokens, whatever the engine's
+speculation decisions). Their rows check with min(1, p / q) itself (model/sampler.py
+check_sampled_drafts), which keeps a draft sampled from a draft model close to the target far
+more often than p(d) keeps its greedy choice; the tokens are still distributed as the plain
+engine's, and a row's token equals its draft exactly when the draft is kept, so the engine counts
+and takes back drafts as it does for fixed proposals.
 
 When it pays: a step that checks k drafts reads the weights once for up to k + 1 tokens, a gain
 while the batch is small enough for the step to be bound by memory. Two costs are paid for it:
@@ -38,7 +47,10 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from llmserve.config import SpeculativeConfig
+from llmserve.kernels.sampling import hash32_reference, row_keys
 from llmserve.sampling_params import SamplingParams
 
 
@@ -50,6 +62,13 @@ class Proposer(Protocol):
         the executor's thread once a step's tokens are known, for the requests that asked; what
         it proposed before may be missing from the output (the model rejected it)."""
 
+    # Optional: a proposer that can draw its drafts from a distribution defines
+    #   propose_sampled(req_ids, sequences, limits, temperatures: list[float],
+    #                   keys: list[np.ndarray | None]) -> tuple[list[list[int]], list[torch.Tensor | None]]
+    # where request i with temperatures[i] > 0 gets drafts drawn from q = softmax(draft logits /
+    # temperatures[i]), its j-th with the random stream keys[i][j] (int64, sample_rows' row keys),
+    # and the second list holds their q rows (float32 [len(drafts), vocab] on the device); requests
+    # with temperature 0 get greedy drafts, as from propose, and None there.
     # Optional: a proposer that keeps state per request defines
     #   forget(req_ids: list[str]) -> None
     # called when those requests end; one that runs a model on the device defines
@@ -176,6 +195,22 @@ class SpecControl:
     def _stop(self) -> None:
         self.active, self.wait = False, self.gap
         self.gap = min(2 * self.gap, self.MAX_GAP)
+
+
+_DRAFT_SALT = 0x61C88647
+
+
+def draws_drafts(params: SamplingParams) -> bool:
+    """Whether a request's drafts are drawn from the proposer's distribution (where the proposer
+    can): it samples with temperature alone, and has no seed of its own."""
+    return (params.temperature > 0 and params.seed is None and not params.top_k and params.top_p >= 1.0
+            and params.min_p == 0)
+
+
+def draft_keys(seed: int, first: int, count: int) -> np.ndarray:
+    """The random streams (int64 [count]) a request's drafts are drawn with, for output positions
+    first .. first + count - 1: its row keys there, hashed into a stream apart from the target's."""
+    return hash32_reference(row_keys(np.full(count, seed, dtype=np.int64), np.arange(first, first + count)) ^ _DRAFT_SALT)
 
 
 def kept_drafts(drawn: list[int], drafts: list[int]) -> int:

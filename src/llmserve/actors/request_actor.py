@@ -7,7 +7,6 @@ publishes each request's latest cumulative RequestOutput in its OutputSlot.
 
 from __future__ import annotations
 
-import random
 import time
 from array import array
 from collections.abc import Callable
@@ -122,7 +121,7 @@ class _Request:
 
 
 class RequestActor:
-    def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, seed: int,
+    def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int,
                  inbox: ObjectReceiveStream, to_scheduler: ObjectSendStream, step_tokens: int,
                  strategies: dict[str, Any] | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
@@ -135,7 +134,6 @@ class RequestActor:
         self.step_tokens = step_tokens  # the scheduler's token budget: a full step's prompt tokens
         self.inbox = inbox
         self.to_scheduler = to_scheduler
-        self.rng = random.Random(seed)
         self.requests: dict[str, _Request] = {}
         self.child_of: dict[str, tuple[_Request, int]] = {}
         self.ended: ShuttingDown | None = None
@@ -277,7 +275,6 @@ class RequestActor:
     def _admit(self, sub: Submit, prompt: str | None, ids: list[int], engine_ids: array,
                arrivals: list[NewRequest], prepared: dict[str, Any]) -> None:
         p = sub.params
-        base_seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
         req = _Request(sub.req_id, prompt, ids, p, sub.slot,
                        [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None) for i in range(p.n)],
                        [Detokenizer(self.tokenizer, ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output,
@@ -291,7 +288,8 @@ class RequestActor:
             child_id = sub.req_id if p.n == 1 else f"{sub.req_id}#{i}"
             req.children.append(child_id)
             self.child_of[child_id] = (req, i)
-            child_params = replace(p, n=1, seed=(base_seed + i) % 2**63)
+            # an unseeded sample stays unseeded: the executor draws its stream from its id
+            child_params = replace(p, n=1, seed=None if p.seed is None else (p.seed + i) % 2**63)
             arrivals.append(NewRequest(child_id, engine_ids, child_params, sub.priority, now,
                                        sub.req_id if p.n > 1 else None, prepared))
 

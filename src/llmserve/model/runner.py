@@ -25,13 +25,14 @@ from llmserve.messages import PLACEHOLDER, PrefixGroups, StepPlan, StepResult
 from llmserve.model.cuda_graphs import StepGraphs
 from llmserve.model.kv_cache import KVCacheLayout
 from llmserve.model.loader import load_model
-from llmserve.model.sampler import SamplingBatch, gather_logprobs, sample, to_token_logprobs
+from llmserve.model.sampler import (SamplingBatch, check_sampled_drafts, draw, gather_logprobs, process_logits,
+                                    to_token_logprobs)
 from llmserve.model.sampling_state import MaskFill, SamplingState, SeqState
 from llmserve.model.spec import ModelSpec
 from llmserve.model.step_inputs import Staging, StepInputs
 from llmserve.model.step_timing import StepTiming
 from llmserve.quantization import QuantizationMethod
-from llmserve.speculative import Proposer, kept_drafts
+from llmserve.speculative import Proposer, draft_keys, draws_drafts, kept_drafts
 
 log = structlog.get_logger("llmserve.runner")
 
@@ -78,6 +79,9 @@ class _Forward:
     """Per sampling request, the drafts it checks: its logits rows are their positions and the one
     before them (len + 1 rows)."""
     propose: dict[str, int] = field(default_factory=dict)
+    draft_probs: list[torch.Tensor | None] | None = None
+    """With drafts: per sampling request, the distribution its drafts were drawn from (float32
+    [len(drafts), V]), or None for a fixed proposal."""
 
 
 @dataclass(slots=True)
@@ -91,6 +95,7 @@ class _Sampling:
     masks: MaskFill | None
     drafts: list[list[int]] | None = None
     propose: dict[str, int] = field(default_factory=dict)
+    draft_probs: list[torch.Tensor | None] | None = None
 
 
 class ModelRunner:
@@ -108,7 +113,7 @@ class ModelRunner:
         self.kv = KVCacheLayout(spec, self.block_size, kv_dtype, device)
         self.staging = Staging(device)
         self.sampling = SamplingState(list(spec.eos_token_ids), self.staging, strategies,
-                                      jump_forward=config.scheduler.jump_forward)
+                                      jump_forward=config.scheduler.jump_forward, seed=config.model.seed)
         self.proposer = proposer
         """Speculative decoding's proposer (llmserve/speculative.py); None: no speculation."""
         # running mean of the seconds from the end of one finished step (its proposals made) to the
@@ -132,6 +137,9 @@ class ModelRunner:
         tensor-parallel rank: re-running parts alone would desert the other ranks' collectives)."""
         self.dropped: set[str] = set()
         """Requests that jumped forward after the step being launched was planned: they sample nothing in it."""
+        self.draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}
+        """Requests whose last proposals were drawn from a distribution: (the drafts, their q rows),
+        until the request's next step (the one that checks them)."""
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -324,6 +332,7 @@ class ModelRunner:
         """Queue the step's forward pass and its logits (rows that sample, in plan order)."""
         for req_id in plan.freed:
             self.sampling.drop(req_id)
+            self.draft_probs.pop(req_id, None)
         if plan.freed and hasattr(self.proposer, "forget"):
             self.proposer.forget(plan.freed)
         for req_id, new in plan.new_sequences.items():
@@ -359,7 +368,8 @@ class ModelRunner:
         self._prompt_logprobs(plan, qsl, hidden, result)
         if not result.req_ids:
             return _Forward(result, list(plan.req_ids))
-        drafts = None
+        drafts = draft_probs = None
+        proposed = [self.draft_probs.pop(r, None) for r in result.req_ids] if self.draft_probs else None
         if graphed and len(rows) == len(plan.req_ids):  # every row samples: lm_head at the captured size
             logits = self.model.compute_logits(hidden)[:len(rows)]
         else:
@@ -367,12 +377,14 @@ class ModelRunner:
             if plan.drafts:  # a request checking k drafts samples at its last k + 1 positions
                 ks = np.array([plan.drafts.get(r, 0) for r in result.req_ids], dtype=np.int64)
                 drafts = [plan.token_ids[end - k + 1:end + 1].tolist() for end, k in zip(last.tolist(), ks.tolist())]
+                if proposed is not None:  # drafts drawn from a distribution: checked against it
+                    draft_probs = [_drawn_from(d, entry) for d, entry in zip(drafts, proposed)]
                 last = _spread(last, ks)
             num = len(last)
             if mixed_graphed and self.graphs.fits(num):  # padded to a captured batch size: a shape cuBLAS has met
                 last = np.pad(last, (0, self.graphs.batch_size(num) - num), mode="edge")
             logits = self.model.compute_logits(hidden[self.staging.to_device(last)])[:num]
-        return _Forward(result, list(plan.req_ids), logits, drafts, plan.propose)
+        return _Forward(result, list(plan.req_ids), logits, drafts, plan.propose, draft_probs)
 
     def _cascade(self, plan: StepPlan, inputs: StepInputs, graphed: bool) -> PrefixGroups | None:
         """The plan's prefix groups if this step attends them once per group (cascade attention):
@@ -405,7 +417,7 @@ class ModelRunner:
         """Queue the sampling of a step whose forward pass is queued, and the copy of its tokens to
         the host. background: a step with masks to fill has them filled on the mask thread and
         comes back as _Sampling, for _queue() (its constraints must not move before)."""
-        result, logits, drafts = forward.result, forward.logits, forward.drafts
+        result, logits, drafts, draft_probs = forward.result, forward.logits, forward.drafts, forward.draft_probs
         if logits is None:
             return InFlight(result, forward.req_ids)
         if ((self.failed and not self.failed.isdisjoint(result.req_ids))  # failed by the step finished meanwhile
@@ -419,12 +431,14 @@ class ModelRunner:
                 spans = np.array([len(d) + 1 for d in drafts], dtype=np.int64)
                 rows = _spread(np.cumsum(spans)[rows] - 1, spans[rows] - 1)
                 drafts = [drafts[i] for i in keep]
+                draft_probs = None if draft_probs is None else [draft_probs[i] for i in keep]
             logits = logits[self.staging.to_device(rows)]
         states = [self.sampling.seqs[r] for r in result.req_ids]
         batch = self.sampling.batch(states, logits.shape[-1], drafts)
         row_states = states if drafts is None else [s for s, d in zip(states, drafts) for _ in range(len(d) + 1)]
         masks = self.sampling.masks(row_states, logits.shape[-1], background=background)
-        sampling = _Sampling(result, forward.req_ids, logits, states, batch, masks, drafts, forward.propose)
+        sampling = _Sampling(result, forward.req_ids, logits, states, batch, masks, drafts, forward.propose,
+                             draft_probs)
         return sampling if background and masks is not None else self._queue(sampling)
 
     @torch.inference_mode()
@@ -435,10 +449,12 @@ class ModelRunner:
         if sampling.masks is not None:
             batch.allowed = sampling.masks.send()
             mask_errors = sampling.masks.errors()
-        tokens = sample(logits, batch, self.backend.sample_rows, self.backend.sample_filtered_rows,
-                        self.backend.apply_token_mask)
+        processed = process_logits(logits, batch, self.backend.apply_token_mask)
+        tokens = draw(processed, batch, self.backend.sample_rows, self.backend.sample_filtered_rows)
         offsets = None if sampling.drafts is None else \
             np.concatenate([[0], np.cumsum([len(d) + 1 for d in sampling.drafts])[:-1]]).tolist()
+        if sampling.draft_probs is not None and any(q is not None for q in sampling.draft_probs):
+            self._check_sampled_drafts(processed, batch, tokens, sampling, offsets)
         flight = InFlight(result, sampling.req_ids, states, tokens,
                           {r: i for i, r in enumerate(result.req_ids)} if offsets is None else dict(zip(result.req_ids, offsets)),
                           mask_errors=mask_errors, drafts=sampling.drafts, offsets=offsets, propose=sampling.propose)
@@ -455,6 +471,22 @@ class ModelRunner:
         for state in states:
             state.in_flight += 1
         return flight
+
+    def _check_sampled_drafts(self, processed: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor,
+                              sampling: _Sampling, offsets: list[int]) -> None:
+        """The rows that check drafts drawn from a distribution take the rejection sampler's token
+        in place of the plain draw (model/sampler.py check_sampled_drafts); the rows after a
+        request's drafts keep theirs, so kept drafts are counted as for any proposal."""
+        rows, drafts, qs = [], [], []
+        for offset, d, q in zip(offsets, sampling.drafts, sampling.draft_probs):
+            if q is not None:
+                rows += range(offset, offset + len(d))
+                drafts += d
+                qs.append(q)
+        index = self.staging.to_device(np.array(rows, dtype=np.int64))
+        tokens[index] = check_sampled_drafts(processed[index], batch.temperature[index], batch.keys[index],
+                                             self.staging.to_device(np.array(drafts, dtype=np.int64)),
+                                             torch.cat(qs), self.backend.sample_rows)
 
     def _finish_or_fail(self, flight: InFlight, ahead: set[str] | frozenset = frozenset()) -> StepResult:
         """The launched step's result; if finishing it fails (its sampled tokens are lost), its
@@ -547,17 +579,29 @@ class ModelRunner:
         if not asked:
             return
         states = [self.sampling.seqs[r] for r in asked]
+        sequences, wanted = [(s.prompt_ids, s.output_ids) for s in states], [limits[r] for r in asked]
+        probs = None
         try:
-            proposed = self.proposer.propose(asked, [(s.prompt_ids, s.output_ids) for s in states],
-                                             [limits[r] for r in asked])
+            # draws from the proposer's distribution: one rank alone proposes, and the others
+            # could not check against a distribution they never saw
+            sampled = [draws_drafts(s.params) for s in states] if tp().size == 1 else []
+            if any(sampled) and hasattr(self.proposer, "propose_sampled"):
+                temperatures = [s.params.temperature if on else 0.0 for s, on in zip(states, sampled)]
+                keys = [draft_keys(s.seed, len(s.output_ids), n) if on else None
+                        for s, n, on in zip(states, wanted, sampled)]
+                proposed, probs = self.proposer.propose_sampled(asked, sequences, wanted, temperatures, keys)
+            else:
+                proposed = self.proposer.propose(asked, sequences, wanted)
             proposed = [[int(t) for t in drafts[:limits[r]]] for r, drafts in zip(asked, proposed, strict=True)]
         except Exception:
             log.exception("proposer failed; these requests go on without drafts", request_ids=asked[:8])
-            proposed = [[] for _ in asked]
+            proposed, probs = [[] for _ in asked], None
         vocab = self.spec.vocab_size
-        for req_id, drafts in zip(asked, proposed):
-            bad = next((i for i, t in enumerate(drafts) if not 0 <= t < vocab), None)
-            result.drafts[req_id] = drafts if bad is None else drafts[:bad]
+        for i, (req_id, drafts) in enumerate(zip(asked, proposed)):
+            bad = next((j for j, t in enumerate(drafts) if not 0 <= t < vocab), None)
+            result.drafts[req_id] = drafts = drafts if bad is None else drafts[:bad]
+            if probs is not None and probs[i] is not None and drafts:
+                self.draft_probs[req_id] = (drafts, probs[i])
 
     def _fail(self, result: StepResult, req_id: str, error: str) -> None:
         """`req_id` fails alone in this step: its constraint failed."""
@@ -601,6 +645,13 @@ class ModelRunner:
                 nxt = state.prompt_ids[start + 1:end + 1]
                 parts = gather_logprobs(logprobs, self.staging.to_device(np.array(nxt, dtype=np.int64)), k)
                 result.prompt_logprobs[req_id] = to_token_logprobs(nxt, parts, [k] * len(nxt))
+
+
+def _drawn_from(drafts: list[int], proposed: tuple[list[int], torch.Tensor] | None) -> torch.Tensor | None:
+    """The q rows of `drafts` where they are (a prefix of) drafts a proposer drew, else None."""
+    if not drafts or proposed is None or proposed[0][:len(drafts)] != drafts:
+        return None
+    return proposed[1][:len(drafts)]
 
 
 def _spread(ends: np.ndarray, ks: np.ndarray) -> np.ndarray:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.kernels.sampling import sample_filtered_rows_reference, sample_rows_reference
+from llmserve.kernels.sampling import (hash32_reference, sample_filtered_rows_reference, sample_rows_reference,
+                                       uniform_reference)
 from llmserve.kernels.token_mask import apply_token_mask_reference
 from llmserve.messages import TokenLogprobs
 
@@ -94,7 +95,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, draw_fn: DrawFn = sample_
            mask_fn: MaskFn = apply_token_mask_reference) -> torch.Tensor:
     """logits [B, V] (model dtype or float32) -> int64 token ids [B]. `draw_fn`, `filter_fn` and
     `mask_fn` are the backend's (sample_rows, sample_filtered_rows, apply_token_mask)."""
-    logits = process_logits(logits, batch, mask_fn)
+    return draw(process_logits(logits, batch, mask_fn), batch, draw_fn, filter_fn)
+
+
+def draw(logits: torch.Tensor, batch: SamplingBatch, draw_fn: DrawFn = sample_rows_reference,
+         filter_fn: FilterFn = sample_filtered_rows_reference) -> torch.Tensor:
+    """The choice of token for logits that process_logits() has processed: int64 [B]."""
     if batch.all_greedy:
         return logits.argmax(dim=-1)
     if batch.all_filtered:  # the filtered sampler writes every row
@@ -105,6 +111,32 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, draw_fn: DrawFn = sample_
         filter_fn(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.keys, batch.filtered_rows,
                   tokens)
     return tokens
+
+
+_ACCEPT_SALT = 0x27D4EB2F
+_RESIDUAL_SALT = 0x165667B1
+
+
+def check_sampled_drafts(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, drafts: torch.Tensor,
+                         q: torch.Tensor, draw_fn: DrawFn = sample_rows_reference) -> torch.Tensor:
+    """The token each of R rows produces where it checks a draft drawn from a distribution q
+    (speculative decoding), by the rejection sampler of Leviathan et al. (arXiv 2211.17192): with
+    p = softmax(logits / T), the row keeps its draft d with probability min(1, p(d) / q(d)), else it
+    draws from max(p - q, 0) normalised. Either way the token is distributed as p. A rejected d
+    has p(d) < q(d), so the draw is never d: the row's token equals its draft exactly when the
+    draft is kept, and the engine counts the drafts kept as it does for a fixed proposal.
+
+    logits [R, V] float32, processed (process_logits); temperature [R], all > 0; keys [R] the rows'
+    random streams (SamplingBatch.keys: the acceptance and the residual draw take streams of their
+    own from them); drafts [R] int64; q [R, V] float32, the distribution each draft was drawn from.
+    `draw_fn` is the backend's sample_rows. Returns int64 [R]."""
+    p = torch.softmax(logits.float() / temperature[:, None], dim=-1)
+    index = drafts[:, None]
+    accepted = uniform_reference(keys, _ACCEPT_SALT) * q.gather(1, index)[:, 0] < p.gather(1, index)[:, 0]
+    residual = (p - q).clamp_min_(0.0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # (p == q: every draft is kept)
+    redrawn = draw_fn(residual.log(), torch.ones_like(temperature), hash32_reference(keys ^ _RESIDUAL_SALT))
+    return torch.where(accepted, drafts, redrawn)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:

@@ -9,6 +9,7 @@ queued before it. Here is where per-request constraints on the next token plug i
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +29,13 @@ from llmserve.sampling_params import SamplingParams
 log = structlog.get_logger("llmserve.sampling")
 
 
+def drawn_seed(engine_seed: int, req_id: str) -> int:
+    """An unseeded request's seed: a hash of the engine's seed and the request's id, the same on
+    every tensor-parallel rank and after preemption, in [0, 2**63)."""
+    digest = hashlib.blake2b(f"{engine_seed}:{req_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def penalized(p: SamplingParams) -> bool:
     """Sampling that counts the request's own tokens (repetition, presence, frequency penalties)."""
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
@@ -38,6 +46,7 @@ class SeqState:
     params: SamplingParams
     prompt_ids: array  # int64
     output_ids: list[int]
+    seed: int  # the request's, or drawn_seed() for an unseeded one
     in_flight: int = 0  # tokens sampled by a launched step, not yet appended to output_ids
     bias: tuple[np.ndarray, np.ndarray] | None = None  # logit_bias as (int64 token ids, float32 values)
     constraints: dict[str, Constraint] = field(default_factory=dict)
@@ -46,11 +55,11 @@ class SeqState:
     """Its constraint when it is the only one and can jump forward."""
 
     @classmethod
-    def of(cls, new: NewSequence, strategies: dict[str, Any], jump_forward: bool = True) -> SeqState:
+    def of(cls, new: NewSequence, strategies: dict[str, Any], seed: int, jump_forward: bool = True) -> SeqState:
         bias = new.params.logit_bias
         arrays = None if not bias else (np.fromiter(bias.keys(), np.int64, len(bias)),
                                         np.fromiter(bias.values(), np.float32, len(bias)))
-        state = cls(new.params, new.prompt_token_ids, list(new.output_token_ids), bias=arrays)
+        state = cls(new.params, new.prompt_token_ids, list(new.output_token_ids), seed, bias=arrays)
         for name, prepared in new.prepared.items():
             constraint = strategies[name].start(prepared)
             for token in state.output_ids:  # a resumed request: its constraint catches up
@@ -88,12 +97,13 @@ class SamplingState:
     """The SeqStates of the requests the executor runs, by request id."""
 
     def __init__(self, eos_token_ids: list[int], staging: Staging, strategies: dict[str, Any] | None = None, *,
-                 jump_forward: bool = True) -> None:
+                 jump_forward: bool = True, seed: int = 0) -> None:
         self.eos_token_ids = eos_token_ids
         self.staging = staging
         self.strategies = strategies or {}
         """Decoding strategies by name: a request's prepared ones start its constraints."""
         self.jump_forward = jump_forward  # scheduler.jump_forward: constraints may jump forward
+        self.seed = seed  # the engine's (model.seed): unseeded requests' streams derive from it
         self.seqs: dict[str, SeqState] = {}
         self.host_sampled: set[str] = set()
         """Requests whose sampling may read their tokens on the host (penalties, min_tokens, constraints)."""
@@ -101,7 +111,8 @@ class SamplingState:
 
     def add(self, req_id: str, new: NewSequence) -> None:
         """A request that (re)enters the running set: its state is built anew from the plan."""
-        self.seqs[req_id] = state = SeqState.of(new, self.strategies, self.jump_forward)
+        seed = new.params.seed if new.params.seed is not None else drawn_seed(self.seed, req_id)
+        self.seqs[req_id] = state = SeqState.of(new, self.strategies, seed, self.jump_forward)
         if penalized(state.params) or state.params.min_tokens > 0 or state.constraints:
             self.host_sampled.add(req_id)
 
@@ -140,7 +151,7 @@ class SamplingState:
             top_k=t([min(p.top_k or vocab, vocab) for p in params], np.int64),
             top_p=t([p.top_p for p in params], np.float32),
             min_p=t([p.min_p for p in params], np.float32),
-            keys=to_device(row_keys(np.array([p.seed for p in params], dtype=np.int64),
+            keys=to_device(row_keys(np.array([s.seed for s in states], dtype=np.int64),
                                     produced + np.array([s.in_flight for s in states], dtype=np.int64))),
             all_greedy=all(p.temperature == 0 for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
