@@ -207,6 +207,7 @@ def speculative_rows(figs) -> list[str]:
             parts.append(f"trained target ({t['parameters'] / 1e6:.0f}M, held-out perplexity {t['heldout_perplexity']:.1f}), "
                          f"{draft}:")
         for key, label in (("draft_b1", "draft, batch 1, greedy"), ("draft_b1_sampled", "draft, batch 1, T 0.7"),
+                           ("draft_b1_drawn", "draft, batch 1, T 0.7 unseeded (drafts drawn)"),
                            ("draft_b8", "draft, batch 8"), ("ngram_b1", "n-gram, batch 1, copy-heavy")):
             if key in pair:
                 on = pair[key]["on"]

@@ -25,7 +25,8 @@ pair (not in `all`; --target DIR [--draft DIR]): a target trained by `train_buil
 target` on the built-in model's text and tokenizer, bf16, its draft (k = 4; by default the built-in
 model, or one distilled from the target with `train_builtin_model.py --teacher`): eight
 held-out documents' first 400 characters, 256 tokens each, one at a time greedy and sampled
-(temperature 0.7), then all eight at once; then the target with n-gram proposals on copy-heavy
+(temperature 0.7: seeded, so with the draft's greedy choices; and unseeded, so with drafts drawn
+from the draft's distribution and kept with probability min(1, p / q)), then all eight at once; then the target with n-gram proposals on copy-heavy
 prompts as in `ngram`. Outputs may part in bf16 (agreeing_prefix says how far they agree).
 
 load: W-small's model (Qwen3-0.6B shape, dummy weights) with W-small's first B prompts and
@@ -189,10 +190,12 @@ def pair(target: str, draft: str | None = None) -> dict:
         prompts = [tok.encode(d[:400]) for d in docs[:8]]
         greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=256)
         sampled = SamplingParams(temperature=0.7, seed=1, ignore_eos=True, max_tokens=256)
+        drawn = SamplingParams(temperature=0.7, ignore_eos=True, max_tokens=256)  # unseeded: drafts drawn
         speculation = llm.engine.scheduler.speculation
         sides = {"off": lambda: None, "on": lambda: speculation}
         out["draft_b1"] = compare(llm, sides, prompts, greedy, "draft b1", exact=False, one_by_one=True)
         out["draft_b1_sampled"] = compare(llm, sides, prompts, sampled, "draft b1 sampled", exact=False, one_by_one=True)
+        out["draft_b1_drawn"] = compare(llm, sides, prompts, drawn, "draft b1 drawn", exact=False, one_by_one=True)
         out["draft_b8"] = compare(llm, sides, prompts, greedy, "draft b8", exact=False)
     with LLM(target, dtype="bfloat16", log_interval_s=0, enable_prefix_caching=False,
              speculative_config={"method": "ngram", "num_speculative_tokens": 4}) as llm:
