@@ -7,10 +7,11 @@ publishes each request's latest cumulative RequestOutput in its OutputSlot.
 
 from __future__ import annotations
 
+import copy
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -288,8 +289,7 @@ class RequestActor:
             child_id = sub.req_id if p.n == 1 else f"{sub.req_id}#{i}"
             req.children.append(child_id)
             self.child_of[child_id] = (req, i)
-            # an unseeded sample stays unseeded: the executor draws its stream from its id
-            child_params = replace(p, n=1, seed=None if p.seed is None else (p.seed + i) % 2**63)
+            child_params = p if p.n == 1 else _child(p, i)
             arrivals.append(NewRequest(child_id, engine_ids, child_params, sub.priority, now,
                                        sub.req_id if p.n > 1 else None, prepared))
 
@@ -427,6 +427,17 @@ class RequestActor:
 def _copy(c: CompletionOutput) -> CompletionOutput:
     return CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
                             list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason)
+
+
+def _child(params: SamplingParams, i: int) -> SamplingParams:
+    """The parameters of sample i of an n > 1 request: n = 1, the seed moved on by i (an unseeded
+    sample stays unseeded: the executor derives its stream from its id). A copy, not replace():
+    the parameters are valid, and validating them again costs the event loop ~0.8 ms for each
+    sample of a request with a thousand logit_bias entries."""
+    child = copy.copy(params)
+    child.n = 1
+    child.seed = None if params.seed is None else (params.seed + i) % 2**63
+    return child
 
 
 def _detokenize(detok: Detokenizer, comp: CompletionOutput, up: SequenceUpdate) -> str | None:
