@@ -187,3 +187,62 @@ def test_a_constraint_masks_only_its_rows_and_leaves_the_logits_for_logprobs():
     b.allowed = (torch.tensor([0, 2]), masks)
     assert sample(logits, b).tolist() == [3, 39, 33]
     assert torch.equal(logits, before)
+
+
+def test_a_steps_sampling_batch_reuses_its_requests_parameters_and_recomputes_their_positions():
+    """SamplingState.batch keeps what depends on the requests alone for the next step with the
+    same requests in the same order; what depends on their positions (the random streams, banned
+    stop tokens, penalties' counts) is each step's; another set of requests, or drafts, rebuild it.
+    Each batch equals one built from scratch."""
+    from array import array
+
+    import numpy as np
+
+    from llmserve.messages import NewSequence
+    from llmserve.model.sampling_state import SamplingState
+    from llmserve.model.step_inputs import Staging
+    from llmserve.sampling_params import SamplingParams
+
+    def fresh_state():
+        state = SamplingState([2], Staging(torch.device("cpu")))
+        for i, p in enumerate(params):
+            state.add(f"r{i}", NewSequence(p, array("q", [5, 6, 7]), array("q")))
+        return state
+
+    params = [SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=0, min_tokens=2),
+              SamplingParams(temperature=1.0, top_k=5, repetition_penalty=1.2, logit_bias={3: 1.0}),
+              SamplingParams(temperature=0.5)]  # (unseeded: its stream from its id)
+    state, other = fresh_state(), fresh_state()
+
+    def fields(b):
+        out = {name: getattr(b, name) for name in ("temperature", "top_k", "top_p", "min_p", "keys", "all_greedy",
+                                                   "max_logprobs", "filtered_rows", "all_filtered", "bias", "banned")}
+        out["counts"] = b.penalties.output_counts if b.penalties is not None else None
+        return out
+
+    def same(a, b):
+        for name, value in fields(a).items():
+            expected = fields(b)[name]
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, expected), name
+            elif isinstance(value, tuple):
+                assert all(torch.equal(x, y) for x, y in zip(value, expected)), name
+            else:
+                assert value == expected, name
+
+    seqs = [state.seqs[f"r{i}"] for i in range(4)]
+    first = state.batch(seqs, 16)
+    for token in (9, 4):  # two steps: positions move, the requests stay
+        for s, t in zip(seqs + [other.seqs[f"r{i}"] for i in range(4)], [token] * 8):
+            s.output_ids.append(t)
+        again = state.batch(list(seqs), 16)
+        assert again.temperature is first.temperature and again.bias is first.bias  # reused
+        assert not torch.equal(again.keys, first.keys)
+        same(again, other.batch([other.seqs[f"r{i}"] for i in range(4)], 16))
+        other._rows = None  # (the reference builds from scratch every time)
+    assert first.banned is not None and again.banned is None  # min_tokens reached
+    fewer = state.batch(seqs[1:], 16)
+    assert fewer.temperature is not first.temperature and fewer.temperature.tolist() == [0.0, 1.0, 0.5]
+    drafted = state.batch(seqs[1:], 16, drafts=[[1], [], [2, 3]])
+    assert drafted.temperature.tolist() == [0.0, 0.0, 1.0, 0.5, 0.5, 0.5]
+    assert np.unique(drafted.keys.numpy()).size == 6  # every checked position its own stream

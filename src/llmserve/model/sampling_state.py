@@ -108,6 +108,7 @@ class SamplingState:
         self.host_sampled: set[str] = set()
         """Requests whose sampling may read their tokens on the host (penalties, min_tokens, constraints)."""
         self._mask_thread: ThreadPoolExecutor | None = None
+        self._rows: _Rows | None = None  # the last batch's per-request part
 
     def add(self, req_id: str, new: NewSequence) -> None:
         """A request that (re)enters the running set: its state is built anew from the plan."""
@@ -123,6 +124,7 @@ class SamplingState:
     def clear(self) -> None:
         self.seqs.clear()
         self.host_sampled.clear()
+        self._rows = None
 
     def needs_host_tokens(self, req_ids: list[str], in_flight: dict[str, int]) -> bool:
         """Whether a request of `req_ids` with a token in flight (`in_flight`: its row) samples
@@ -135,51 +137,41 @@ class SamplingState:
     def batch(self, states: list[SeqState], vocab: int, drafts: list[list[int]] | None = None) -> SamplingBatch:
         """The sampling parameters of `states` as device tensors: one row each, or with `drafts`
         (speculative decoding: per state, the drafts it checks), one row per position checked,
-        drafts + 1 of them: row i of a state draws as if its output went on with drafts[:i]."""
+        drafts + 1 of them: row i of a state draws as if its output went on with drafts[:i].
+        What depends on the requests alone (their parameters) is kept for the next step, which
+        usually samples the same requests in the same order; their positions are each step's."""
         to_device = self.staging.to_device
+        lengths = None if not drafts else [len(d) for d in drafts]
+        cached = self._rows
+        if (cached is not None and cached.lengths == lengths and len(cached.states) == len(states)
+                and all(a is b for a, b in zip(cached.states, states))):
+            rows = cached
+        else:
+            self._rows = rows = _Rows.of(states, lengths, vocab, self.staging)
+        states = rows.expanded
         ahead = None  # with drafts: per row, the drafts its draw follows
-        if drafts:
-            states = [s for s, d in zip(states, drafts) for _ in range(len(d) + 1)]
-            ahead = [d[:i] for d in drafts for i in range(len(d) + 1)]
-        params = [s.params for s in states]
         produced = np.array([len(s.output_ids) for s in states], dtype=np.int64)  # before each row's draw
-        if ahead is not None:
-            produced += np.array([len(a) for a in ahead], dtype=np.int64)
-        t = lambda xs, dtype: to_device(np.array(xs, dtype=dtype))  # noqa: E731
+        if drafts:
+            ahead = [d[:i] for d in drafts for i in range(len(d) + 1)]
+            produced += rows.ahead_counts
         batch = SamplingBatch(
-            temperature=t([p.temperature for p in params], np.float32),
-            top_k=t([min(p.top_k or vocab, vocab) for p in params], np.int64),
-            top_p=t([p.top_p for p in params], np.float32),
-            min_p=t([p.min_p for p in params], np.float32),
-            keys=to_device(row_keys(np.array([s.seed for s in states], dtype=np.int64),
-                                    produced + np.array([s.in_flight for s in states], dtype=np.int64))),
-            all_greedy=all(p.temperature == 0 for p in params),
-            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+            temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p, min_p=rows.min_p,
+            keys=to_device(row_keys(rows.seeds, produced + np.array([s.in_flight for s in states], dtype=np.int64))),
+            all_greedy=rows.all_greedy, max_logprobs=rows.max_logprobs, filtered_rows=rows.filtered_rows,
+            all_filtered=rows.all_filtered, bias=rows.bias,
         )
-        filtered = [i for i, p in enumerate(params) if p.temperature > 0 and (p.top_k or p.top_p < 1.0 or p.min_p > 0)]
-        if filtered:
-            batch.filtered_rows = t(filtered, np.int64)
-            batch.all_filtered = len(filtered) == len(params)
-        if any(penalized(p) for p in params):
-            scatter = lambda rows, dtype, count: _scatter_rows(rows, vocab, dtype, count, self.staging)  # noqa: E731
+        if rows.penalties is not None:
             batch.penalties = Penalties(
-                output_counts=scatter([s.output_ids for s in states] if ahead is None else
-                                      [s.output_ids + a for s, a in zip(states, ahead)], torch.float32, True),
-                prompt_mask=scatter([s.prompt_ids for s in states], torch.bool, False),
-                repetition=t([p.repetition_penalty for p in params], np.float32),
-                presence=t([p.presence_penalty for p in params], np.float32),
-                frequency=t([p.frequency_penalty for p in params], np.float32),
-            )
-        biased = [(i, s.bias) for i, s in enumerate(states) if s.bias is not None]
-        if biased:
-            rows = np.repeat(np.array([i for i, _ in biased], dtype=np.int64), [len(b[0]) for _, b in biased])
-            batch.bias = (to_device(rows), to_device(np.concatenate([b[0] for _, b in biased])),
-                          to_device(np.concatenate([b[1] for _, b in biased])))
-        banned = [(i, tok) for i, (s, n) in enumerate(zip(states, produced.tolist())) if n < s.params.min_tokens
-                  for tok in (s.params.stop_token_ids + ([] if s.params.ignore_eos else self.eos_token_ids))]
-        if banned:
-            rows, toks = zip(*banned)
-            batch.banned = (t(rows, np.int64), t(toks, np.int64))
+                output_counts=_scatter_rows([s.output_ids for s in states] if ahead is None else
+                                            [s.output_ids + a for s, a in zip(states, ahead)],
+                                            vocab, torch.float32, True, self.staging),
+                **rows.penalties)
+        if rows.min_tokens:
+            banned = [(i, tok) for i, (s, n) in enumerate(zip(states, produced.tolist())) if n < s.params.min_tokens
+                      for tok in (s.params.stop_token_ids + ([] if s.params.ignore_eos else self.eos_token_ids))]
+            if banned:
+                index, toks = zip(*banned)
+                batch.banned = (to_device(np.array(index, dtype=np.int64)), to_device(np.array(toks, dtype=np.int64)))
         return batch
 
     def masks(self, states: list[SeqState], vocab: int, *, background: bool = False) -> MaskFill | None:
@@ -215,6 +207,61 @@ class SamplingState:
         if self._mask_thread is not None:
             self._mask_thread.shutdown(wait=False)
             self._mask_thread = None
+
+
+@dataclass(slots=True, eq=False)
+class _Rows:
+    """The part of a step's SamplingBatch that depends on its requests alone, for `states` (one
+    row each, or with draft `lengths`, drafts + 1 rows each: `expanded`)."""
+    states: list[SeqState]
+    lengths: list[int] | None
+    expanded: list[SeqState]
+    ahead_counts: np.ndarray | None  # with drafts: per row, the drafts its draw follows
+    seeds: np.ndarray
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    all_greedy: bool
+    max_logprobs: int
+    filtered_rows: torch.Tensor | None
+    all_filtered: bool
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    penalties: dict[str, torch.Tensor] | None  # Penalties' fields but output_counts
+    min_tokens: bool  # some row may have stop tokens banned
+
+    @classmethod
+    def of(cls, states: list[SeqState], lengths: list[int] | None, vocab: int, staging: Staging) -> _Rows:
+        expanded, ahead = states, None
+        if lengths:
+            expanded = [s for s, n in zip(states, lengths) for _ in range(n + 1)]
+            ahead = np.concatenate([np.arange(n + 1) for n in lengths]).astype(np.int64)
+        params = [s.params for s in expanded]
+        t = lambda xs, dtype: staging.to_device(np.array(xs, dtype=dtype))  # noqa: E731
+        filtered = [i for i, p in enumerate(params) if p.temperature > 0 and (p.top_k or p.top_p < 1.0 or p.min_p > 0)]
+        penalties = None
+        if any(penalized(p) for p in params):
+            penalties = dict(prompt_mask=_scatter_rows([s.prompt_ids for s in expanded], vocab, torch.bool, False, staging),
+                             repetition=t([p.repetition_penalty for p in params], np.float32),
+                             presence=t([p.presence_penalty for p in params], np.float32),
+                             frequency=t([p.frequency_penalty for p in params], np.float32))
+        bias = None
+        biased = [(i, s.bias) for i, s in enumerate(expanded) if s.bias is not None]
+        if biased:
+            index = np.repeat(np.array([i for i, _ in biased], dtype=np.int64), [len(b[0]) for _, b in biased])
+            bias = (staging.to_device(index), staging.to_device(np.concatenate([b[0] for _, b in biased])),
+                    staging.to_device(np.concatenate([b[1] for _, b in biased])))
+        return cls(
+            list(states), lengths, expanded, ahead, np.array([s.seed for s in expanded], dtype=np.int64),
+            temperature=t([p.temperature for p in params], np.float32),
+            top_k=t([min(p.top_k or vocab, vocab) for p in params], np.int64),
+            top_p=t([p.top_p for p in params], np.float32),
+            min_p=t([p.min_p for p in params], np.float32),
+            all_greedy=all(p.temperature == 0 for p in params),
+            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+            filtered_rows=t(filtered, np.int64) if filtered else None,
+            all_filtered=bool(filtered) and len(filtered) == len(params),
+            bias=bias, penalties=penalties, min_tokens=any(p.min_tokens > 0 for p in params))
 
 
 @dataclass(slots=True)
