@@ -1,3 +1,8 @@
+from array import array
+
+import numpy as np
+
+from llmserve.core import kv_cache_manager
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.messages import PLACEHOLDER, Admission, ScheduledRequest, StepProposal
 from llmserve.sampling_params import SamplingParams
@@ -263,3 +268,45 @@ def test_a_preempted_windowed_request_gives_back_only_what_it_still_holds():
     assert fb.preempted == ["b", "a"] and kv.num_free_blocks() == 0 and "z" in fb.scheduled
     kv.process(StepProposal(11, [], freed=["a", "b", "z"]))
     assert kv.num_free_blocks() == 8
+
+
+def test_a_plans_prefix_groups_are_the_last_plans_while_nothing_they_depend_on_changed():
+    """Step after step of the same running rows, the groups are the last step's (no search);
+    what could change them (the first steps' contexts, which end the group; a row leaving)
+    searches again. At every step they equal a fresh search."""
+    import random
+
+    from llmserve.core.kv_cache_manager import find_prefix_groups
+
+    rng = random.Random(0)
+    kv = KVCacheManager(4096, 4, max_model_len=4096, prefix_groups=True)
+    searches = []
+    original = kv_cache_manager.find_prefix_groups
+    kv_cache_manager.find_prefix_groups = lambda *a, **k: searches.append(1) or original(*a, **k)
+    try:
+        shared = [rng.randrange(3, 99) for _ in range(10)]  # two blocks and two tokens
+        names = [f"r{i}" for i in range(5)]
+        prompts = {r: shared + [rng.randrange(3, 99) for _ in range(i)] for i, r in enumerate(names)}
+        key = lambda i: (0, float(i), i)  # noqa: E731
+        # the first prompt's blocks are cached, then all five run (the others hit its two blocks)
+        plan, _ = kv.process(StepProposal(0, [ScheduledRequest("r0", len(prompts["r0"]), array("q", prompts["r0"]),
+                                                               key(0), Admission(10, SamplingParams(), True))]))
+        entries = [ScheduledRequest(r, len(prompts[r]), array("q", prompts[r]), key(i), Admission(len(prompts[r]),
+                                    SamplingParams(), True)) for i, r in enumerate(names[1:], 1)]
+        entries.insert(0, ScheduledRequest("r0", 1, array("q", [7]), key(0)))
+        plans = [kv.process(StepProposal(1, entries))[0]]
+        for step in range(2, 40):
+            entries = [ScheduledRequest(r, 1, array("q", [rng.randrange(3, 99)]), key(i)) for i, r in enumerate(names)]
+            if step == 20:  # one row leaves: other rows
+                kv.free(names.pop())
+                entries.pop()
+            plans.append(kv.process(StepProposal(step, entries))[0])
+        for p in plans:
+            fresh = find_prefix_groups(p.block_tables, p.context_lens // 4, 4)
+            assert fresh is not None and p.prefix_groups is not None
+            for field in ("starts", "members", "lo", "hi", "level"):
+                assert np.array_equal(getattr(p.prefix_groups, field), getattr(fresh, field))
+        assert plans[5].prefix_groups is plans[4].prefix_groups  # reused
+        assert 2 <= len(searches) <= 8  # the first steps, the step a row left
+    finally:
+        kv_cache_manager.find_prefix_groups = original

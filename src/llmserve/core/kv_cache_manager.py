@@ -108,6 +108,15 @@ def find_prefix_groups(tables: np.ndarray, ctx_blocks: np.ndarray, block_size: i
                         np.array([f[1] for f in chosen], dtype=np.int32))
 
 
+@dataclass(slots=True, frozen=True)
+class _KnownGroups:
+    """The prefix groups of the last plan, and what keeps them valid (KVCacheManager._find_groups)."""
+    req_ids: list[str]
+    members: np.ndarray  # int32 [M]: the groups' rows
+    ends: np.ndarray  # int32 [M]: each one's group's end, in blocks
+    groups: PrefixGroups | None
+
+
 @dataclass(slots=True, eq=False)
 class KVRequest:
     req_id: str
@@ -144,6 +153,7 @@ class KVCacheManager:
         self.reserve_growth = reserve_growth
         self.prefix_groups = prefix_groups
         """Report the rows that share a prefix of blocks with each plan (for cascade attention)."""
+        self._groups: _KnownGroups | None = None
         self.budget_share = 1.0
         """Running mean of the share of their budget (up to RESERVE_HORIZON tokens) finished requests used."""
         self.requests: dict[str, KVRequest] = {}
@@ -462,9 +472,10 @@ class KVCacheManager:
                 tokens = self.requests[e.req_id].token_ids
                 new_sequences[e.req_id] = NewSequence(adm.params, tokens[:adm.prompt_len], tokens[adm.prompt_len:],
                                                       adm.prepared)
+        req_ids = [r.req_id for r in reqs]
         return StepPlan(
             step_id=proposal.step_id,
-            req_ids=[r.req_id for r in reqs],
+            req_ids=req_ids,
             token_ids=token_ids,
             query_lens=query_lens,
             context_lens=context_lens,
@@ -474,9 +485,29 @@ class KVCacheManager:
             freed=list(proposal.freed),
             drafts=drafts,
             propose=propose,
-            prefix_groups=find_prefix_groups(block_tables, context_lens // self.block_size, self.block_size)
+            prefix_groups=self._find_groups(req_ids, block_tables, context_lens // self.block_size)
             if self.prefix_groups and len(reqs) > 1 else None,
         )
+
+    def _find_groups(self, req_ids: list[str], tables: np.ndarray, ctx_blocks: np.ndarray) -> PrefixGroups | None:
+        """find_prefix_groups, or the last step's groups where they are still this step's: the same
+        rows in the same order, and every member's context still past its group's prefix. A row's
+        blocks only grow while it runs, so what the groups were found from (each row's blocks up to
+        where the members differ, every context past it) is unchanged; a step of other rows, a
+        context that a group's end depended on (or that reached none of its rows' first block), or
+        groups left out for want of room (their rank could change) looks again."""
+        known = self._groups
+        if (known is not None and known.req_ids == req_ids and (ctx_blocks >= 1).all()
+                and (ctx_blocks[known.members] > known.ends).all()):
+            return known.groups
+        groups = find_prefix_groups(tables, ctx_blocks, self.block_size)
+        members = np.zeros(0, dtype=np.int32) if groups is None else groups.members
+        ends = np.zeros(0, dtype=np.int32) if groups is None else \
+            np.repeat(groups.hi // self.block_size, np.diff(groups.starts))
+        still = ((groups is None or groups.num_groups < MAX_PREFIX_GROUPS)  # (none left out for room: no ranking to change)
+                 and (ctx_blocks >= 1).all() and (ctx_blocks[members] > ends).all())
+        self._groups = _KnownGroups(req_ids, members, ends, groups) if still else None
+        return groups
 
     # ---- accounting --------------------------------------------------------------------------
 
