@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="[test]"
 source scripts/setup_venv.sh
-echo "tests: about 14 minutes on 2 CPU cores"
+echo "tests: about 15 minutes on 2 CPU cores"
 exec "$VENV/bin/python" -m pytest -q "$@"
