@@ -149,6 +149,8 @@ class PreparedGrammar:
     """A compiled grammar, and where to read it from in another process (written when first
     pickled). `key` names the grammar's source (kind, text, tokenizer)."""
 
+    checks_drafts = True  # its constraints advance over drafts and roll back (speculative decoding)
+
     def __init__(self, compiled: Any, key: str, files: _Files, tokenizer: Any, jump_forward: bool) -> None:
         self.compiled = compiled
         self.key = key
@@ -266,6 +268,13 @@ class GrammarConstraint:
     def accept(self, token: int) -> None:
         if not self.matcher.accept_token(token) and not self.matcher.is_terminated():
             raise RuntimeError(f"structured_outputs: token {token} is not allowed by the grammar here")
+
+    def advance(self, token: int) -> bool:
+        """Past a draft, tentatively (False: the grammar rejects it here, and nothing moved)."""
+        return self.matcher.accept_token(token)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
 
 
 class JumpingGrammarConstraint(GrammarConstraint):

@@ -736,3 +736,66 @@ def test_drawn_drafts_from_the_model_itself_are_all_kept(checkpoint, graphs):
         spec = llm.engine.scheduler.spec
     assert spec.drafts > 20 and spec.accepted_tokens >= 0.99 * spec.draft_tokens
     assert chained and all(sampled for _, sampled in chained)
+
+
+# ---- structured outputs ---------------------------------------------------------------------------
+
+STRUCTURED_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                                      "b": {"enum": ["x", "yy", "zzz"]}, "c": {"type": "boolean"},
+                                                      "d": {"type": "string", "maxLength": 12}},
+                     "required": ["a", "b", "c", "d"], "additionalProperties": False}
+
+
+def structured_params(jump_forward: bool) -> list[SamplingParams]:
+    from llmserve import StructuredOutputsParams
+    kinds = [{"json": STRUCTURED_SCHEMA}, {"regex": r"[a-z]{3,8}( [0-9]{2}){2,4}"}, {"json": STRUCTURED_SCHEMA}]
+    return [SamplingParams(max_tokens=60, temperature=0.0 if i < 2 else 0.9, seed=i,
+                           structured_outputs=StructuredOutputsParams(**kind, jump_forward=jump_forward))
+            for i, kind in enumerate(kinds)]
+
+
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_constrained_requests_speculate_and_keep_no_draft_their_grammar_rejects(checkpoint, jump_forward):
+    """The model itself as the draft proposes its unconstrained continuations, which the grammar
+    rejects here and there: each checked position is masked as the grammar stands after the drafts
+    before it, so the outputs (greedy, and seeded sampling) are the plain constrained engine's,
+    with jump-forward too, and valid; some drafts are kept, some are not."""
+    import json
+
+    import jsonschema
+
+    ck = checkpoint("llama")
+    prompts = [[5, 6, 7], [20, 21, 22, 23], [44, 45]]
+    params = structured_params(jump_forward)
+    with LLM(ck, **COMMON) as llm:
+        plain = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    config = {"method": "draft", "model": ck, "num_speculative_tokens": 3}
+    with LLM(ck, **COMMON, speculative_config=config) as llm:
+        hold_speculation_on(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        spec = llm.engine.scheduler.spec
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    jsonschema.validate(json.loads(outs[0].outputs[0].text), STRUCTURED_SCHEMA)
+    assert spec.drafts > 5 and 0 < spec.accepted_tokens < spec.draft_tokens
+
+
+def test_constrained_unseeded_samples_check_drawn_drafts_against_their_grammar(checkpoint):
+    """Drafts drawn from the (unconstrained) draft model's distribution, checked with min(1, p / q)
+    where p is the constrained one: a draft the grammar rejects has p = 0 and is never kept, and
+    every output validates."""
+    import json
+
+    import jsonschema
+
+    from llmserve import StructuredOutputsParams
+
+    ck = checkpoint("llama")
+    params = SamplingParams(max_tokens=60, temperature=0.9, structured_outputs=StructuredOutputsParams(json=STRUCTURED_SCHEMA))
+    with LLM(ck, **COMMON, speculative_config={"method": "draft", "model": ck, "num_speculative_tokens": 3}) as llm:
+        hold_speculation_on(llm)
+        outs = llm.generate([{"prompt_token_ids": [5, 6, 7 + i]} for i in range(6)], params, use_tqdm=False)
+        spec = llm.engine.scheduler.spec
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), STRUCTURED_SCHEMA)
+    assert spec.drafts > 5 and 0 < spec.accepted_tokens < spec.draft_tokens

@@ -48,6 +48,11 @@ class Constraint(Protocol):
     def accept(self, token: int) -> None:
         """Advance past a token the request produced (one the mask allowed)."""
 
+    # Optional (speculative decoding): a constraint that can check drafts defines
+    #   advance(token: int) -> bool    past a draft, tentatively (False: it rejects it; unchanged)
+    #   rollback(num_tokens: int)      undo the last advances
+    # and its strategy's prepared object has `checks_drafts = True`: then its requests speculate,
+    # each checked position masked as the constraint stands after the drafts before it.
     # Optional (jump-forward): a constraint that can force what follows defines
     #   jump(token: int, limit: int) -> list[int] | None
     # called right after accept(token): at most `limit` tokens that replace `token` (its text and

@@ -110,9 +110,10 @@ class Speculation:
 
     @staticmethod
     def serves(params: SamplingParams, prepared: dict[str, Any]) -> bool:
-        """Whether a request speculates: not with a decoding strategy's constraint (its mask
-        follows each token, and drafts are not checked against it)."""
-        return not prepared
+        """Whether a request speculates: with at most one decoding strategy's constraint, one that
+        can check drafts (its prepared object's `checks_drafts`: the executor masks each checked
+        position as the constraint stands after the drafts before it, llmserve/decoding.py)."""
+        return not prepared or (len(prepared) == 1 and getattr(next(iter(prepared.values())), "checks_drafts", False))
 
 
 class SpecControl:

@@ -363,10 +363,10 @@ class Scheduler:
             update.new_token_ids = []
             if req_id in result.logprobs:
                 update.logprobs += result.logprobs[req_id]
-            # jump-forward: the tokens that replace the sampled one; speculation: the drafts kept
-            # and the token after them; each counted and checked
-            tokens = result.jumps.get(req_id, (token,)) if result.jumps else (token,)
-            self.jumped_tokens += len(tokens) - 1
+            # speculation: the drafts kept and the token after them; jump-forward: the tokens that
+            # replace that last token; each counted and checked
+            jumped = result.jumps.get(req_id) if result.jumps else None
+            tokens = (token,)
             if req.checking or req.proposing:
                 tokens = result.accepted.get(req_id, tokens)
                 counted, n = self._followed(req, tokens, result.drafts.get(req_id))
@@ -374,6 +374,9 @@ class Scheduler:
                 kept += n
             else:
                 req.missed = False
+            if jumped is not None:
+                self.jumped_tokens += len(jumped) - 1
+                tokens = [*tokens[:-1], *jumped]
             if req_id in result.dropped_next:  # the step after this one samples nothing for it
                 req.pending -= 1
                 if tokens[0] != token:  # and the token it computed is replaced: taken back

@@ -435,8 +435,7 @@ class ModelRunner:
             logits = logits[self.staging.to_device(rows)]
         states = [self.sampling.seqs[r] for r in result.req_ids]
         batch = self.sampling.batch(states, logits.shape[-1], drafts)
-        row_states = states if drafts is None else [s for s, d in zip(states, drafts) for _ in range(len(d) + 1)]
-        masks = self.sampling.masks(row_states, logits.shape[-1], background=background)
+        masks = self.sampling.masks(states, logits.shape[-1], background=background, drafts=drafts)
         sampling = _Sampling(result, forward.req_ids, logits, states, batch, masks, drafts, forward.propose,
                              draft_probs)
         return sampling if background and masks is not None else self._queue(sampling)
@@ -541,11 +540,11 @@ class ModelRunner:
                 self._fail(result, req_id, flight.mask_errors[i])
                 continue
             try:  # harmless for a request freed meanwhile: its state is gone
-                state.accept(token)
-                if result.accepted and req_id in result.accepted:  # (speculation serves no constraint)
-                    state.output_ids += result.accepted[req_id][1:]
+                produced = result.accepted.get(req_id) if result.accepted else None
+                state.accept(produced or [token])
                 if not state.constraints:
                     continue
+                token = state.output_ids[-1]  # (with drafts kept: what a jump would follow)
                 if token in eos:  # it ends here (ignore_eos is refused with constraints, min_tokens bans it
                     if req_id in ahead:  # before): the step launched meanwhile need not sample it
                         self.dropped.add(req_id)

@@ -69,12 +69,13 @@ class SeqState:
             state.jumper = constraint
         return state
 
-    def accept(self, token: int) -> None:
-        """A token it produced, now on the host."""
-        self.output_ids.append(token)
+    def accept(self, tokens: list[int]) -> None:
+        """The tokens a step produced for it (one, or drafts kept and the one after), now on the host."""
+        self.output_ids += tokens
         self.in_flight -= 1
         for constraint in self.constraints.values():
-            constraint.accept(token)
+            for token in tokens:
+                constraint.accept(token)
 
     def jump(self, token: int, max_model_len: int) -> list[int] | None:
         """After accept(token), `token` not an end of sequence: the tokens its jumper forces in
@@ -174,32 +175,50 @@ class SamplingState:
                 batch.banned = (to_device(np.array(index, dtype=np.int64)), to_device(np.array(toks, dtype=np.int64)))
         return batch
 
-    def masks(self, states: list[SeqState], vocab: int, *, background: bool = False) -> MaskFill | None:
+    def masks(self, states: list[SeqState], vocab: int, *, background: bool = False,
+              drafts: list[list[int]] | None = None) -> MaskFill | None:
         """The packed masks of the rows of `states` that have constraints (None: no such row),
         written into pinned host memory for one copy to the device: 5 MB a step for 256 rows of a
         152k vocabulary. Each strategy fills its constraints' rows in one call where it can
         (fill_masks: a grammar engine's threads), else one fill_mask a row; a row under two
         strategies gets both ANDed. background: filled on the mask thread while the caller goes
-        on (the constraints must not move until MaskFill.send() returned); else here."""
-        constrained = [i for i, s in enumerate(states) if s.constraints]
-        if not constrained:
+        on (the constraints must not move until MaskFill.send() returned); else here.
+
+        With `drafts` (speculative decoding: per state, the drafts it checks in len + 1 rows), a
+        constrained state's row j is masked as its constraint stands after the first j drafts
+        (advanced tentatively, then rolled back, here); a draft it rejects leaves the rows after it
+        allowing every token: the row before masks that draft out, so the drafts kept end there."""
+        counts = [len(d) + 1 for d in drafts] if drafts else [1] * len(states)
+        firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        owners = [i for i, s in enumerate(states) if s.constraints for _ in range(counts[i])]
+        if not owners:
             return None
-        host = torch.empty((len(constrained), mask_width(vocab)), dtype=torch.int32,
+        batch_rows = [firsts[i] + j for i, s in enumerate(states) if s.constraints for j in range(counts[i])]
+        host = torch.empty((len(owners), mask_width(vocab)), dtype=torch.int32,
                            pin_memory=self.staging.device.type == "cuda")
         groups: dict[str, tuple[list[Constraint], list[int]]] = {}
-        for row, i in enumerate(constrained):
-            for name, constraint in states[i].constraints.items():
+        ahead: list[tuple[Constraint, int, list[int]]] = []  # (constraint, its first row, its drafts)
+        row = 0
+        for i, state in enumerate(states):
+            if not state.constraints:
+                continue
+            for name, constraint in state.constraints.items():
                 constraints, rows = groups.setdefault(name, ([], []))
                 constraints.append(constraint)
                 rows.append(row)
-        fill = MaskFill(self.staging.to_device(np.array(constrained, dtype=np.int64)), host, constrained, self.staging)
+            if counts[i] > 1:  # (Speculation.serves: one constraint, which can check drafts)
+                ahead.append((next(iter(state.constraints.values())), row, drafts[i]))
+            row += counts[i]
+        fill = MaskFill(self.staging.to_device(np.array(batch_rows, dtype=np.int64)), host, owners, self.staging)
         work = [(self.strategies[name], constraints, rows) for name, (constraints, rows) in groups.items()]
-        if background:
+        if background and not ahead:
             if self._mask_thread is None:
                 self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="llmserve-masks")
             fill.job = self._mask_thread.submit(_fill_masks, work, host, fill.failed)
         else:
             _fill_masks(work, host, fill.failed)
+            for constraint, first, checked in ahead:
+                _fill_ahead(constraint, host, first, checked, fill.failed)
         return fill
 
     def close(self) -> None:
@@ -266,11 +285,12 @@ class _Rows:
 
 @dataclass(slots=True)
 class MaskFill:
-    """A step's packed masks (int32 [rows, ceil(V / 32)], pinned host memory): one row per batch
-    row in `batch_rows` (also on the device as `rows`), being filled unless `job` is done."""
+    """A step's packed masks (int32 [rows, ceil(V / 32)], pinned host memory): one row per masked
+    batch row (on the device as `rows`), of the request `owners` gives (its index in the step's
+    sampling requests), being filled unless `job` is done."""
     rows: torch.Tensor
     host: torch.Tensor
-    batch_rows: list[int]
+    owners: list[int]
     staging: Staging
     job: Future | None = None
     failed: dict[int, str] = field(default_factory=dict)
@@ -285,8 +305,8 @@ class MaskFill:
         return self.rows, self.staging.send(self.host)
 
     def errors(self) -> dict[int, str]:
-        """Batch row -> the error its constraint raised filling its mask (after send())."""
-        return {self.batch_rows[row]: error for row, error in self.failed.items()}
+        """Sampling request -> the error its constraint raised filling a mask (after send())."""
+        return {self.owners[row]: error for row, error in self.failed.items()}
 
 
 @torch.inference_mode()  # on the mask thread too: `host` was made in inference mode
@@ -309,6 +329,27 @@ def _fill_masks(work: list[tuple[Any, list[Constraint], list[int]]], host: torch
                     target[row] = -1
         if not alone:
             host &= target
+
+
+def _fill_ahead(constraint: Constraint, host: torch.Tensor, first: int, drafts: list[int],
+                failed: dict[int, str]) -> None:
+    """Rows first + 1 .. first + len(drafts) of `host`: the constraint's masks after one, two ...
+    of the drafts (row `first`, after none, is filled with the others), the constraint advanced
+    over them tentatively and rolled back; past a draft it rejects, rows that allow every token."""
+    advanced = 0
+    try:
+        for j, token in enumerate(drafts, 1):
+            if not constraint.advance(token):
+                host[first + j:first + len(drafts) + 1] = -1
+                break
+            advanced += 1
+            constraint.fill_mask(host, first + j)
+    except Exception as exc:
+        failed[first] = f"{type(exc).__name__}: {exc}"
+        host[first:first + len(drafts) + 1] = -1
+    finally:
+        if advanced:
+            constraint.rollback(advanced)
 
 
 def _fill_all(strategy: Any, constraints: list[Constraint], target: torch.Tensor, rows: list[int]) -> bool:
