@@ -257,7 +257,7 @@ class _Chain:
         pool = torch.cuda.graph_pool_handle()
         for key in variants:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 self.outputs[key] = self._forward(*key)
             self.graphs[key] = graph
 

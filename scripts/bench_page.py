@@ -17,6 +17,8 @@ the page's figures:
     modes = ["verify"]                # spec_bench figures: optional, only these modes of the file
     offline = "w-small.json"          # W-serve rows: the same call's offline run it is a fraction of
     same_call = "..."                 # optional: what the same call measured beside it (from its log)
+    section = "parallel"              # optional: the table, where not the file's kind (parallel: Several
+    baseline_label = "TP = 1"         #   GPUs, each figure beside its `baseline`, so labelled)
 
 A figure's kind follows from its file: `bench throughput` (offline), `bench serve`, the start-up
 benchmark's rows, or `bench quality`.
@@ -76,7 +78,7 @@ def latest_figures(runs: list[dict]) -> dict[str, list[tuple[dict, dict]]]:
             chosen[fig["name"]] = (fig, run)
     by_kind: dict[str, list] = {}
     for fig, run in chosen.values():
-        by_kind.setdefault(kind(fig["file_data"]), []).append((fig, run))
+        by_kind.setdefault(fig.get("section") or kind(fig["file_data"]), []).append((fig, run))
     return by_kind
 
 
@@ -257,6 +259,28 @@ def moe_rows(figs) -> list[str]:
     return rows
 
 
+def parallel_rows(figs) -> list[str]:
+    """Several GPUs: each run beside its baseline of the same call (one GPU, one replica), as a
+    ratio of output throughputs; offline runs (bench throughput) and served ones (bench serve) alike."""
+    def tok_s(d: dict) -> float:
+        return d["output_throughput"] if "output_throughput" in d else d["output_tok_s"]
+
+    def measured(d: dict) -> str:
+        if "output_throughput" in d:
+            return f"{d['output_throughput']:,.0f} tok/s served, TPOT median {d['tpot_ms']['median']:.1f} ms"
+        return (f"{d['wall_s']:.3f} s, {d['output_tok_s']:,.0f} tok/s "
+                f"({1e3 * d['wall_s'] / d['output_tokens']:.2f} ms a token)")
+
+    rows = ["| figure | measured | against, in the same call | run |", "|---|---|---|---|"]
+    for fig, run in figs:
+        d, b = fig["file_data"], fig.get("baseline_data")
+        parts = [f"{fig['baseline_label']}: {measured(b)}: **{tok_s(d) / tok_s(b):.2f}×**"] if b else []
+        if "same_call" in fig:
+            parts.append(fig["same_call"])
+        rows.append(f"| {fig['name']} | {measured(d)} | {'; '.join(parts) or '—'} | {link(run)} |")
+    return rows
+
+
 def render(runs: list[dict]) -> str:
     figs = latest_figures(runs)
     parts = []
@@ -264,7 +288,8 @@ def render(runs: list[dict]) -> str:
                              ("Start-up", "startup", startup_rows), ("Quantization quality", "quality", quality_rows),
                              ("Structured outputs", "structured", structured_rows),
                              ("Speculative decoding", "speculative", speculative_rows),
-                             ("Cascade attention", "cascade", cascade_rows), ("Mixture of experts", "moe", moe_rows)):
+                             ("Cascade attention", "cascade", cascade_rows), ("Mixture of experts", "moe", moe_rows),
+                             ("Several GPUs", "parallel", parallel_rows)):
         if key in figs:
             parts.append(f"### {title}\n\n" + "\n".join(rows(figs[key])))
     index = ["| run | time | device | commit | command | what |", "|---|---|---|---|---|---|"]

@@ -24,6 +24,7 @@
 #          the Qwen3-30B-A3B shape;
 #          w-prefix: W-prefix with prefix caching off, on, on + cascade attention, then
 #          scripts/cascade_bench.py (the kernel in FlashInfer's setting, the cost model's sweep);
+#          multi: several GPUs (tensor parallelism, replicas; MULTI_PARTS picks the parts);
 #          figures: decode-b1 bf16 and int8, W-small with an FP8 cache and W-large fp8 beside bf16,
 #          the server's start-up (BENCHMARKS.md's figures without a peer);
 #          peers: W-small and W-large (PEER_WORKLOADS) with vLLM 0.24.0 as the peer in the same
@@ -188,6 +189,77 @@ run)
         for mode in ${CASCADE_MODES:-sweep}; do  # sweep: the cost model's; tune: the prefix kernel's tiles
             (cd scripts && PYTHONPATH=/tmp/site:. timeout 300 "$PY" cascade_bench.py --$mode \
                 --json "$OUT/cascade-$mode.json") > "$OUT/cascade-$mode.log" 2>&1
+        done
+    elif [ "$bench" = multi ]; then
+        # Several GPUs (tensor parallelism and replicas), MULTI_PARTS of: tests (tests/test_gpu_multi.py),
+        # collectives (scripts/allreduce_bench.py: a TP step's NCCL collectives, graphed), decode
+        # (decode-b1 on the 8B shape at TP = 1, 2 and 4 where there are 4 GPUs), large (the
+        # Llama-3.1-70B shape, dummy weights, served at TP = 2 and answering bench serve), serve-8b
+        # (W-large's requests through the server: TP = 1 on one GPU, 2 replicas, TP = 2), w-large
+        # (offline at TP = 1 and 2), serve-small (W-serve on W-small's shape: 1 replica, then 2).
+        # NVLink multicast stays off in every process (they inherit this environment).
+        export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+        gpus=$(nvidia-smi -L | wc -l)
+        gib=$("$PY" -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)')
+        echo "$gpus GPUs of $gib GiB"
+        serve_run() {  # name, model dir, timeout, serve flags..., then -- and bench serve's flags
+            local name=$1 dir=$2 limit=$3; shift 3
+            local flags=(); while [ "$1" != -- ]; do flags+=("$1"); shift; done; shift
+            local t0=$SECONDS
+            "$PY" -m llmserve.cli serve "$dir" --load-format dummy --log-interval-s 10 --port 8000 \
+                --max-waiting-requests 100000 "${flags[@]}" > "$OUT/$name-server.log" 2>&1 &
+            local server=$!
+            for _ in $(seq 1 "$limit"); do curl -sf localhost:8000/health >/dev/null && break; sleep 1
+                kill -0 $server 2>/dev/null || break; done
+            echo "$name: up after $((SECONDS - t0)) s"
+            timeout "$limit" "$PY" -m llmserve.cli bench serve "$@" --json "$OUT/$name.json" \
+                | grep -E "throughput|tok/s|tpot_ms|ttft_ms|completed|failed"
+            nvidia-smi --query-gpu=index,memory.used --format=csv,noheader > "$OUT/$name-memory.csv"
+            kill -TERM $server; wait $server; tail -2 "$OUT/$name-server.log"
+            gpus_free "$name"
+        }
+        gpus_free() {  # wait until no process holds a GPU (a rank that outlived its server would)
+            local t0=$SECONDS
+            while [ -n "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && [ $((SECONDS - t0)) -lt 60 ]; do
+                sleep 1; done
+            echo "$1: GPUs free $((SECONDS - t0)) s after exit; left: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"
+        }
+        "$PY" -c 'from llmserve.bench.workloads import w_large, w_small; w_large().write_model_dir("/tmp/w-large-model"); w_small().write_model_dir("/tmp/w-small-model")'
+        for part in ${MULTI_PARTS:-tests collectives decode large serve-8b w-large serve-small}; do
+            echo "== $part from $(date +%T)"
+            case $part in
+            tests)
+                timeout ${TEST_TIMEOUT:-300} "$PY" -m pytest -q -p no:cacheprovider --timeout 200 --durations 8 -rf \
+                    ${MULTI_TESTS:+-k "$MULTI_TESTS"} tests/test_gpu_multi.py 2>&1 | tee "$OUT/gpu_multi_tests.log" | tail -15 ;;
+            collectives)
+                for ranks in 2 4; do [ "$ranks" -le "$gpus" ] || continue
+                    (cd scripts && PYTHONPATH=/tmp/site:. timeout 120 "$PY" allreduce_bench.py --ranks $ranks \
+                        --json "$OUT/allreduce-tp$ranks.json") 2>&1 | tail -4; done ;;
+            decode)  # tp2-nccl: every all-reduce through NCCL (no one-shot kernel)
+                for run in tp1 tp2 tp2-nccl tp4 tp4-nccl; do tp=${run:2:1}; [ "$tp" -le "$gpus" ] || continue
+                    flags=(); [ "${run#*-}" = nccl ] && flags=(--disable-custom-all-reduce)
+                    timeout 150 "$PY" -m llmserve.bench.throughput --workload decode-b1 --tensor-parallel-size $tp \
+                        "${flags[@]}" --json "$OUT/decode-b1-$run.json" > "$OUT/decode-b1-$run.log" 2>&1
+                    echo "decode-b1 $run: exit $?"; "$PY" scripts/bench_summary.py "$OUT/decode-b1-$run.json"
+                    gpus_free decode-b1-$run; done ;;
+            large)
+                "$PY" -c 'import json, pathlib; from llmserve.bench.workloads import LLAMA31_70B as c; d = pathlib.Path("/tmp/llama-70b"); d.mkdir(exist_ok=True); (d / "config.json").write_text(json.dumps(c))'
+                serve_run large-70b-tp2 /tmp/llama-70b 300 --tensor-parallel-size 2 --gpu-memory-utilization 0.95 \
+                    --max-model-len 8192 -- --workload random --num-requests 64 --random-input-len 512 --random-output-len 128 ;;
+            serve-8b)
+                for run in ${SERVE_8B:-tp1:1:1 dp2:1:2 tp2:2:1}; do IFS=: read -r name tp dp <<< "$run"
+                    serve_run serve-8b-$name /tmp/w-large-model 240 --tensor-parallel-size $tp --data-parallel-size $dp \
+                        -- --workload w-large --rate inf; done ;;
+            w-large)
+                for tp in 1 2; do
+                    timeout 200 "$PY" -m llmserve.bench.throughput --workload w-large --tensor-parallel-size $tp \
+                        --json "$OUT/w-large-tp$tp.json" > "$OUT/w-large-tp$tp.log" 2>&1
+                    echo "w-large tp$tp: exit $?"; "$PY" scripts/bench_summary.py "$OUT/w-large-tp$tp.json"
+                    gpus_free w-large-tp$tp; done ;;
+            serve-small)
+                for dp in 1 2; do serve_run serve-small-dp$dp /tmp/w-small-model 150 --data-parallel-size $dp \
+                    -- --workload w-small --rate inf; done ;;
+            esac
         done
     elif [ "$bench" = moe ]; then
         # One MoE layer of the Qwen3-30B-A3B shape: the fused kernel against a per-expert loop and

@@ -20,7 +20,7 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 HELP_ONLY = [
-    "attention_bench.py", "cascade_bench.py", "decode_gemm_bench.py", "filtered_bench.py", "first_step_bench.py", "gated_gemm_bench.py",
+    "allreduce_bench.py", "attention_bench.py", "cascade_bench.py", "decode_gemm_bench.py", "filtered_bench.py", "first_step_bench.py", "gated_gemm_bench.py",
     "gc_bench.py", "int8_sweep.py", "moe_bench.py", "sampler_bench.py", "sass_stats.py", "spec_bench.py", "startup_bench.py",
     "structured_bench.py",
 ]

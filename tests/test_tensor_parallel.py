@@ -4,6 +4,7 @@ greedy tokens (float32), as one rank does (test_equivalence.py); sampled tokens 
 chunked prefill, prefix hits, preemption and n > 1 keep working; a rank that dies ends the engine
 with its error at once; a model that does not divide over the ranks is refused before any starts."""
 
+import threading
 import time
 
 import pytest
@@ -77,6 +78,27 @@ def test_ranks_keep_structured_outputs_and_speculation(checkpoint):
                             tokens(llm.generate(prompts, free, use_tqdm=False)), llm.engine.scheduler.spec.draft_tokens))
     assert results[1] == results[0]
     assert results[1][2] > 0
+
+
+def test_values_read_from_another_thread_while_the_engine_steps(checkpoint):
+    """A benchmark reading a rank's counter while the engine's thread steps: the calls take turns
+    on the ranks' pipes (interleaved, their messages would corrupt each other)."""
+    prompts, expected = reference(checkpoint, "llama")
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", tensor_parallel_size=2, log_interval_s=0) as llm:
+        stop, reads = threading.Event(), []
+
+        def read():
+            while not stop.is_set():
+                reads.append(llm.engine.runner.cascade_steps)
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            outs = generate(llm, prompts)
+        finally:
+            stop.set()
+            reader.join()
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert len(reads) > 10 and set(reads) == {0}
 
 
 def test_int8_splits_like_the_model(checkpoint):

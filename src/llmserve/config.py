@@ -128,6 +128,9 @@ class ParallelConfig:
     distributed_executor_backend: str = "mp"
     """How the ranks start: mp (processes on this machine) | ray (Ray actors on the machines of a Ray
     cluster, placed by a placement group; `pip install 'llmserve[ray]'`; also with one rank)."""
+    disable_custom_all_reduce: bool = False
+    """CUDA: NCCL for every all-reduce, also the small ones of decode steps, which otherwise take a
+    one-shot kernel over symmetric memory (distributed/parallel_state.py) where the devices allow."""
 
     def __post_init__(self) -> None:
         _check(self.tensor_parallel_size >= 1, "parallel", "tensor_parallel_size", ">= 1", self.tensor_parallel_size)

@@ -257,7 +257,7 @@ def run(workload: str, *, peers: tuple[str, ...] = (), peer_requests: int = 64, 
         roof = roofline_seconds(w, spec, bw, flops, **shape)
         result.update(roof, roofline_fraction=roof["roofline_s"] / wall)
         if "bf16_flop_per_s_sustained" in device and quant != "fp8":
-            held = roofline_seconds(w, spec, bw, device["bf16_flop_per_s_sustained"], **shape)["roofline_s"]
+            held = roofline_seconds(w, spec, bw, device["bf16_flop_per_s_sustained"] * ranks, **shape)["roofline_s"]
             result.update(roofline_sustained_s=held, roofline_sustained_fraction=held / wall)
     if spec.moe is not None:
         from llmserve.model.moe import ROUTING_ENV  # random weights route unlike a trained model: say which ran
@@ -360,6 +360,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="parallel.tensor_parallel_size (the roofline then adds up that many devices; the vllm peer "
                          "runs with the same)")
+    ap.add_argument("--disable-custom-all-reduce", action="store_true",
+                    help="parallel.disable_custom_all_reduce: NCCL for every all-reduce of the ranks")
     ap.add_argument("--detokenize", action="store_true",
                     help="a tokenizer covering the model's vocabulary in its directory: outputs become text, "
                          "as with a real checkpoint (WORKLOADS.md's runs have none)")
@@ -384,7 +386,8 @@ def main(argv: list[str] | None = None) -> None:
                  reserve_growth=args.reserve_growth, enforce_eager=args.enforce_eager, log_interval_s=10.0,
                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, detokenize=args.detokenize,
                  enable_prefix_caching=args.enable_prefix_caching, cascade_attention=args.cascade_attention,
-                 tensor_parallel_size=args.tensor_parallel_size)
+                 tensor_parallel_size=args.tensor_parallel_size,
+                 **({"disable_custom_all_reduce": True} if args.disable_custom_all_reduce else {}))
     report(result, args.json)
     for line in peer_lines(result):
         print(line, file=sys.stderr)

@@ -25,6 +25,9 @@ LLAMA31_8B = {
     "max_position_embeddings": 131072, "torch_dtype": "bfloat16", "eos_token_id": 128001, "bos_token_id": 128000,
 }
 
+LLAMA31_70B = {**LLAMA31_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+               "num_attention_heads": 64}  # 70.6B parameters, 141 GB in bf16: more than one GPU holds
+
 QWEN3_30B_A3B = {  # 30.5B parameters, 3.3B a token: 48 layers of 128 experts, 8 a token
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
     "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,

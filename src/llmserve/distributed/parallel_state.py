@@ -14,6 +14,13 @@ Megatron's split, per decoder layer, for ranks r = 0 .. P-1:
 
 KV heads split like query heads while they are at least as many as the ranks; with fewer, each KV
 head is repeated on P / num_kv_heads consecutive ranks (those whose query heads read it).
+
+On CUDA, all-reduces of up to ONE_SHOT_MAX_BYTES (decode steps' activations) skip NCCL's protocol:
+every rank copies its part into a buffer of symmetric memory (torch's, mapped into every peer over
+NVLink), the ranks meet at a barrier of flags, and each sums all the peers' buffers in one kernel
+(torch.ops.symm_mem one-shot). Successive calls alternate between two halves of the buffer: a rank
+may copy its next part in while a slower peer still reads the last one, never the one before that,
+since each call's barrier waits for every peer to have arrived.
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ class TensorParallel:
     rank: int = 0
     group: Any = None
     """torch.distributed's process group of the ranks (None with one rank)."""
+    one_shot: torch.Tensor | None = None
+    """[2, ONE_SHOT_MAX_BYTES / itemsize] of symmetric memory for small all-reduces (CUDA), or None."""
+    calls: int = 0
+    """All-reduces made through `one_shot`: the parity of the next picks its half."""
 
     def split(self, n: int, what: str) -> int:
         """n items (heads, rows) over the ranks: this rank's count; every rank holds as many."""
@@ -55,6 +66,9 @@ class TensorParallel:
 
 _tp = TensorParallel()
 
+ONE_SHOT_MAX_BYTES = 1 << 19
+"""All-reduces up to this size (64 rows of a 4,096-wide bf16 model) take the one-shot kernel."""
+
 
 def tp() -> TensorParallel:
     """This process's tensor-parallel group."""
@@ -70,6 +84,31 @@ def init_tensor_parallel(rank: int, size: int, backend: str, init_method: str, t
     _tp = TensorParallel(size, rank, dist.group.WORLD)
 
 
+def enable_one_shot(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Set up the symmetric-memory buffer for small all-reduces of `dtype` (a collective: every rank
+    calls it) and check a sum through it; None when set up, else why not (NCCL then does them all)."""
+    import torch.distributed as dist
+    why = None
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        name = _tp.group.group_name
+        buf = symm_mem.empty(2 * ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
+        symm_mem.rendezvous(buf, group=name)
+        x = torch.full((8, 64), float(_tp.rank + 1), dtype=dtype, device=device)
+        out = torch.empty_like(x)
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(buf[:x.numel()].view_as(x), x, "sum", name, out)
+        if not bool((out == _tp.size * (_tp.size + 1) // 2).all()):
+            why = "its check sum came out wrong"
+    except Exception as exc:  # no symmetric memory here (torch, driver, or devices without peer access)
+        why = f"{type(exc).__name__}: {exc}"
+    ready = torch.tensor([why is None], dtype=torch.int32, device=device)
+    dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=_tp.group)  # every rank takes the same path
+    if not ready.item():
+        return why or "another rank could not set it up"
+    _tp.one_shot = buf.view(2, -1)
+    return None
+
+
 @contextlib.contextmanager
 def single_rank() -> Iterator[None]:
     """Models built meanwhile are whole on this rank (a draft model: each rank runs its own copy)."""
@@ -82,11 +121,19 @@ def single_rank() -> Iterator[None]:
 
 
 def all_reduce(x: torch.Tensor, group: TensorParallel | None = None) -> torch.Tensor:
-    """The sum of x over the ranks, in place (x itself with one rank)."""
+    """The sum of x over the ranks: x summed in place, or a new tensor (one-shot); x with one rank."""
     g = group or _tp
-    if g.size > 1:
-        import torch.distributed as dist
-        dist.all_reduce(x, group=g.group)
+    if g.size == 1:
+        return x
+    buf = g.one_shot
+    if buf is not None and x.dtype == buf.dtype and x.numel() <= buf.shape[1] and x.is_contiguous():
+        half = buf[g.calls & 1, :x.numel()].view_as(x)
+        g.calls += 1
+        out = torch.empty_like(x)
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(half, x, "sum", g.group.group_name, out)
+        return out
+    import torch.distributed as dist
+    dist.all_reduce(x, group=g.group)
     return x
 
 
@@ -96,6 +143,7 @@ def all_gather_columns(x: torch.Tensor, group: TensorParallel | None = None) -> 
     if g.size == 1:
         return x
     import torch.distributed as dist
-    parts = [torch.empty_like(x) for _ in range(g.size)]
-    dist.all_gather(parts, x.contiguous(), group=g.group)
-    return torch.cat(parts, dim=-1)
+    n, c = x.shape
+    stacked = torch.empty((g.size * n, c), dtype=x.dtype, device=x.device)  # rank r's rows at r*N
+    dist.all_gather_into_tensor(stacked, x.contiguous(), group=g.group)
+    return stacked.view(g.size, n, c).transpose(0, 1).reshape(n, g.size * c)

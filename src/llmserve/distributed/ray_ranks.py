@@ -93,14 +93,13 @@ class RayRanks(RankRunner):
             raise
         self._started(info[0])
 
-    def _call(self, method: str, *args: Any, everyone: bool = False) -> Any:
+    def _exchange(self, method: str, args: tuple, everyone: bool) -> list[Any]:
         if not self._actors:
             raise RankFailed("the tensor-parallel ranks have stopped")
         # pickled once, whatever the number of ranks; as bytes, since the object store would hand
         # the ranks read-only arrays (a rank writes its plan's placeholders)
         message = self._ray.put(pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL))
-        values = self._gather([a.call.remote(method, message, everyone) for a in self._actors], method)
-        return values if everyone else values[0]
+        return self._gather([a.call.remote(method, message, everyone) for a in self._actors], method)
 
     def _gather(self, refs: list, method: str) -> list[Any]:
         ray = self._ray

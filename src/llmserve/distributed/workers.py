@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from multiprocessing.connection import Connection, wait
 from types import SimpleNamespace
@@ -87,15 +88,24 @@ class RankRunner(abc.ABC):
         self.num_blocks = 0
         self._busy = False
         self._eos_token_ids: list[int] = []
+        self._lock = threading.Lock()
 
     def _started(self, info: dict) -> None:
         """Rank 0's report once every rank has built its runner."""
         self.block_size, self.cascade = info["block_size"], info["cascade"]
 
-    @abc.abstractmethod
     def _call(self, method: str, *args: Any, everyone: bool = False) -> Any:
         """runner.`method`(*args) on every rank; rank 0's return value (every rank's, in rank order,
-        with everyone). A rank that fails meanwhile ends them all (`_fail`)."""
+        with everyone). A rank that fails meanwhile ends them all (`_fail`). One call at a time:
+        the engine's thread steps while another (a benchmark, a test) may read a value, and the
+        ranks must meet every call in the same order."""
+        with self._lock:
+            values = self._exchange(method, args, everyone)
+        return values if everyone else values[0]
+
+    @abc.abstractmethod
+    def _exchange(self, method: str, args: tuple, everyone: bool) -> list[Any]:
+        """Send the call to every rank and gather their replies, in rank order."""
 
     @abc.abstractmethod
     def _stop_all(self) -> None:
@@ -201,9 +211,7 @@ class ProcessRanks(RankRunner):
 
     # ---- calls -----------------------------------------------------------------------------------
 
-    def _call(self, method: str, *args: Any, everyone: bool = False) -> Any:
-        """runner.`method`(*args) on every rank, the plan pickled once; rank 0's return value (every
-        rank's, in rank order, with everyone)."""
+    def _exchange(self, method: str, args: tuple, everyone: bool) -> list[Any]:
         if not self._procs:
             raise RankFailed("the tensor-parallel ranks have stopped")
         message = pickle.dumps((method, args, everyone), protocol=pickle.HIGHEST_PROTOCOL)
@@ -212,8 +220,7 @@ class ProcessRanks(RankRunner):
                 conn.send_bytes(message)
             except OSError:
                 self._fail(rank, "its pipe closed")
-        values = self._gather(method)
-        return values if everyone else values[0]
+        return self._gather(method)  # (the plan was pickled once, whatever the number of ranks)
 
     def _gather(self, method: str) -> list[Any]:
         """Every rank's reply to the call just sent; a rank that exits or raises meanwhile ends them all."""
@@ -270,8 +277,12 @@ def build_rank(rank: int, size: int, init_method: str, config: EngineConfig, max
                                         COLLECTIVE_TIMEOUT_S)
     plugins = Plugins.from_config(config.plugins)
     spec = ModelSpec.from_dir(config.model.model, plugins.model_classes())
-    runner = build_runner(config, plugins, spec, max_model_len, device=device,
-                          dtype=resolve_dtype(config.model.dtype, spec, device),
+    dtype = resolve_dtype(config.model.dtype, spec, device)
+    if device.type == "cuda" and not config.parallel.disable_custom_all_reduce:
+        why = parallel_state.enable_one_shot(device, dtype)
+        if why is not None and rank == 0:
+            log.warning("small all-reduces stay with NCCL: no symmetric memory", reason=why)
+    runner = build_runner(config, plugins, spec, max_model_len, device=device, dtype=dtype,
                           quant=resolve_quantization(config.model.quantization, spec, plugins),
                           backend=plugins.select_backend(device, config), strategies=plugins.decoding_strategies(),
                           proposer=rank == 0, isolate_failures=False)

@@ -138,8 +138,9 @@ class StepGraphs:
         for kind, b in shapes:
             graph = torch.cuda.CUDAGraph()
             # thread_local: another thread's CUDA calls meanwhile (the tokenizer loading) are not
-            # this capture's business
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            # this capture's business; our stream, on this device (torch's default capture stream
+            # is made once per process, on the device current then: another engine's)
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 self.outputs[kind, b] = self._forward(kind, b)
             self.graphs[kind, b] = graph
         for b in self.sizes:  # cuBLAS picks (and lazily loads) a kernel per shape on first use

@@ -104,6 +104,10 @@ class ModelRunner:
                  strategies: dict[str, Any] | None = None, proposer: Proposer | None = None,
                  model_class: type | None = None, isolate_failures: bool = True) -> None:
         self.config, self.spec, self.backend, self.device, self.dtype = config, spec, backend, device, dtype
+        # Triton launches on the calling thread's current device, and steps run on worker threads
+        # whose current device is cuda:0 unless set: each entry point makes the runner's current
+        self._cuda_index = (device.index or 0) if device.type == "cuda" else None
+        self._make_current()
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.model = load_model(config.model.model, spec, backend, dtype=dtype, device=device,
@@ -141,6 +145,10 @@ class ModelRunner:
         """Requests whose last proposals were drawn from a distribution: (the drafts, their q rows),
         until the request's next step (the one that checks them)."""
 
+    def _make_current(self) -> None:
+        if self._cuda_index is not None:
+            torch.cuda.set_device(self._cuda_index)
+
     @property
     def eos_token_ids(self) -> list[int]:
         return self.sampling.eos_token_ids
@@ -159,6 +167,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     def determine_num_blocks(self) -> int:
+        self._make_current()
         return self.kv.num_blocks(self.config, self.model, self.backend, self.staging, self.max_model_len)
 
     def release(self) -> None:
@@ -177,6 +186,7 @@ class ModelRunner:
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [len(token_ids), vocab] of one prompt run as a single prefill in KV blocks
         0, 1, ... (overwriting them: only while no request is running). For quality measurements."""
+        self._make_current()
         n = len(token_ids)
         blocks = -(-n // self.block_size)
         if blocks > self.num_blocks or n > self.max_model_len:
@@ -189,6 +199,7 @@ class ModelRunner:
         """Capture CUDA graphs of decode steps up to `max_batch` requests and of mixed steps up to
         `max_tokens` tokens (after the KV cache is allocated: they bake in its address).
         emulate: no capture; steps run eagerly over the graphs' padded buffers (tests without CUDA)."""
+        self._make_current()
         max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = StepGraphs(self.model, self.staging, max_batch, max_tokens, max_blocks, emulate=emulate,
                                  cascade_groups=MAX_PREFIX_GROUPS if self.cascade else 0)
@@ -220,6 +231,7 @@ class ModelRunner:
 
     def step(self, plan: StepPlan) -> list[StepResult]:
         """Launch `plan`; return the results finished meanwhile (the step before it), in order."""
+        self._make_current()
         with self.timing.step(len(plan.req_ids), plan.num_tokens):
             done = self._queue_waiting()
             previous, self.in_flight = self.in_flight, None
@@ -303,6 +315,7 @@ class ModelRunner:
 
     def flush(self) -> list[StepResult]:
         """Finish the step in flight, if any."""
+        self._make_current()
         done = self._queue_waiting()
         previous, self.in_flight = self.in_flight, None
         return done if previous is None else done + [self._finish_or_fail(previous)]

@@ -1,0 +1,127 @@
+"""The collectives of one tensor-parallel decode step, timed as the engine runs them (inside a CUDA
+graph, through llmserve.distributed.parallel_state), with NCCL alone and with the one-shot kernel.
+
+    python scripts/allreduce_bench.py [--ranks 2] [--model w-large] [--rows 1,16,64,256] [--json OUT]
+
+A step of a model split over P ranks makes, per decoder layer, two all-reduces of [rows, hidden]
+in the model's dtype (after o_proj and after down_proj), one more for the embeddings, and one
+all-gather of the logits ([rows, vocab / P] a rank). This script makes exactly those in one graph
+per row count and reports the graph's time a step, one all-reduce's time (graphed, and NCCL's
+eager), the logits' all-gather, and whether the one-shot sums equal NCCL's.
+One process a rank (torch.multiprocessing); NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from llmserve.bench.workloads import WORKLOADS
+from llmserve.distributed import parallel_state
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+
+def elapsed_ms(fn, repeats: int) -> float:
+    """Mean milliseconds of fn() over `repeats` calls, timed by CUDA events after a warm-up."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def graphed(fn) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # NCCL sets up the communicator's buffers outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local, as the engine captures: NCCL's watchdog thread queries events meanwhile
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fn()
+    return graph
+
+
+def rank_main(rank: int, size: int, store: str, config: dict, rows_list: list[int], out: str) -> None:
+    torch.cuda.set_device(rank)
+    device, dtype = torch.device("cuda", rank), torch.bfloat16
+    parallel_state.init_tensor_parallel(rank, size, "nccl", f"file://{store}", 600.0)
+    tp = parallel_state.tp()
+    why = parallel_state.enable_one_shot(device, dtype)
+    one_shot = tp.one_shot
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    vocab_part = -(-config["vocab_size"] // size)
+    results = []
+    for rows in rows_list:
+        x = torch.zeros(rows, hidden, device=device, dtype=dtype)
+        logits = torch.zeros(rows, vocab_part, device=device, dtype=dtype)
+
+        def step() -> None:  # the engine's path: one-shot where it is set up and x small enough
+            for _ in range(2 * layers + 1):
+                parallel_state.all_reduce(x)
+            parallel_state.all_gather_columns(logits)
+
+        row = {"rows": rows, "all_reduce_bytes": x.numel() * x.element_size(), "step_collectives": 2 * layers + 2}
+        for path in ("nccl", "one_shot"):
+            if path == "one_shot" and one_shot is None:
+                continue
+            tp.one_shot = one_shot if path == "one_shot" else None
+            if path == "one_shot":  # the same sums as NCCL's (two ranks: a + b either way)
+                probe = torch.randn(rows, hidden, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(rank))
+                want = probe.clone()
+                dist.all_reduce(want)
+                row["one_shot_equals_nccl"] = bool(torch.equal(parallel_state.all_reduce(probe.clone()), want))
+            one, whole = graphed(lambda: parallel_state.all_reduce(x)), graphed(step)
+            row[f"{path}_all_reduce_graph_us"] = 1e3 * elapsed_ms(one.replay, 200)
+            row[f"{path}_step_graph_ms"] = elapsed_ms(whole.replay, 50)
+            torch.cuda.synchronize()
+            del one, whole
+        tp.one_shot = None
+        row["nccl_all_reduce_eager_us"] = 1e3 * elapsed_ms(lambda: dist.all_reduce(x), 200)
+        gather = graphed(lambda: parallel_state.all_gather_columns(logits))
+        row["all_gather_logits_graph_us"] = 1e3 * elapsed_ms(gather.replay, 200)
+        torch.cuda.synchronize()
+        del gather
+        tp.one_shot = one_shot
+        results.append(row)
+        if rank == 0:  # as each row comes: a run cut short keeps what it measured
+            with open(out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "ranks": size, "hidden": hidden, "layers": layers,
+                           "vocab": config["vocab_size"], "one_shot": why or "ready", "rows": results}, f, indent=1)
+            print(json.dumps(row), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--model", default="w-large", choices=sorted(WORKLOADS), help="the workload whose model shape to use")
+    ap.add_argument("--rows", default="1,16,64,256", help="tokens a step")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if torch.cuda.device_count() < args.ranks:
+        sys.exit(f"needs {args.ranks} CUDA devices, found {torch.cuda.device_count()}")
+    config = WORKLOADS[args.model]().model_config
+    rows = [int(r) for r in args.rows.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.json or os.path.join(tmp, "result.json")
+        mp.spawn(rank_main, args=(args.ranks, os.path.join(tmp, "store"), config, rows, out), nprocs=args.ranks)
+
+
+if __name__ == "__main__":
+    main()
