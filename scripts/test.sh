@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="[test]"
 source scripts/setup_venv.sh
-echo "tests: about 15 minutes on 2 CPU cores"
+echo "tests: 15 to 35 minutes on 2 CPU cores"
 exec "$VENV/bin/python" -m pytest -q "$@"
