@@ -42,8 +42,11 @@ class _Rank:
             return f"tcp://{host}:{s.getsockname()[1]}"
 
     def start(self, init_method: str, config: EngineConfig, max_model_len: int) -> tuple[str, Any]:
-        try:  # Ray gives a GPU actor its own device, which it sees as device 0
-            self.runner, info = build_rank(self.rank, self.size, init_method, config, max_model_len, device_offset=0)
+        # Ray gives a GPU actor its own device, which it sees as device 0; a cluster's actors may
+        # be on several machines (no symmetric memory between them)
+        try:
+            self.runner, info = build_rank(self.rank, self.size, init_method, config, max_model_len, device_offset=0,
+                                           one_host=False)
             return "ok", info
         except BaseException as exc:
             return "error", (isinstance(exc, ValueError), describe(exc))

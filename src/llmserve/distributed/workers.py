@@ -258,9 +258,10 @@ class ProcessRanks(RankRunner):
 
 
 def build_rank(rank: int, size: int, init_method: str, config: EngineConfig, max_model_len: int,
-               device_offset: int) -> tuple[Any, dict]:
+               device_offset: int, one_host: bool = True) -> tuple[Any, dict]:
     """Join the group as `rank` and build this rank's ModelRunner on model.device's index plus
-    `device_offset` (CUDA) -> (runner, what the engine needs to know of it)."""
+    `device_offset` (CUDA) -> (runner, what the engine needs to know of it). one_host: the ranks
+    share a machine, so small all-reduces may go through symmetric memory (else NCCL does all)."""
     import torch
 
     from llmserve.distributed import parallel_state
@@ -278,7 +279,7 @@ def build_rank(rank: int, size: int, init_method: str, config: EngineConfig, max
     plugins = Plugins.from_config(config.plugins)
     spec = ModelSpec.from_dir(config.model.model, plugins.model_classes())
     dtype = resolve_dtype(config.model.dtype, spec, device)
-    if device.type == "cuda" and not config.parallel.disable_custom_all_reduce:
+    if device.type == "cuda" and one_host and not config.parallel.disable_custom_all_reduce:
         why = parallel_state.enable_one_shot(device, dtype)
         if why is not None and rank == 0:
             log.warning("small all-reduces stay with NCCL: no symmetric memory", reason=why)
