@@ -73,7 +73,8 @@ def rank_main(rank: int, size: int, store: str, config: dict, rows_list: list[in
         logits = torch.zeros(rows, vocab_part, device=device, dtype=dtype)
 
         def step() -> None:  # the engine's path: one-shot where it is set up and x small enough
-            for _ in range(2 * layers + 1):
+            parallel_state.all_reduce(x, opens_pass=True)  # the embeddings'
+            for _ in range(2 * layers):
                 parallel_state.all_reduce(x)
             parallel_state.all_gather_columns(logits)
 

@@ -18,9 +18,13 @@ head is repeated on P / num_kv_heads consecutive ranks (those whose query heads 
 On CUDA, all-reduces of up to ONE_SHOT_MAX_BYTES (decode steps' activations) skip NCCL's protocol:
 every rank copies its part into a buffer of symmetric memory (torch's, mapped into every peer over
 NVLink), the ranks meet at a barrier of flags, and each sums all the peers' buffers in one kernel
-(torch.ops.symm_mem one-shot). Successive calls alternate between two halves of the buffer: a rank
-may copy its next part in while a slower peer still reads the last one, never the one before that,
-since each call's barrier waits for every peer to have arrived.
+(torch.ops.symm_mem one-shot). A rank may copy its next part in while a slower peer still reads
+the last call's, never the one before that (each call's barrier waits for every peer to arrive), so
+no two successive calls may share a slot of the buffer. A forward pass opens with the embeddings'
+all-reduce, which takes slot 2; the layers' calls after it alternate between slots 0 and 1, counted
+from the pass's start. So the slots are the same whether a pass is replayed from a CUDA graph
+(captured with them) or runs eagerly, and one pass's last call (slot 0 or 1) never meets the next
+pass's first (slot 2), whether or not a collective came between them.
 """
 
 from __future__ import annotations
@@ -41,9 +45,9 @@ class TensorParallel:
     group: Any = None
     """torch.distributed's process group of the ranks (None with one rank)."""
     one_shot: torch.Tensor | None = None
-    """[2, ONE_SHOT_MAX_BYTES / itemsize] of symmetric memory for small all-reduces (CUDA), or None."""
+    """[3, ONE_SHOT_MAX_BYTES / itemsize] of symmetric memory for small all-reduces (CUDA), or None."""
     calls: int = 0
-    """All-reduces made through `one_shot`: the parity of the next picks its half."""
+    """All-reduces since the pass's opening one: the parity of the next picks its slot (0 or 1)."""
 
     def split(self, n: int, what: str) -> int:
         """n items (heads, rows) over the ranks: this rank's count; every rank holds as many."""
@@ -88,25 +92,35 @@ def enable_one_shot(device: torch.device, dtype: torch.dtype) -> str | None:
     """Set up the symmetric-memory buffer for small all-reduces of `dtype` (a collective: every rank
     calls it) and check a sum through it; None when set up, else why not (NCCL then does them all)."""
     import torch.distributed as dist
-    why = None
+
+    def agreed(why: str | None) -> str | None:
+        """why, or another rank's failure: every rank takes the same path (a MIN over the ranks)."""
+        ready = torch.tensor([why is None], dtype=torch.int32, device=device)
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=_tp.group)
+        return why or (None if ready.item() else "another rank could not set it up")
+
+    name, why = _tp.group.group_name, None
     try:
         import torch.distributed._symmetric_memory as symm_mem
-        name = _tp.group.group_name
-        buf = symm_mem.empty(2 * ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
+        buf = symm_mem.empty(3 * ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
         symm_mem.rendezvous(buf, group=name)
+    except Exception as exc:  # no symmetric memory here (torch, driver, or devices without peer access)
+        why = f"{type(exc).__name__}: {exc}"
+    why = agreed(why)  # before the check's kernel, whose barrier would wait for a rank that failed
+    if why is not None:
+        return why
+    try:
         x = torch.full((8, 64), float(_tp.rank + 1), dtype=dtype, device=device)
         out = torch.empty_like(x)
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(buf[:x.numel()].view_as(x), x, "sum", name, out)
         if not bool((out == _tp.size * (_tp.size + 1) // 2).all()):
             why = "its check sum came out wrong"
-    except Exception as exc:  # no symmetric memory here (torch, driver, or devices without peer access)
+    except Exception as exc:
         why = f"{type(exc).__name__}: {exc}"
-    ready = torch.tensor([why is None], dtype=torch.int32, device=device)
-    dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=_tp.group)  # every rank takes the same path
-    if not ready.item():
-        return why or "another rank could not set it up"
-    _tp.one_shot = buf.view(2, -1)
-    return None
+    why = agreed(why)
+    if why is None:
+        _tp.one_shot = buf.view(3, -1)
+    return why
 
 
 @contextlib.contextmanager
@@ -120,17 +134,21 @@ def single_rank() -> Iterator[None]:
         _tp = saved
 
 
-def all_reduce(x: torch.Tensor, group: TensorParallel | None = None) -> torch.Tensor:
-    """The sum of x over the ranks: x summed in place, or a new tensor (one-shot); x with one rank."""
+def all_reduce(x: torch.Tensor, group: TensorParallel | None = None, *, opens_pass: bool = False) -> torch.Tensor:
+    """The sum of x over the ranks: x summed in place, or a new tensor (one-shot); x with one rank.
+    opens_pass: the forward pass's first all-reduce (the embeddings'), which restarts the slots."""
     g = group or _tp
     if g.size == 1:
         return x
     buf = g.one_shot
     if buf is not None and x.dtype == buf.dtype and x.numel() <= buf.shape[1] and x.is_contiguous():
-        half = buf[g.calls & 1, :x.numel()].view_as(x)
-        g.calls += 1
+        if opens_pass:
+            slot, g.calls = 2, 0
+        else:
+            slot, g.calls = g.calls & 1, g.calls + 1
         out = torch.empty_like(x)
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out(half, x, "sum", g.group.group_name, out)
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(buf[slot, :x.numel()].view_as(x), x, "sum",
+                                                         g.group.group_name, out)
         return out
     import torch.distributed as dist
     dist.all_reduce(x, group=g.group)

@@ -164,7 +164,7 @@ class Embedding(nn.Module):
         local = ids - self.start
         mine = (local >= 0) & (local < self.rows)
         x = F.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None].to(self.weight.dtype)
-        return all_reduce(x, self.tp)
+        return all_reduce(x, self.tp, opens_pass=True)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, dim] -> hidden x table^T [N, num_embeddings], on every rank."""

@@ -451,7 +451,8 @@ class ModelRunner:
         masks = self.sampling.masks(states, logits.shape[-1], background=background, drafts=drafts)
         sampling = _Sampling(result, forward.req_ids, logits, states, batch, masks, drafts, forward.propose,
                              draft_probs)
-        return sampling if background and masks is not None else self._queue(sampling)
+        # waiting for masks the mask thread fills (with drafts they were filled here: queued now)
+        return sampling if masks is not None and masks.job is not None else self._queue(sampling)
 
     @torch.inference_mode()
     def _queue(self, sampling: _Sampling) -> InFlight:
