@@ -25,24 +25,11 @@ import torch.multiprocessing as mp
 
 from llmserve.bench.workloads import WORKLOADS
 from llmserve.distributed import parallel_state
+from graph_timing import events_us
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-
-
-def elapsed_ms(fn, repeats: int) -> float:
-    """Mean milliseconds of fn() over `repeats` calls, timed by CUDA events after a warm-up."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def graphed(fn) -> torch.cuda.CUDAGraph:
@@ -89,14 +76,14 @@ def rank_main(rank: int, size: int, store: str, config: dict, rows_list: list[in
                 dist.all_reduce(want)
                 row["one_shot_equals_nccl"] = bool(torch.equal(parallel_state.all_reduce(probe.clone()), want))
             one, whole = graphed(lambda: parallel_state.all_reduce(x)), graphed(step)
-            row[f"{path}_all_reduce_graph_us"] = 1e3 * elapsed_ms(one.replay, 200)
-            row[f"{path}_step_graph_ms"] = elapsed_ms(whole.replay, 50)
+            row[f"{path}_all_reduce_graph_us"] = events_us(one.replay, 200)
+            row[f"{path}_step_graph_ms"] = events_us(whole.replay, 50) / 1e3
             torch.cuda.synchronize()
             del one, whole
         tp.one_shot = None
-        row["nccl_all_reduce_eager_us"] = 1e3 * elapsed_ms(lambda: dist.all_reduce(x), 200)
+        row["nccl_all_reduce_eager_us"] = events_us(lambda: dist.all_reduce(x), 200)
         gather = graphed(lambda: parallel_state.all_gather_columns(logits))
-        row["all_gather_logits_graph_us"] = 1e3 * elapsed_ms(gather.replay, 200)
+        row["all_gather_logits_graph_us"] = events_us(gather.replay, 200)
         torch.cuda.synchronize()
         del gather
         tp.one_shot = one_shot

@@ -36,6 +36,21 @@ def graph_us(fn, calls: int = 1, reps: int = 20) -> float:
     return best
 
 
+def events_us(fn, iters: int = 50) -> float:
+    """µs per fn() call, `iters` calls back to back timed by CUDA events after three warm-up calls
+    (fn: a graph's replay, or eager work)."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / iters
+
+
 def emit(rows: list, row: dict) -> None:
     """Round the row's floats to 2 decimals, keep it in `rows` and print it as one JSON line."""
     row = {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}

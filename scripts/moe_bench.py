@@ -22,25 +22,13 @@ import torch.nn.functional as F
 import triton
 
 from llmserve.kernels import moe
+from graph_timing import events_us
 
 E, K, H, I = 128, 8, 2048, 768
 BANDWIDTH, FLOPS = 3.0e12, 785e12  # the H100's measured copy bandwidth and bf16 matmul rate (WORKLOADS.md)
 TILES = [(16, 64, 128, 4, 3), (16, 32, 128, 4, 4), (16, 32, 256, 4, 3), (16, 64, 64, 4, 5), (16, 128, 64, 4, 4),
          (32, 64, 128, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 4), (128, 128, 64, 8, 3),
          (128, 128, 64, 4, 4), (128, 128, 32, 8, 5), (128, 256, 64, 8, 2), (256, 128, 64, 8, 3)]
-
-
-def timed_us(fn, iters: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / iters
 
 
 def graphed(fn):
@@ -92,7 +80,7 @@ def main() -> None:
             for tiles in TILES:
                 moe._tiles = lambda pairs, e, tiles=tiles: tiles
                 try:
-                    row[str(tiles)] = timed_us(graphed(lambda: moe.fused_moe(x, logits, K, True, w13, w2)))
+                    row[str(tiles)] = events_us(graphed(lambda: moe.fused_moe(x, logits, K, True, w13, w2)))
                 except triton.runtime.errors.OutOfResources:  # too much shared memory for these tiles
                     row[str(tiles)] = None
                 finally:
@@ -100,8 +88,8 @@ def main() -> None:
             best = min((k for k in row if k.startswith("(") and row[k] is not None), key=row.get)
             print(f"T={T:5d}  best {best} {row[best]:8.1f} us  default {real(T * K, E)}  roofline {roof_us:.1f} us")
         else:
-            fused = timed_us(graphed(lambda: moe.fused_moe(x, logits, K, True, w13, w2)))
-            loop = timed_us(lambda: moe.fused_moe_reference(x, logits, K, True, w13, w2), iters=10)
+            fused = events_us(graphed(lambda: moe.fused_moe(x, logits, K, True, w13, w2)))
+            loop = events_us(lambda: moe.fused_moe_reference(x, logits, K, True, w13, w2), iters=10)
             row.update(fused_us=fused, per_expert_loop_us=loop, roofline_fraction=roof_us / fused,
                        speedup_over_loop=loop / fused)
             if T <= 4:  # a program per pair against the sorted path, for moe.DIRECT_PAIRS
@@ -109,14 +97,14 @@ def main() -> None:
                 for name, limit in (("direct_us", T * K), ("sorted_us", 0)):
                     moe.DIRECT_PAIRS = limit
                     try:
-                        row[name] = timed_us(graphed(lambda: moe.fused_moe(x, logits, K, True, w13, w2)))
+                        row[name] = events_us(graphed(lambda: moe.fused_moe(x, logits, K, True, w13, w2)))
                     finally:
                         moe.DIRECT_PAIRS = real
             with torch.no_grad():
                 for name, block in blocks.items():
                     if block is not None:
                         block.gate.weight.data.copy_(router)
-                        row[f"hf_{name}_us"] = timed_us(lambda: block(x[None]), iters=10)
+                        row[f"hf_{name}_us"] = events_us(lambda: block(x[None]), iters=10)
             hf = "  ".join(f"{k} {v:9.1f}" for k, v in row.items() if k.startswith(("hf_", "direct", "sorted")))
             print(f"T={T:5d} experts {picked:3d}  fused {fused:8.1f} us  loop {loop:9.1f} us  ({loop / fused:5.1f}x)  "
                   f"roofline {roof_us:7.1f} us ({roof_us / fused:.2f})  {hf}")
