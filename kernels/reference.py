@@ -62,10 +62,14 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = query.shape[1] // num_kv_heads
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    if decode:
+        _decode_rows(query, k_cache, v_cache, block_tables, starts, lens, decode, scale, k_scale, v_scale, window,
+                     softcap, out)
     for i, seq_len in enumerate(lens):
         q = query[starts[i]:starts[i + 1]].float()
         q_len = q.shape[0]
-        if q_len == 0:
+        if q_len <= 1:  # none, or a decode row done above
             continue
         blocks = block_tables[i, :-(-seq_len // block_size)].long()
         k = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len].float()
@@ -87,6 +91,35 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         probs = torch.softmax(scores, dim=-1)
         out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
+
+
+def _decode_rows(query, k_cache, v_cache, block_tables, starts, lens, rows, scale, k_scale, v_scale, window,
+                 softcap, out) -> None:
+    """The requests `rows`, one query each, in one batched pass: their keys gathered into
+    [R, max_len] (a shorter sequence's tail masked), so a decode step costs a few torch calls
+    instead of a few per request."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    idx = torch.tensor(rows, device=query.device)
+    seq = torch.tensor([lens[i] for i in rows], device=query.device)
+    max_len = max(lens[i] for i in rows)
+    blocks = block_tables[idx, :-(-max_len // block_size)].long()
+    k = k_cache[blocks].reshape(len(rows), -1, num_kv_heads, head_dim)[:, :max_len].float()
+    v = v_cache[blocks].reshape(len(rows), -1, num_kv_heads, head_dim)[:, :max_len].float()
+    if k_scale is not None:
+        k = k * k_scale[blocks].reshape(len(rows), -1, num_kv_heads)[:, :max_len, :, None]
+        v = v * v_scale[blocks].reshape(len(rows), -1, num_kv_heads)[:, :max_len, :, None]
+    k_pos = torch.arange(max_len, device=query.device)
+    hidden = k_pos[None, :] >= seq[:, None]
+    if window is not None:
+        hidden = hidden | (k_pos[None, :] <= seq[:, None] - 1 - window)
+    v = v.masked_fill(hidden[:, :, None, None], 0.0)  # past a sequence's end the cache holds anything, NaN too
+    rows_at = torch.tensor([starts[i] for i in rows], device=query.device)
+    q = query[rows_at].float().view(len(rows), num_kv_heads, -1, head_dim)
+    scores = torch.einsum("bhgd,bkhd->bhgk", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    probs = torch.softmax(scores.masked_fill(hidden[:, None, None, :], float("-inf")), dim=-1)
+    out[rows_at] = torch.einsum("bhgk,bkhd->bhgd", probs, v).reshape(len(rows), -1, head_dim).to(query.dtype)
 
 
 def cascade_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -129,6 +129,37 @@ def test_reference_attention_is_causal_softmax():
     torch.testing.assert_close(out[:, 0].cpu(), torch.softmax(s, -1) @ v)
 
 
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 5.0)])
+def test_reference_decode_rows_are_dense_attention(window, softcap):
+    """The oracle's batched decode rows, beside a prefill row, against one dense computation per
+    row; every cache slot no row may read is NaN."""
+    query_lens, context_lens = [1, 3, 1, 1], [4, 5, 16, 21]
+    q, kc, vc, tables, qsl, seq_lens = make_batch(query_lens, context_lens, block_size=4, num_kv_heads=2, group=2,
+                                                  head_dim=8, dtype=torch.float32)
+    q, kc, vc, tables, qsl, seq_lens = (t.cpu() for t in (q, kc, vc, tables, qsl, seq_lens))
+    readable = torch.zeros(kc.shape[0] * kc.shape[1], dtype=torch.bool)
+    for i, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n)
+        readable[tables[i, pos // 4].long() * 4 + pos % 4] = True
+    for cache in (kc, vc):
+        cache.view(-1, 2, 8)[~readable] = float("nan")
+    out = paged_attention_reference(q, kc, vc, tables, qsl, seq_lens, 0.3, window=window, softcap=softcap)
+    for i, n in enumerate(seq_lens.tolist()):
+        if query_lens[i] != 1:
+            continue
+        pos = torch.arange(n)
+        slots = tables[i, pos // 4].long() * 4 + pos % 4
+        k = kc.view(-1, 2, 8)[slots].repeat_interleave(2, dim=1)
+        v = vc.view(-1, 2, 8)[slots].repeat_interleave(2, dim=1)
+        s = torch.einsum("hd,khd->hk", q[qsl[i]], k) * 0.3
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        if window is not None:
+            s[:, pos <= n - 1 - window] = float("-inf")
+        torch.testing.assert_close(out[qsl[i]], torch.einsum("hk,khd->hd", torch.softmax(s, -1), v))
+    assert not out.isnan().any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_write_kv_matches_reference_and_skips_padding(dtype):
     g = torch.Generator().manual_seed(1)
