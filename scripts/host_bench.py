@@ -2,7 +2,7 @@
 takes no time.
 
     python scripts/host_bench.py [--batch 1,16,64,256] [--steps 300] [--runs 3] [--shared-prefix 0]
-                                 [--json out.json]
+                                 [--constrained] [--vocab V] [--json out.json]
 
 A tiny model on the CPU backend, its forward pass, lm_head and sampler replaced by constants
 (random token ids), so a step's wall time is the Python around them: the scheduler, the KV
@@ -14,6 +14,13 @@ prompt tokens (after a shared prefix of --shared-prefix tokens, one of 8, as W-p
 attention as --cascade-attention says, whose groups the CPU's cost model never picks) each generate
 --steps tokens at temperature 0.6, ignore_eos; the fastest of --runs generate calls
 counts, ms per step = its wall time / --steps.
+
+--constrained: every request's output constrained to the inside of a JSON string (structured
+outputs, the regex structured_bench.py's tpot mode uses), so a step also fills each row's mask,
+accepts each row's token and checks it for a jump-forward; the fake sampler picks a random token
+each row's mask allows. --vocab V: a synthetic tokenizer of V tokens (151936: the masks of W-small's
+vocabulary, 19 KB a row), the model's logits never touched (what the device would do with them
+is not the host's work).
 """
 
 import argparse
@@ -25,18 +32,73 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.bench.report import report
+from llmserve.bench.workloads import JSON_STRING_REGEX, synthetic_tokenizer
+from llmserve.model import runner
 from llmserve.model.llama import LlamaForCausalLM
 from llmserve.plugins.cpu import CPUBackend
+from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.testing import make_checkpoint
 
 HIDDEN = 64
 
 
-def no_device_work() -> None:
-    """The model's forward pass and logits return zeros, the sampler random ids past the specials."""
+def no_device_work(vocab: int, specials: list[int], max_rows: int) -> None:
+    """The model's forward pass returns zeros, its logits one zero tensor nobody writes, the sampler
+    random ids other than the tokenizer's specials (the end of sequence among them), within each
+    masked row's mask."""
+    logits = torch.zeros(max_rows, vocab)
+    in_pool = torch.ones(vocab, dtype=torch.bool)
+    in_pool[specials] = False
+    pool = in_pool.nonzero().flatten()
+    masks = {}
+
+    def process_logits(logits, batch, mask_fn):
+        masks["allowed"] = batch.allowed  # (rows, packed masks) or None: for the sampler below
+        return logits
+
+    def sample_rows(self, logits, temperature, key):
+        tokens = pool[torch.randint(len(pool), (logits.shape[0],))]
+        allowed = masks.pop("allowed", None)
+        if allowed is not None:
+            rows, packed = allowed
+            tokens[rows] = _allowed_tokens(packed, pool, in_pool)
+        return tokens
+
     LlamaForCausalLM.forward = lambda self, ids, positions, meta: torch.zeros(ids.shape[0], HIDDEN)
-    LlamaForCausalLM.compute_logits = lambda self, hidden: torch.zeros(hidden.shape[0], self.spec.vocab_size)
-    CPUBackend.sample_rows = lambda self, logits, t, key: torch.randint(3, logits.shape[1], (logits.shape[0],))
+    LlamaForCausalLM.compute_logits = lambda self, hidden: logits[:hidden.shape[0]]
+    runner.process_logits = process_logits
+    CPUBackend.sample_rows = sample_rows
+
+
+def _allowed_tokens(packed: torch.Tensor, pool: torch.Tensor, in_pool: torch.Tensor, tries: int = 64) -> torch.Tensor:
+    """One random token of `pool` (in_pool: bool [V], its members) per packed mask row that the row
+    allows: `tries` at once, and a row that allows few (the output's opening `{"text": "`) from
+    its unpacked bits."""
+    picks = pool[torch.randint(len(pool), (packed.shape[0], tries))]
+    ok = (packed.gather(1, picks // 32) >> (picks % 32)) & 1
+    tokens = picks.gather(1, ok.argmax(1, keepdim=True)).squeeze(1)
+    few = (~ok.any(1)).nonzero().flatten()
+    if len(few):  # (these rows' grammars stand at the same place: one unpacking each distinct mask)
+        distinct, which = packed[few].unique(dim=0, return_inverse=True)
+        for i, mask in enumerate(distinct):
+            allowed = ((((mask[:, None] >> torch.arange(32)) & 1).flatten()[:len(in_pool)].bool() & in_pool)
+                       .nonzero().flatten())
+            rows = few[which == i]
+            tokens[rows] = allowed[torch.randint(len(allowed), (len(rows),))]
+    return tokens
+
+
+def checkpoint(path: str, vocab: int | None) -> None:
+    """The tiny model, with a synthetic tokenizer of `vocab` tokens in place of the trained one."""
+    if vocab is None:
+        make_checkpoint(path, "llama", hidden_size=HIDDEN, num_hidden_layers=1, max_position_embeddings=8192)
+        return
+    from transformers import PreTrainedTokenizerFast
+
+    make_checkpoint(path, "llama", hidden_size=HIDDEN, num_hidden_layers=1, max_position_embeddings=8192,
+                    vocab_size=vocab, eos_token_id=vocab - 1, bos_token_id=vocab - 2, pad_token_id=vocab - 2)
+    tok = synthetic_tokenizer(vocab, {vocab - 2: "<|bos|>", vocab - 1: "<|eos|>"})
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>", bos_token="<|bos|>").save_pretrained(path)
 
 
 def main() -> None:
@@ -46,19 +108,24 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--shared-prefix", type=int, default=0)
     ap.add_argument("--cascade-attention", default="auto", choices=["auto", "always", "never"])
+    ap.add_argument("--constrained", action="store_true")
+    ap.add_argument("--vocab", type=int)
     ap.add_argument("--json")
     args = ap.parse_args()
-    no_device_work()
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        make_checkpoint(tmp, "llama", hidden_size=HIDDEN, num_hidden_layers=1, max_position_embeddings=8192)
+        checkpoint(tmp, args.vocab)
         llm = LLM(tmp, dtype="float32", max_model_len=8192, max_num_seqs=max(batches), cpu_kv_cache_gib=1.0,
                   cascade_attention=args.cascade_attention, log_interval_s=0)
         vocab = llm.engine.spec.vocab_size
+        specials = llm.get_tokenizer().all_special_ids
+        no_device_work(vocab, specials, max(batches))
         rng = random.Random(0)
         prefixes = [[rng.randrange(3, vocab) for _ in range(args.shared_prefix)] for _ in range(8)]
-        params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=0.6, seed=1)
+        # (constrained: the end of sequence is allowed, but the fake sampler never picks a special)
+        params = SamplingParams(max_tokens=args.steps, ignore_eos=not args.constrained, temperature=0.6, seed=1,
+                                structured_outputs=StructuredOutputsParams(regex=JSON_STRING_REGEX) if args.constrained else None)
         for b in batches:
             prompts = [{"prompt_token_ids": prefixes[i % 8] + [rng.randrange(3, vocab) for _ in range(100)]}
                        for i in range(b)]
@@ -70,6 +137,7 @@ def main() -> None:
                 walls.append(time.perf_counter() - start)
             best = min(walls)
             rows.append({"batch": b, "steps": args.steps, "shared_prefix": args.shared_prefix,
+                         "constrained": args.constrained, "vocab": vocab,
                          "ms_per_step": 1e3 * best / args.steps, "us_per_request_step": 1e6 * best / args.steps / b,
                          "walls_s": walls})
             print(f"batch {b}: {rows[-1]['ms_per_step']:.3f} ms a step, "

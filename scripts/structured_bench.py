@@ -37,7 +37,7 @@ import torch
 
 from llmserve import LLM, SamplingParams, StructuredOutputsParams
 from llmserve.bench.report import report
-from llmserve.bench.workloads import w_small
+from llmserve.bench.workloads import JSON_STRING_REGEX, w_small
 
 ORDER = {
     "type": "object",
@@ -104,9 +104,6 @@ def tpot_at_batch(records, min_batch: int) -> dict:
     return {"steps": len(gaps), "tpot_ms": 1e3 * sum(gaps) / len(gaps) if gaps else None}
 
 
-JSON_STRING = r'\{"text": "[^"\\\x00-\x1f]*'
-
-
 def decode_launch(records, min_batch: int) -> dict:
     """Mean host ms in step() launching, and in all, for decode steps of >= min_batch requests: a
     step() as long as the step's period means the host paces the device."""
@@ -125,7 +122,7 @@ def tpot(llm, profile: bool = False) -> dict:
         return [SamplingParams(temperature=p.temperature, max_tokens=p.max_tokens, seed=i,
                                structured_outputs=StructuredOutputsParams(**kind)) for i, p in enumerate(w.params)]
 
-    for name, params in (("plain", w.params), ("json_string", constrained(regex=JSON_STRING)),
+    for name, params in (("plain", w.params), ("json_string", constrained(regex=JSON_STRING_REGEX)),
                          ("plain_again", w.params), ("json_object", constrained(json_object=True))):
         wall, outs, records, process_cpu = timed(llm, w.prompts, params)
         runs[name] = {"wall_s": wall, "process_cpu_s": process_cpu,
@@ -139,7 +136,7 @@ def tpot(llm, profile: bool = False) -> dict:
     result = {"runs": runs, "tpot_ratio": runs["json_string"]["tpot_ms"] / plain}
     if profile:  # where the executor's host time goes, constrained (its timings are not the figures)
         result["profile"] = {}
-        for name, params in (("plain", w.params), ("json_string", constrained(regex=JSON_STRING))):
+        for name, params in (("plain", w.params), ("json_string", constrained(regex=JSON_STRING_REGEX))):
             timed(llm, w.prompts, params, profile=result["profile"].setdefault(name, []))
     return result
 
@@ -200,7 +197,7 @@ def phases(llm) -> dict:
 
     def constrained(jump_forward: bool) -> list[SamplingParams]:
         return [SamplingParams(temperature=p.temperature, max_tokens=p.max_tokens, seed=i, structured_outputs=
-                               StructuredOutputsParams(regex=JSON_STRING, jump_forward=jump_forward))
+                               StructuredOutputsParams(regex=JSON_STRING_REGEX, jump_forward=jump_forward))
                 for i, p in enumerate(w.params)]
     try:
         for run, params in (("plain", w.params), ("json_string", constrained(True)),

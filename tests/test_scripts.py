@@ -102,6 +102,15 @@ def test_host_bench_times_steps_without_device_work(tmp_path):
     assert all(r["ms_per_step"] > 0 and len(r["walls_s"]) == 1 for r in rows)
 
 
+def test_host_bench_constrained_samples_within_the_masks_of_a_synthetic_vocabulary(tmp_path):
+    """(A token outside a request's mask fails the request, and the script with it.)"""
+    out = tmp_path / "host.json"
+    run_script("host_bench.py", "--batch", "4", "--steps", "12", "--runs", "1", "--constrained", "--vocab", "2048",
+               "--json", str(out), timeout=120)
+    [row] = json.loads(out.read_text())
+    assert row["constrained"] and row["vocab"] == 2048 and row["ms_per_step"] > 0
+
+
 def test_benchmarks_page_is_rendered_from_its_result_files():
     assert "is current" in run_script("bench_page.py", "--check")
 

@@ -129,6 +129,11 @@ def synthetic_tokenizer(vocab_size: int, specials: dict[int, str], seed: int = 0
     return tok
 
 
+JSON_STRING_REGEX = r'\{"text": "[^"\\\x00-\x1f]*'
+"""Structured outputs' benchmark constraint: the inside of a JSON string (the mask json_object's
+strings take), which never closes, so a request keeps its mask to the end."""
+
+
 def w_small() -> Workload:
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
