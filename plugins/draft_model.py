@@ -59,6 +59,9 @@ class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, context: ProposerContext) -> None:
         if not config.model:
             raise ValueError("speculative.model must name the draft checkpoint's directory for method 'draft'")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            if getattr(config, name) is not None:
+                raise ValueError(f"speculative.{name} is not used by method 'draft' (it is the n-gram lookup's, method 'ngram')")
         spec = ModelSpec.from_dir(config.model)
         if spec.vocab_size != context.vocab_size:
             raise ValueError(f"speculative.model {config.model!r} has a vocabulary of {spec.vocab_size} tokens, the "

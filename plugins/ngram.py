@@ -25,8 +25,8 @@ class NgramProposer:
         if config.model is not None:
             raise ValueError(f"speculative.model {config.model!r} is not used by method 'ngram' (a draft model is "
                              "method 'draft')")
-        self.n_max = config.prompt_lookup_max
-        self.n_min = config.prompt_lookup_min
+        self.n_min = config.prompt_lookup_min or 1
+        self.n_max = config.prompt_lookup_max or max(4, self.n_min)
 
     def propose(self, req_ids: list[str], sequences: list[tuple[array, list[int]]],
                 limits: list[int]) -> list[list[int]]:

@@ -482,6 +482,22 @@ def test_speculative_config_is_vllms_and_is_validated(checkpoint):
         LLM(checkpoint("llama"), **COMMON, speculative_config={"method": "nope"})
 
 
+def test_the_ngram_lookup_runs_default_and_are_refused_by_the_draft_method(checkpoint):
+    """A setting the chosen method would ignore is an error naming it, never silently dropped."""
+    def lookup(**kw) -> tuple[int, int]:
+        proposer = NgramProposer(SpeculativeConfig(method="ngram", **kw))
+        return proposer.n_max, proposer.n_min
+
+    assert lookup() == (4, 1) and lookup(prompt_lookup_min=6) == (6, 6) and lookup(prompt_lookup_max=2) == (2, 1)
+    with pytest.raises(ValueError, match=r"speculative.prompt_lookup_max must be >= prompt_lookup_min \(3\), got 2"):
+        SpeculativeConfig(method="ngram", prompt_lookup_max=2, prompt_lookup_min=3)
+    with pytest.raises(ValueError, match="speculative.prompt_lookup_min must be an integer >= 1, got 0"):
+        SpeculativeConfig(method="ngram", prompt_lookup_min=0)
+    ck = checkpoint("llama")
+    with pytest.raises(ValueError, match="speculative.prompt_lookup_max is not used by method 'draft'"):
+        LLM(ck, **COMMON, speculative_config={"method": "draft", "model": ck, "prompt_lookup_max": 3})
+
+
 def test_cli_takes_vllms_speculative_config_and_the_section_flags():
     config, _ = parse_serve(["builtin", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
                              "--speculative-prompt-lookup-max", "2"])

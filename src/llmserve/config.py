@@ -150,10 +150,10 @@ class SpeculativeConfig:
     """draft: the draft checkpoint's directory."""
     num_speculative_tokens: int = 4
     """Most tokens proposed per request per step; each step checks them all in one forward pass."""
-    prompt_lookup_max: int = 4
-    """ngram: the longest run of last tokens looked up."""
-    prompt_lookup_min: int = 1
-    """ngram: the shortest run of last tokens looked up."""
+    prompt_lookup_max: int | None = None
+    """ngram: the longest run of last tokens looked up (unset: 4, or prompt_lookup_min if larger)."""
+    prompt_lookup_min: int | None = None
+    """ngram: the shortest run of last tokens looked up (unset: 1)."""
     disable_by_batch_size: int = 32
     """Running requests above which no request speculates (a large batch's steps are already
     compute-bound: checking proposals there costs more than it saves)."""
@@ -165,9 +165,12 @@ class SpeculativeConfig:
                "unset without speculative.method (a draft model is used by method 'draft')", self.model)
         _check(1 <= self.num_speculative_tokens <= 16, "speculative", "num_speculative_tokens", "in [1, 16]",
                self.num_speculative_tokens)
-        _check(self.prompt_lookup_min >= 1, "speculative", "prompt_lookup_min", ">= 1", self.prompt_lookup_min)
-        _check(self.prompt_lookup_max >= self.prompt_lookup_min, "speculative", "prompt_lookup_max",
-               f">= prompt_lookup_min ({self.prompt_lookup_min})", self.prompt_lookup_max)
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and value >= 1), "speculative", name, "an integer >= 1",
+                   value)
+        _check(self.prompt_lookup_max is None or self.prompt_lookup_max >= (self.prompt_lookup_min or 1), "speculative",
+               "prompt_lookup_max", f">= prompt_lookup_min ({self.prompt_lookup_min or 1})", self.prompt_lookup_max)
         _check(self.disable_by_batch_size >= 1, "speculative", "disable_by_batch_size", ">= 1",
                self.disable_by_batch_size)
 
