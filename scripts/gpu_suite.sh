@@ -2,7 +2,7 @@
 # The GPU suite in one device call.
 #
 #   here (has pip and the registry):  [BASE=<git rev>] bash scripts/gpu_suite.sh prepare
-#       -> .whl/: llmserve itself plus the packages the GPU box lacks (structlog, trio, xgrammar and their needs);
+#       -> .whl/: llmserve itself plus the packages the GPU box lacks (structlog, trio, xgrammar, aiohttp and their needs);
 #          with BASE, also .whl/base/: llmserve at that revision, for `run ab`
 #   on the GPU box (device tool, carry [".whl"]):
 #       bash scripts/gpu_suite.sh run [w-small|w-large|w-serve|quant-1|quant-2|figures|peers|none|script ...|ab ...|ab-script ...]
@@ -48,7 +48,9 @@ prepare)
         priority==2.0.0 hpack==4.2.0 hyperframe==6.1.0 pydantic==2.14.3 pydantic_core==2.50.4 \
         annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0 \
         xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
-        referencing==0.37.0 rpds-py==2026.9.1
+        referencing==0.37.0 rpds-py==2026.9.1 \
+        aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 \
+        yarl==1.25.1
     "$PY" -m pip wheel -q --no-deps -w .whl .
     if [ -n "${SLIM:-}" ]; then  # for `run peers`: the tree, .whl and .peers must stay under 64 MiB
         rm -f .whl/llmserve-*.whl .whl/xgrammar-* .whl/apache_tvm_ffi-* .whl/jsonschema* .whl/referencing-* .whl/rpds_py-*

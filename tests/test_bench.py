@@ -91,6 +91,39 @@ def test_bench_serve_against_a_running_server(tmp_path, capsys):
     assert main(["bench", "nope"]) == 2
 
 
+def test_bench_serve_reads_events_however_the_stream_splits_them():
+    """A server that writes its events a few bytes at a time, cut inside the JSON and between the
+    two newlines that end an event: every chunk is counted, and the usage."""
+    import asyncio
+
+    from llmserve.bench.serve import run
+
+    events = [b'data: {"choices": [{"text": "ab"}]}\n\n', b": a comment\n\n", b'data: {"choices": [{"text": "c"}]}\n\n',
+              b'data: {"choices": [], "usage": {"completion_tokens": 2}}\n\n', b"data: [DONE]\n\n"]
+    body = b"".join(events)
+
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
+        for i in range(0, len(body), 7):
+            writer.write(body[i:i + 7])
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        writer.close()
+
+    async def main() -> dict:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            return await run(f"http://127.0.0.1:{port}", [[1, 2]] * 3, [2] * 3, rate=float("inf"))
+
+    result = asyncio.run(main())
+    assert (result["completed"], result["failed"], result["output_tokens"]) == (3, 0, 6), result["errors"]
+    assert result["ttft_ms"]["median"] > 0 and result["itl_ms"]["mean"] > 0
+
+
 def test_step_timing_counts_idle_time_before_each_decode_step_only():
     from llmserve.model.step_timing import StepRecord, StepTiming
     t = StepTiming()
