@@ -62,10 +62,15 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = query.shape[1] // num_kv_heads
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-    if decode:
-        _decode_rows(query, k_cache, v_cache, block_tables, starts, lens, decode, scale, k_scale, v_scale, window,
-                     softcap, out)
+    decode = sorted((i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1), key=lens.__getitem__)
+    per_key = k_cache.shape[2] * k_cache.shape[3]
+    while decode:  # shortest first, as many rows a pass as keep its gathered keys within _DECODE_GATHER
+        n = 1
+        while n < len(decode) and (n + 1) * lens[decode[n]] * per_key <= _DECODE_GATHER:
+            n += 1
+        _decode_rows(query, k_cache, v_cache, block_tables, starts, lens, decode[:n], scale, k_scale, v_scale,
+                     window, softcap, out)
+        decode = decode[n:]
     for i, seq_len in enumerate(lens):
         q = query[starts[i]:starts[i + 1]].float()
         q_len = q.shape[0]
@@ -91,6 +96,11 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         probs = torch.softmax(scores, dim=-1)
         out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
+
+
+_DECODE_GATHER = 1 << 24
+"""Elements of the keys (and as many of the values) one batched decode pass gathers at most: 64 MB
+each in float32, whatever the batch and its contexts."""
 
 
 def _decode_rows(query, k_cache, v_cache, block_tables, starts, lens, rows, scale, k_scale, v_scale, window,

@@ -7,6 +7,7 @@ from llmserve.kernels.cache_write import write_kv
 from llmserve.kernels.fused import (rms_norm, rms_norm_reference, rotary, rotary_reference, silu_and_mul,
                                     silu_and_mul_reference)
 from llmserve.kernels.paged_attention import paged_attention
+from llmserve.kernels import reference
 from llmserve.kernels.reference import paged_attention_reference, write_kv_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -129,10 +130,13 @@ def test_reference_attention_is_causal_softmax():
     torch.testing.assert_close(out[:, 0].cpu(), torch.softmax(s, -1) @ v)
 
 
+@pytest.mark.parametrize("gather", [None, 1])
 @pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 5.0)])
-def test_reference_decode_rows_are_dense_attention(window, softcap):
+def test_reference_decode_rows_are_dense_attention(window, softcap, gather, monkeypatch):
     """The oracle's batched decode rows, beside a prefill row, against one dense computation per
-    row; every cache slot no row may read is NaN."""
+    row; every cache slot no row may read is NaN. gather 1: a pass per row (its memory bound)."""
+    if gather is not None:
+        monkeypatch.setattr(reference, "_DECODE_GATHER", gather)
     query_lens, context_lens = [1, 3, 1, 1], [4, 5, 16, 21]
     q, kc, vc, tables, qsl, seq_lens = make_batch(query_lens, context_lens, block_size=4, num_kv_heads=2, group=2,
                                                   head_dim=8, dtype=torch.float32)
