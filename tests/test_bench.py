@@ -86,6 +86,7 @@ def test_bench_serve_against_a_running_server(tmp_path, capsys):
             assert result["completed"] == 6 and result["failed"] == 0 and result["output_tokens"] == 48
             assert 0 < result["ttft_ms"]["median"] <= result["e2e_ms"]["median"]
             assert result["itl_ms"]["mean"] > 0 and result["tpot_ms"]["p99"] > 0
+            assert result["client_cpu_share"] > 0  # (the server runs in this process too: not compared with 1)
     printed = capsys.readouterr().out
     assert "ttft_ms" in printed and "output tok/s" in printed
     assert main(["bench", "nope"]) == 2

@@ -5,7 +5,8 @@
 
 Definitions (client side, as vLLM defines them): TTFT = send -> first streamed chunk with text;
 ITL = gaps between consecutive chunks; TPOT per request = (E2E - TTFT) / (output tokens - 1);
-E2E = send -> last chunk. Output tokens are the server's usage counts.
+E2E = send -> last chunk. Output tokens are the server's usage counts. client_cpu_share: the
+client's CPU time over the run's wall time (near 1: the client, not the server, set the pace).
 
 The client is aiohttp, as vLLM's `bench serve` has it: its streaming read is several times
 faster than httpx's, and a client that reads fewer chunks a second than the server sends would
@@ -35,6 +36,11 @@ class Result:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str = ""
+
+
+CLIENT_BUSY = 0.8
+"""The client's CPU time over the run's wall time above which `bench serve` warns that the client
+may have been the bound (its one interpreter reads every stream)."""
 
 
 def random_workload(num: int, input_len: int, output_len: int, vocab: int, seed: int = 0):
@@ -99,13 +105,13 @@ async def run(url: str, prompts: list[list[int]], max_tokens: list[int], *, rate
                 return await _one(session, url, model, prompts[i], max_tokens[i], temperature)
 
         tasks = []
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for i in range(len(prompts)):
             tasks.append(asyncio.create_task(launch(i)))
             if rate != float("inf"):
                 await asyncio.sleep(rng.exponential(1.0 / rate))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        duration, cpu = time.perf_counter() - start, time.process_time() - cpu
     done = [r for r in results if r.ok]
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     out_tokens = sum(r.output_tokens for r in done)
@@ -115,6 +121,7 @@ async def run(url: str, prompts: list[list[int]], max_tokens: list[int], *, rate
         "request_throughput": len(done) / duration, "output_throughput": out_tokens / duration,
         "output_tokens": out_tokens, "ttft_ms": _stats([r.ttft for r in done]), "tpot_ms": _stats(tpot),
         "itl_ms": _stats([x for r in done for x in r.itl]), "e2e_ms": _stats([r.e2e for r in done]),
+        "client_cpu_share": cpu / duration,
     }
 
 
@@ -150,6 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         s = result[name]
         print(f"{name:<22}mean {s['mean']:9.2f}  median {s['median']:9.2f}  p99 {s['p99']:9.2f}")
+    if result["client_cpu_share"] > CLIENT_BUSY:  # one interpreter: past this it may be what was measured
+        print(f"warning: this client was busy {result['client_cpu_share']:.0%} of the run; the figures may be "
+              "its own limit, not the server's")
     report(result, args.json, echo=False)
 
 
