@@ -11,7 +11,8 @@
 #          benchmark (BENCH_ARGS replaces "--peer hf"; PROFILE=1 adds profiler windows; COLD=1: an
 #          empty Triton cache, as on a fresh machine)
 #          (w-serve: the server plus `llmserve bench serve` at rate inf and at half the max,
-#          DETOKENIZE=1: with a tokenizer in the model's directory;
+#          DETOKENIZE=1: with a tokenizer in the model's directory; every bench serve reads the
+#          streams through CLIENT_PROCS (4) client processes, the working tree's client also in ab-serve;
 #          quant-1: int8 kernel sweep, batch-1 decode bf16 vs int8, quantization quality;
 #          quant-2: decode attention bf16 vs FP8 cache, W-small with a bf16 vs FP8 KV cache,
 #          W-large bf16 vs fp8;
@@ -75,6 +76,7 @@ run)
     mkdir -p "$OUT"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    CLIENTS=${CLIENT_PROCS:-4}  # bench serve's client processes: one may read fewer chunks than a server sends
     { nvidia-smi; "$PY" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'; } \
         > "$OUT/env.txt" 2>&1
     set +e
@@ -110,7 +112,8 @@ run)
             local first="" rate
             for rate in "$@"; do
                 [ "$rate" = half ] && rate=$("$PY" -c "import json; print(json.load(open('$first'))['request_throughput'] / 2)")
-                "$PY" -m llmserve.cli bench serve --workload w-small --rate "$rate" --json "$OUT/w-serve-$proc-$rate.json"
+                "$PY" -m llmserve.cli bench serve --workload w-small --rate "$rate" --client-processes "$CLIENTS" \
+                    --json "$OUT/w-serve-$proc-$rate.json"
                 first=${first:-$OUT/w-serve-$proc-$rate.json}
             done
             kill -TERM $server; wait $server
@@ -144,7 +147,8 @@ run)
             server=$!
             for _ in $(seq 1 120); do curl -sf localhost:8000/health >/dev/null && break; sleep 1; done
             echo "$side engine_process=$proc run $i:"
-            PYTHONPATH=$site "$PY" -m llmserve.cli bench serve --workload w-small --rate inf \
+            # (the client is the working tree's for both sides: only the server is compared)
+            "$PY" -m llmserve.cli bench serve --workload w-small --rate inf --client-processes "$CLIENTS" \
                 --json "$OUT/w-serve-$side-$proc-$i.json" | grep -E "output tok/s|tpot_ms|itl_ms"
             kill -TERM $server; wait $server
         done; done; done
@@ -214,7 +218,7 @@ run)
             for _ in $(seq 1 "$limit"); do curl -sf localhost:8000/health >/dev/null && break; sleep 1
                 kill -0 $server 2>/dev/null || break; done
             echo "$name: up after $((SECONDS - t0)) s"
-            timeout "$limit" "$PY" -m llmserve.cli bench serve "$@" --json "$OUT/$name.json" \
+            timeout "$limit" "$PY" -m llmserve.cli bench serve --client-processes "$CLIENTS" "$@" --json "$OUT/$name.json" \
                 | grep -E "throughput|tok/s|tpot_ms|ttft_ms|completed|failed"
             nvidia-smi --query-gpu=index,memory.used --format=csv,noheader > "$OUT/$name-memory.csv"
             kill -TERM $server; wait $server; tail -2 "$OUT/$name-server.log"

@@ -79,11 +79,13 @@ def test_startup_reports_its_phases_and_the_slowest_kernel_variants(checkpoint):
 def test_bench_serve_against_a_running_server(tmp_path, capsys):
     with running_server() as server:
         out = tmp_path / "serve.json"
-        for rate in ("inf", "40"):
+        for rate, processes in (("inf", "1"), ("40", "1"), ("40", "2")):
             main(["bench", "serve", "--url", server.url, "--workload", "random", "--num-requests", "6",
-                  "--random-input-len", "12", "--random-output-len", "8", "--rate", rate, "--json", str(out)])
+                  "--random-input-len", "12", "--random-output-len", "8", "--rate", rate, "--json", str(out),
+                  "--client-processes", processes])
             result = json.loads(out.read_text())
             assert result["completed"] == 6 and result["failed"] == 0 and result["output_tokens"] == 48
+            assert result["client_processes"] == int(processes)
             assert 0 < result["ttft_ms"]["median"] <= result["e2e_ms"]["median"]
             assert result["itl_ms"]["mean"] > 0 and result["tpot_ms"]["p99"] > 0
             assert result["client_cpu_share"] > 0  # (the server runs in this process too: not compared with 1)
