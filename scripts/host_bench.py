@@ -33,6 +33,7 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.bench.report import report
 from llmserve.bench.workloads import JSON_STRING_REGEX, synthetic_tokenizer
+from llmserve.kernels.token_mask import unpack_mask
 from llmserve.model import runner
 from llmserve.model.llama import LlamaForCausalLM
 from llmserve.plugins.cpu import CPUBackend
@@ -46,7 +47,7 @@ def no_device_work(vocab: int, specials: list[int], max_rows: int) -> None:
     """The model's forward pass returns zeros, its logits one zero tensor nobody writes, the sampler
     random ids other than the tokenizer's specials (the end of sequence among them), within each
     masked row's mask."""
-    logits = torch.zeros(max_rows, vocab)
+    zeros = torch.zeros(max_rows, vocab)
     in_pool = torch.ones(vocab, dtype=torch.bool)
     in_pool[specials] = False
     pool = in_pool.nonzero().flatten()
@@ -65,7 +66,7 @@ def no_device_work(vocab: int, specials: list[int], max_rows: int) -> None:
         return tokens
 
     LlamaForCausalLM.forward = lambda self, ids, positions, meta: torch.zeros(ids.shape[0], HIDDEN)
-    LlamaForCausalLM.compute_logits = lambda self, hidden: logits[:hidden.shape[0]]
+    LlamaForCausalLM.compute_logits = lambda self, hidden: zeros[:hidden.shape[0]]
     runner.process_logits = process_logits
     CPUBackend.sample_rows = sample_rows
 
@@ -80,11 +81,9 @@ def _allowed_tokens(packed: torch.Tensor, pool: torch.Tensor, in_pool: torch.Ten
     few = (~ok.any(1)).nonzero().flatten()
     if len(few):  # (these rows' grammars stand at the same place: one unpacking each distinct mask)
         distinct, which = packed[few].unique(dim=0, return_inverse=True)
-        for i, mask in enumerate(distinct):
-            allowed = ((((mask[:, None] >> torch.arange(32)) & 1).flatten()[:len(in_pool)].bool() & in_pool)
-                       .nonzero().flatten())
-            rows = few[which == i]
-            tokens[rows] = allowed[torch.randint(len(allowed), (len(rows),))]
+        for i, allowed in enumerate(unpack_mask(distinct, len(in_pool)) & in_pool):
+            ids, rows = allowed.nonzero().flatten(), few[which == i]
+            tokens[rows] = ids[torch.randint(len(ids), (len(rows),))]
     return tokens
 
 

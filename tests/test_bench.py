@@ -91,6 +91,9 @@ def test_bench_serve_against_a_running_server(tmp_path, capsys):
             assert result["client_cpu_share"] > 0  # (the server runs in this process too: not compared with 1)
     printed = capsys.readouterr().out
     assert "ttft_ms" in printed and "output tok/s" in printed
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--url", "http://127.0.0.1:1", "--client-processes", "0"])
+    assert "--client-processes must be >= 1, got 0" in capsys.readouterr().err
     assert main(["bench", "nope"]) == 2
 
 

@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
+    if args.client_processes < 1:
+        ap.error(f"--client-processes must be >= 1, got {args.client_processes}")
     if args.workload == "random":
         prompts, max_tokens = random_workload(args.num_requests or 100, args.random_input_len, args.random_output_len,
                                               args.random_vocab, args.seed)
