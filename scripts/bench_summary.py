@@ -1,5 +1,5 @@
-"""One run's JSON from `llmserve bench throughput`, summarised in two lines (three more with -v:
-the steps the device waited longest for).
+"""One run's JSON from `llmserve bench throughput`, summarised in two lines (a third for rank 0's
+own steps under tensor parallelism; three more with -v: the steps the device waited longest for).
 
     python scripts/bench_summary.py [-v] RESULT.json ...
 """
@@ -23,9 +23,13 @@ def main() -> None:
         print(f"{path.rsplit('/', 1)[-1]}: {r['wall_s']:.3f} s, {r['output_tok_s']:.0f} tok/s, "
               f"{100 * r.get('roofline_fraction', 0):.1f}% of roofline{held}{busy}, start-up {r['startup_s']:.1f} s, "
               f"GC {r['stalls']['gc']['ms']:.0f} ms" + (f", cascade steps {r['cascade_steps']}" if r.get('cascade_steps') else ""))
-        print("   " + "; ".join(f"{b['steps']}: {b['count']} in {b['total_s']:.3f} s"
-                                + (f" (device {b['device_s']:.3f}, idle {b['idle_s']:.3f})" if "device_s" in b else "")
-                                + f" launch {b['launch_ms']:.1f} ms" for b in d["by_batch"]))
+        for who, steps in [("", d), ("rank 0 ", d.get("rank0"))]:
+            if not steps:
+                continue
+            print(f"   {who}" + "; ".join(f"{b['steps']}: {b['count']} in {b['total_s']:.3f} s"
+                                      + (f" (device {b['device_s']:.3f}, idle {b['idle_s']:.3f})" if "device_s" in b else "")
+                                      + f" launch {b['launch_ms']:.1f} ms" for b in steps["by_batch"])
+                  + (f"; between steps {steps['between_ms']:.2f} ms" if "between_ms" in steps else ""))
         for row in d.get("most_idle", [])[:3] if args.verbose else []:
             print("    idle before", {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})
 

@@ -472,3 +472,17 @@ def test_bench_throughput_reports_the_vllm_peer_beside_our_engine(tmp_path, monk
     assert fake_vllm_calls(log)[-1]["prompts"] == make_tiny_workload().prompts
     err = capsys.readouterr().err
     assert "peer vllm:" in err and "llmserve/vllm" in err and "[vllm] RESULT" in err
+
+
+def test_bench_throughput_under_tensor_parallelism_reports_rank_zeros_steps(tmp_path, monkeypatch):
+    """Under tensor parallelism the engine's step() calls wrap a round trip to the ranks: the result
+    also holds rank 0's own view of the same steps (its launches and waits), to tell the host's
+    share of a TP step from the device's."""
+    from llmserve.bench import throughput
+    from llmserve.bench.workloads import WORKLOADS
+    monkeypatch.setitem(WORKLOADS, "tiny", make_tiny_workload)
+    out = tmp_path / "result.json"
+    throughput.main(["--workload", "tiny", "--tensor-parallel-size", "2", "--json", str(out)])
+    steps = json.loads(out.read_text())["decode_steps"]
+    assert steps["rank0"]["steps"] == steps["steps"] > 0
+    assert sum(r["count"] for r in steps["rank0"]["by_batch"]) == sum(r["count"] for r in steps["by_batch"])

@@ -82,7 +82,8 @@ def test_ranks_keep_structured_outputs_and_speculation(checkpoint):
 
 def test_values_read_from_another_thread_while_the_engine_steps(checkpoint):
     """A benchmark reading a rank's counter while the engine's thread steps: the calls take turns
-    on the ranks' pipes (interleaved, their messages would corrupt each other)."""
+    on the ranks' pipes (interleaved, their messages would corrupt each other). Rank 0 reports the
+    steps it ran."""
     prompts, expected = reference(checkpoint, "llama")
     with LLM(checkpoint("llama"), dtype="float32", device="cpu", tensor_parallel_size=2, log_interval_s=0) as llm:
         stop, reads = threading.Event(), []
@@ -92,6 +93,8 @@ def test_values_read_from_another_thread_while_the_engine_steps(checkpoint):
                 reads.append(llm.engine.runner.cascade_steps)
         reader = threading.Thread(target=read)
         reader.start()
+        llm.engine.runner.timing.clear()
+        llm.engine.runner.rank_timing("clear")
         try:
             outs = generate(llm, prompts)
         finally:
@@ -99,6 +102,11 @@ def test_values_read_from_another_thread_while_the_engine_steps(checkpoint):
             reader.join()
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert len(reads) > 10 and set(reads) == {0}
+        # rank 0's own timing saw the steps the engine sent it (the benchmark's view of a rank)
+        report, here = llm.engine.runner.rank_timing("report"), llm.engine.runner.timing.summary()
+        assert report["steps"] == here["steps"] > 0 and report["by_batch"]
+        with pytest.raises(ValueError, match="unknown action"):
+            llm.engine.runner.rank_timing("records")
 
 
 def test_int8_splits_like_the_model(checkpoint):

@@ -196,7 +196,11 @@ def run(workload: str, *, peers: tuple[str, ...] = (), peer_requests: int = 64, 
         timing = llm.engine.runner.timing
         timing.clear()
         ranks = engine_kwargs.get("tensor_parallel_size", 1)
-        if torch.cuda.is_available() and ranks == 1:  # (ranks run in processes of their own: not timed here)
+        if ranks > 1:  # the ranks run in processes of their own: rank 0 times its steps there
+            llm.engine.runner.rank_timing("clear")
+            if torch.cuda.is_available():
+                llm.engine.runner.rank_timing("time_device")
+        elif torch.cuda.is_available():
             timing.time_device()  # device busy/idle per step: two CUDA events a step
         if profile:
             # A prefill step, steady decode with all requests running, and the long tail's small batches.
@@ -206,14 +210,14 @@ def run(workload: str, *, peers: tuple[str, ...] = (), peer_requests: int = 64, 
             wall, outs, started = timed_generate(llm, w.prompts, w.params)
         # device memory the caching allocator had to get (or give back) mid-run: each is a driver call
         stalls["allocator"] = {k: v - allocator_before.get(k, 0) for k, v in _allocator_counts().items()}
-        step_summary = {**timing.summary(), "by_batch": timing.by_batch(), "slowest": timing.slowest(),
-                        "most_idle": timing.most_idle()}
+        step_summary = timing.report()
+        if ranks > 1:  # rank 0's own steps: its launches, its waits for the device, its device's idle time
+            step_summary["rank0"] = llm.engine.runner.rank_timing("report")
         # host time from generate() to the first step's launch: handing the batch in and planning it
         first = next((r for r in timing.records if r.requests and r.start >= started), None)
         step_summary["first_step_ms"] = None if first is None else 1e3 * (first.start - started)
-        if timing.device_events:
-            busy = sum(b for b, _ in timing.device_s())
-            step_summary.update(device_busy_s=busy, device_busy_fraction=busy / wall)
+        if "device_busy_s" in step_summary:
+            step_summary["device_busy_fraction"] = step_summary["device_busy_s"] / wall
         pauses = stalls.pop("gc_pauses")
         for row in step_summary["slowest"] + step_summary["most_idle"]:  # the collections inside each step's period
             lo, hi = timing.records[row["step"] - 1].end, timing.records[row["step"]].end

@@ -164,6 +164,13 @@ class RankRunner(abc.ABC):
     def prompt_logits(self, token_ids: list[int]):
         return self._call("prompt_logits", token_ids)
 
+    def rank_timing(self, action: str) -> dict | None:
+        """Rank 0's own StepTiming: "clear", "time_device" (CUDA events around its steps), or
+        "report" (its StepTiming.report(): the steps as the rank saw them, launch and wait)."""
+        if action not in ("clear", "time_device", "report"):
+            raise ValueError(f"rank_timing: unknown action {action!r}")
+        return self._call("timing", action)
+
     def _steps(self, method: str, *args: Any) -> list[StepResult]:
         results, self._busy = self._call(method, *args)
         return results
@@ -327,6 +334,8 @@ def dispatch(runner, method: str, args: tuple) -> Any:
         return getattr(runner, args[0])
     if method == "set":
         return setattr(runner, *args)
+    if method == "timing":
+        return getattr(runner.timing, args[0])()
     if method == "prompt_logits":
         return runner.prompt_logits(*args).cpu()
     return getattr(runner, method)(*args)

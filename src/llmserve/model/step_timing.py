@@ -115,6 +115,14 @@ class StepTiming:
                 "execute_ms": 1e3 * sum(e - s for _, s, e, _ in rows) / n,
                 "between_ms": 1e3 * sum(max(gap, 0.0) for *_, gap in rows) / n}
 
+    def report(self) -> dict:
+        """summary() with by_batch(), slowest() and most_idle(); when timing the device, its busy
+        seconds over the recorded steps ("device_busy_s")."""
+        out = {**self.summary(), "by_batch": self.by_batch(), "slowest": self.slowest(), "most_idle": self.most_idle()}
+        if self.device_events:
+            out["device_busy_s"] = sum(b for b, _ in self.device_s())
+        return out
+
     def periods(self) -> list[tuple[float, int, int, int]]:
         """(seconds, step index, requests, tokens) for each step after the first: from the previous
         step() returning to this one returning; with a step in flight, the pipeline's rate."""
