@@ -7,7 +7,8 @@ A step of a model split over P ranks makes, per decoder layer, two all-reduces o
 in the model's dtype (after o_proj and after down_proj), one more for the embeddings, and one
 all-gather of the logits ([rows, vocab / P] a rank). This script makes exactly those in one graph
 per row count and reports the graph's time a step, one all-reduce's time (graphed, and NCCL's
-eager), the logits' all-gather, and whether the one-shot sums equal NCCL's.
+eager), the logits' all-gather, and whether the one-shot sums equal NCCL's (and how far each is
+from the float32 sum of the ranks' parts: above two ranks they add in different orders).
 One process a rank (torch.multiprocessing); NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 """
 
@@ -70,11 +71,19 @@ def rank_main(rank: int, size: int, store: str, config: dict, rows_list: list[in
             if path == "one_shot" and one_shot is None:
                 continue
             tp.one_shot = one_shot if path == "one_shot" else None
-            if path == "one_shot":  # the same sums as NCCL's (two ranks: a + b either way)
+            if path == "one_shot":  # the sums against NCCL's, and both against float32's
                 probe = torch.randn(rows, hidden, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(rank))
-                want = probe.clone()
-                dist.all_reduce(want)
-                row["one_shot_equals_nccl"] = bool(torch.equal(parallel_state.all_reduce(probe.clone()), want))
+                nccl = probe.clone()
+                dist.all_reduce(nccl)
+                parts = [torch.empty_like(probe) for _ in range(size)]
+                dist.all_gather(parts, probe)
+                exact = torch.stack(parts).float().sum(0)
+                mine = parallel_state.all_reduce(probe.clone())
+                # two ranks add a + b either way: equal bits; more add in another order than NCCL's
+                # ring, so each may round differently: both must stay within a rounding of the exact sum
+                row["one_shot_equals_nccl"] = bool(torch.equal(mine, nccl))
+                row["one_shot_max_err"] = (mine.float() - exact).abs().max().item()
+                row["nccl_max_err"] = (nccl.float() - exact).abs().max().item()
             one, whole = graphed(lambda: parallel_state.all_reduce(x)), graphed(step)
             row[f"{path}_all_reduce_graph_us"] = events_us(one.replay, 200)
             row[f"{path}_step_graph_ms"] = events_us(whole.replay, 50) / 1e3

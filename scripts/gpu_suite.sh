@@ -202,7 +202,7 @@ run)
         # (decode-b1 on the 8B shape at TP = 1, 2 and 4 where there are 4 GPUs), large (the
         # Llama-3.1-70B shape, dummy weights, served at TP = 2 and answering bench serve), serve-8b
         # (W-large's requests through the server: TP = 1 on one GPU, 2 replicas, TP = 2), w-large
-        # (offline at TP = 1 and 2), serve-small (W-serve on W-small's shape: 1 replica, then 2).
+        # (offline at TP = 1, 2 and 4 where there are 4 GPUs), serve-small (W-serve on W-small's shape: 1 replica, then 2).
         # NVLink multicast stays off in every process (they inherit this environment).
         export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
         gpus=$(nvidia-smi -L | wc -l)
@@ -238,7 +238,7 @@ run)
                 timeout ${TEST_TIMEOUT:-300} "$PY" -m pytest -q -p no:cacheprovider --timeout 200 --durations 8 -rf \
                     ${MULTI_TESTS:+-k "$MULTI_TESTS"} tests/test_gpu_multi.py 2>&1 | tee "$OUT/gpu_multi_tests.log" | tail -15 ;;
             collectives)
-                for ranks in 2 4; do [ "$ranks" -le "$gpus" ] || continue
+                for ranks in ${COLLECTIVE_RANKS:-2 4}; do [ "$ranks" -le "$gpus" ] || continue
                     (cd scripts && PYTHONPATH=/tmp/site:. timeout 120 "$PY" allreduce_bench.py --ranks $ranks \
                         --json "$OUT/allreduce-tp$ranks.json") 2>&1 | tail -4; done ;;
             decode)  # tp2-nccl: every all-reduce through NCCL (no one-shot kernel)
@@ -257,7 +257,7 @@ run)
                     serve_run serve-8b-$name /tmp/w-large-model 240 --tensor-parallel-size $tp --data-parallel-size $dp \
                         -- --workload w-large --rate inf; done ;;
             w-large)
-                for tp in 1 2; do
+                for tp in 1 2 4; do [ "$tp" -le "$gpus" ] || continue
                     timeout 200 "$PY" -m llmserve.bench.throughput --workload w-large --tensor-parallel-size $tp \
                         --json "$OUT/w-large-tp$tp.json" > "$OUT/w-large-tp$tp.log" 2>&1
                     echo "w-large tp$tp: exit $?"; "$PY" scripts/bench_summary.py "$OUT/w-large-tp$tp.json"

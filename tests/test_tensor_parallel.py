@@ -102,9 +102,10 @@ def test_values_read_from_another_thread_while_the_engine_steps(checkpoint):
             reader.join()
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert len(reads) > 10 and set(reads) == {0}
-        # rank 0's own timing saw the steps the engine sent it (the benchmark's view of a rank)
+        # rank 0's own timing saw the steps the engine sent it (the benchmark's view of a rank), give
+        # or take a last step the engine thread makes between the two sides' clears or reads
         report, here = llm.engine.runner.rank_timing("report"), llm.engine.runner.timing.summary()
-        assert report["steps"] == here["steps"] > 0 and report["by_batch"]
+        assert here["steps"] > 2 and abs(report["steps"] - here["steps"]) <= 2 and report["by_batch"]
         with pytest.raises(ValueError, match="unknown action"):
             llm.engine.runner.rank_timing("records")
 

@@ -18,6 +18,7 @@ class StepRecord(NamedTuple):
     start: float  # step() entered
     launched: float  # launched() marked (= end if the step never marked it)
     end: float  # step() returned
+    events: tuple | None = None  # CUDA events around its queued work, when timing the device
 
 
 class StepTiming:
@@ -31,14 +32,20 @@ class StepTiming:
         self.profile_windows: list[tuple[int, int]] = []  # (first step, steps)
         self.profile_out: str | None = None
         self._prof = None
-        # (start, end) CUDA events per record when timing the device (time_device()); None: not timing
-        self.device_events: list[tuple] | None = None
-        self._events: tuple | None = None
+        self.timing_device = False
+        self._events: tuple | None = None  # the current step's, when timing the device
 
     def time_device(self) -> None:
-        """Also record a CUDA event pair around each step's device work (a few µs of host time a
-        step): by_batch() then splits the run into device busy and idle time."""
-        self.device_events = []
+        """Start a timed run (clear()), recording a CUDA event pair around each step's device work
+        from now on (a few µs of host time a step): by_batch() then splits the run into device busy
+        and idle time."""
+        self.clear()
+        self.timing_device = True
+
+    @property
+    def device_events(self) -> list[tuple | None] | None:
+        """Each record's event pair (None for a step begun before time_device()); None if not timing."""
+        return [r.events for r in self.records] if self.timing_device else None
 
     @contextmanager
     def step(self, num_reqs: int, num_tokens: int):
@@ -48,21 +55,20 @@ class StepTiming:
             self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                             torch.profiler.ProfilerActivity.CUDA])
             self._prof.__enter__()
-        if self.device_events is not None:
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
+        events = None
+        if self.timing_device:
+            events = self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         start = self._launched = time.perf_counter()
         try:
             yield
         finally:
             end = time.perf_counter()
             launched = self._launched if self._launched > start else end  # unmarked: all of it was launch
-            if self._events is not None:
-                if self._launched <= start:
-                    self._events[1].record()
-                self.device_events.append(self._events)
-                self._events = None
-            self.records.append(StepRecord(num_reqs, num_tokens, start, launched, end))
+            if events is not None and self._launched <= start:
+                events[1].record()
+            self._events = None
+            self.records.append(StepRecord(num_reqs, num_tokens, start, launched, end, events))
             if self._prof is not None and index == sum(window) - 1:
                 self._prof.__exit__(None, None, None)
                 out = f"{self.profile_out}-step{window[0]}"
@@ -81,18 +87,22 @@ class StepTiming:
 
     def clear(self) -> None:
         self.records.clear()
-        if self.device_events is not None:
-            self.device_events.clear()
 
     def device_s(self) -> list[tuple[float, float]] | None:
         """(busy, idle before) seconds on the device per step: from the step's first queued work to
         its last, and from the previous step's last to its first (0 when the device was still busy
-        with earlier work as the step was queued). Waits for the device. None if not timing it."""
-        if not self.device_events:
+        with earlier work as the step was queued; 0 and 0 for a step without events, one begun as
+        timing started). Waits for the device. None if not timing it."""
+        timed = [r.events for r in self.records if r.events is not None] if self.timing_device else []
+        if not timed:
             return None
-        self.device_events[-1][1].synchronize()
+        timed[-1][1].synchronize()
         out, prev_end = [], None
-        for start, end in self.device_events:
+        for events in self.device_events:
+            if events is None:
+                out.append((0.0, 0.0))
+                continue
+            start, end = events
             idle = 0.0 if prev_end is None else max(prev_end.elapsed_time(start), 0.0) / 1e3
             out.append((start.elapsed_time(end) / 1e3, idle))
             prev_end = end
@@ -119,8 +129,9 @@ class StepTiming:
         """summary() with by_batch(), slowest() and most_idle(); when timing the device, its busy
         seconds over the recorded steps ("device_busy_s")."""
         out = {**self.summary(), "by_batch": self.by_batch(), "slowest": self.slowest(), "most_idle": self.most_idle()}
-        if self.device_events:
-            out["device_busy_s"] = sum(b for b, _ in self.device_s())
+        device = self.device_s()
+        if device:
+            out["device_busy_s"] = sum(b for b, _ in device)
         return out
 
     def periods(self) -> list[tuple[float, int, int, int]]:
@@ -137,7 +148,8 @@ class StepTiming:
         before them ("idle_s"), which together make up the wall time."""
         names = ["mixed", *(f"decode <= {x}" for x in edges), f"decode > {edges[-1]}"]
         rows: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in names}
-        device = self.device_s() or [(float("nan"), float("nan"))] * len(self.records)
+        timed = self.device_s()
+        device = timed or [(float("nan"), float("nan"))] * len(self.records)
         for period, i, r, t in self.periods():
             name = "mixed" if t != r else names[1 + next((j for j, x in enumerate(edges) if r <= x), len(edges))]
             rows[name].append((period, self.records[i].launched - self.records[i].start, *device[i]))
@@ -147,7 +159,7 @@ class StepTiming:
                 continue
             row = {"steps": name, "count": len(v), "total_s": sum(x[0] for x in v),
                    "mean_ms": 1e3 * sum(x[0] for x in v) / len(v), "launch_ms": 1e3 * sum(x[1] for x in v) / len(v)}
-            if self.device_events:
+            if timed:
                 row.update(device_s=sum(x[2] for x in v), idle_s=sum(x[3] for x in v))
             out.append(row)
         return out
