@@ -3,9 +3,11 @@ activations -> GEMM with W_layer] in one CUDA graph (28 distinct weights: they c
 GEMM being cuBLAS (F.linear) or kernels/matmul.py's PDL kernel with its default tiles; gate_up as
 cuBLAS + SiLU·mul against the gated kernel. --sweep also times every tile configuration. GPU only.
 
-    python scripts/decode_gemm_bench.py [--model w-small|w-large] [--ms 8,16,...] [--sweep] [--json out.json]
+    python scripts/decode_gemm_bench.py [--model w-small|w-large] [--ms 8,16,...] [--tp P] [--sweep] [--json out.json]
 
-Per (M, layer): µs per norm + GEMM (+ SiLU·mul) for each, and the norm alone.
+Per (M, layer): µs per norm + GEMM (+ SiLU·mul) for each, the norm alone, and the weights' read
+rate (GB/s) each GEMM reached. --tp P: the shapes one rank of P holds (qkv's and gate_up's rows,
+o's and down's columns split P ways), to see how a tensor-parallel step's smaller GEMMs stream.
 """
 
 import argparse
@@ -39,12 +41,17 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--model", default="w-small", choices=list(SHAPES))
     ap.add_argument("--ms", default="8,16,32,64,96,128,160,192,224,256")
+    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     rows = []
     F = torch.nn.functional
     layers = LAYERS[args.model]
     for layer, (N, K) in SHAPES[args.model].items():
+        if layer in ("qkv", "gate_up"):  # column-parallel: each rank holds N / P rows
+            N //= args.tp
+        else:  # row-parallel: K / P columns, the partial sums all-reduced after
+            K //= args.tp
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
         g = torch.ones(K, device="cuda", dtype=torch.bfloat16)
         gated = layer == "gate_up"
@@ -57,9 +64,12 @@ def main() -> None:
             ref = cublas(0)
             ours = lambda i: dense_matmul(rms_norm(x, g, 1e-6), ws[i], gated=gated)  # noqa: E731
             torch.testing.assert_close(ours(0), ref, rtol=2e-2, atol=2e-2)
-            row = {"M": M, "layer": layer, "norm_us": graph_us(lambda i: rms_norm(x, g, 1e-6), layers),
+            row = {"M": M, "layer": layer, "tp": args.tp, "N": N, "K": K,
+                   "norm_us": graph_us(lambda i: rms_norm(x, g, 1e-6), layers),
                    "cublas_us": graph_us(cublas, layers), "default_us": graph_us(ours, layers)}
             row["gain_us"] = row["cublas_us"] - row["default_us"]
+            for side in ("cublas", "default"):  # the weights' bytes over the GEMM's time (the norm's taken out)
+                row[f"{side}_gb_s"] = 2e-3 * N * K / max(row[f"{side}_us"] - row["norm_us"], 1e-3)
             if args.sweep:
                 timed = []
                 for cfg, split in configs(M):
