@@ -184,6 +184,35 @@ def test_step_timing_splits_device_time_into_busy_and_idle():
     assert "device_s" not in t.by_batch()[0] and "idle_ms" not in t.slowest(1)[0] and t.most_idle() == []
 
 
+def test_step_timing_reports_the_steps_recorded_when_asked_while_the_engine_steps_on(monkeypatch):
+    """The engine's thread may make a last step (for requests already returned) while the benchmark
+    reads the timing: the report covers the steps recorded when it was asked, consistently."""
+    from llmserve.model.step_timing import StepRecord, StepTiming
+
+    class Event:
+        def __init__(self, ms):
+            self.ms = ms
+
+        def elapsed_time(self, other):
+            return other.ms - self.ms
+
+        def synchronize(self):
+            pass
+
+    live = StepTiming()
+    live.time_device()
+    live.records = [StepRecord(4, 4, 0.1 * i, 0.1 * i, 0.1 * i + 0.05, (Event(100 * i), Event(100 * i + 50)))
+                    for i in range(5)]
+    periods = StepTiming.periods
+
+    def stepping(self):  # a step lands between the device's times and the periods being read
+        live.records.append(StepRecord(4, 4, 9.0, 9.0, 9.1, (Event(9000), Event(9050))))
+        return periods(self)
+    monkeypatch.setattr(StepTiming, "periods", stepping)
+    report = live.report()
+    assert report["steps"] == 4 and report["by_batch"][0]["count"] == 4 and round(report["device_busy_s"], 3) == 0.25
+
+
 def test_step_timing_separates_launch_from_waiting():
     import time
 

@@ -127,9 +127,13 @@ class StepTiming:
 
     def report(self) -> dict:
         """summary() with by_batch(), slowest() and most_idle(); when timing the device, its busy
-        seconds over the recorded steps ("device_busy_s")."""
-        out = {**self.summary(), "by_batch": self.by_batch(), "slowest": self.slowest(), "most_idle": self.most_idle()}
-        device = self.device_s()
+        seconds over the recorded steps ("device_busy_s"). Computed over the steps recorded as it
+        is called: the engine's thread may still be stepping (a last step for requests already
+        returned) and appending records meanwhile."""
+        steps = StepTiming()
+        steps.records, steps.timing_device = list(self.records), self.timing_device
+        out = {**steps.summary(), "by_batch": steps.by_batch(), "slowest": steps.slowest(), "most_idle": steps.most_idle()}
+        device = steps.device_s()
         if device:
             out["device_busy_s"] = sum(b for b, _ in device)
         return out
