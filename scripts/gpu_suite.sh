@@ -192,7 +192,7 @@ run)
         done
         (cd scripts && PYTHONPATH=/tmp/site:. timeout 200 "$PY" cascade_bench.py --json "$OUT/cascade-kernel.json") \
             > "$OUT/cascade-kernel.log" 2>&1; tail -3 "$OUT/cascade-kernel.log"
-        for mode in ${CASCADE_MODES:-sweep}; do  # sweep: the cost model's; tune: the prefix kernel's tiles
+        for mode in ${CASCADE_MODES-sweep}; do  # sweep: the cost model's; tune: the prefix kernel's tiles
             (cd scripts && PYTHONPATH=/tmp/site:. timeout 300 "$PY" cascade_bench.py --$mode \
                 --json "$OUT/cascade-$mode.json") > "$OUT/cascade-$mode.log" 2>&1
         done

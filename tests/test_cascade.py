@@ -288,7 +288,7 @@ def test_steps_with_prompt_rows_attend_their_short_rows_groups_once(checkpoint, 
     computes its last few prompt tokens in a step beside the second's decode row: that step
     attends the shared prefix once for both, eagerly (its graph has no cascade), and every output
     is still transformers' (the CPU reference; the Triton kernels in the interpreter, graphs
-    emulated)."""
+    emulated, after the start-up's eager cascade passes)."""
     from llmserve import LLM, SamplingParams
     from llmserve.hookspecs import hookimpl
     from llmserve.plugin_manager import get_plugin_manager
@@ -306,8 +306,17 @@ def test_steps_with_prompt_rows_attend_their_short_rows_groups_once(checkpoint, 
         with LLM(checkpoint("llama"), dtype="float32", device="cpu", block_size=4, max_num_seqs=4,
                  max_num_batched_tokens=64, cascade_attention="always", log_interval_s=0) as llm:
             runner, events = llm.engine.runner, []
-            if backend != "cpu":
+            if backend != "cpu":  # capture ends with the eager cascade passes: their blocks change no output
+                model, passes = runner.model, []
+
+                def recorded(input_ids, positions, meta):
+                    if meta.cascade is not None:
+                        passes.append((len(meta.seq_lens), int(meta.max_query_len), int(input_ids.shape[0])))
+                    return model(input_ids, positions, meta)
+                runner.model = recorded
                 runner.capture_graphs(4, 64, emulate=True)
+                runner.model = model
+                assert passes == [(4, 10, 13), (4, 60, 63)]
                 run_mixed = runner.graphs.run_mixed
                 runner.graphs.run_mixed = lambda *a: events.append("mixed graph") or run_mixed(*a)
             original = runner._cascade
@@ -363,3 +372,30 @@ def test_prompt_chunks_attend_their_prefix_plainly(checkpoint, expected):
         assert any(longest > MAX_CASCADE_QUERY and grouped and used is None for grouped, longest, used, _ in seen)
         assert any(used for _, _, used, _ in seen)
         assert all(used <= MAX_CASCADE_QUERY and rows <= 4 for _, _, used, rows in seen if used)
+
+
+def test_eager_cascade_layouts_cover_the_size_classes_steps_meet():
+    """The start-up's eager cascade passes: every power of two of sequences up to the batch, group
+    counts on both sides of 16, odd token counts, the largest step less a token, valid groups."""
+    from llmserve.model.cuda_graphs import eager_cascade_layouts
+    layouts = eager_cascade_layouts(256, 8192, 16, 100_000, 32, 8)
+    seqs = [inputs.num_reqs for inputs, _ in layouts]
+    assert seqs == [4, 8, 16, 32, 64, 128, 256, 256]
+    assert all(inputs.num_tokens % 2 == 1 for inputs, _ in layouts) and layouts[-1][0].num_tokens == 8191
+    assert {g.num_groups for _, g in layouts} >= {1, 15, 32}
+    for inputs, groups in layouts:
+        rows = np.diff(inputs.query_start_loc)
+        assert rows[-1] > 8 and (rows[:-1] == 1).all()  # one prompt row, in no group
+        members = np.split(groups.members, groups.starts[1:-1])
+        assert all(len(m) >= 2 for m in members) and sorted(groups.members.tolist()) == list(range(len(rows) - 1))
+        for g, m in enumerate(members):  # a group's rows begin with its one shared block, wholly in context
+            assert len(set(inputs.block_tables[m, 0].tolist())) == 1 and (inputs.seq_lens[m] - 1 >= groups.hi[g]).all()
+        used = np.concatenate([inputs.block_tables[:-1, :2].ravel(), inputs.block_tables[-1, :-(-rows[-1] // 16)]])
+        assert used.min() >= 1  # block 0 is left to the graphs' padding rows
+        own = inputs.block_tables[:-1, 1]
+        assert len(set(own.tolist())) == len(own) and not set(own.tolist()) & set(inputs.block_tables[:-1, 0].tolist())
+    assert eager_cascade_layouts(4, 64, 4, 100, 32, 8)[0][0].num_reqs == 4
+    assert eager_cascade_layouts(2, 64, 4, 100, 32, 8) == []  # one one-token row: no group
+    few = eager_cascade_layouts(256, 8192, 16, 20, 32, 8)  # a cache of 20 blocks: the layouts that fit
+    assert [i.num_reqs for i, _ in few] == [4, 8] and all(int(i.block_tables.max()) < 20 for i, _ in few)
+

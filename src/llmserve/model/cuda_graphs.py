@@ -28,7 +28,13 @@ With cascade attention on, each decode size b >= 2 has a second graph whose atte
 shared prefixes once per group (kernels/cascade.py); its groups reach it through one more static
 buffer, laid out for capacities (MAX groups, 2b group rows, b sequences, b rows) as
 attention.CascadeMetadata packs them (padding groups have no rows). A decode step replays it when
-the runner chose cascade for the step. Mixed steps replay their plain graphs.
+the runner chose cascade for the step. Mixed steps replay their plain graphs; one whose decode
+rows attend their groups through cascade runs eagerly, over kernel variants no capture compiled
+(the attention kernels specialize on the step's sequence count by powers of two and on its group
+count, the GEMMs on token counts not a multiple of 16). So that a fresh machine does not compile
+them, for seconds, when its first such step comes, capture ends with eager passes over
+`eager_cascade_layouts()`: one per power of two of sequences, groups of two up to the most a step
+has, token counts odd, and the largest step's token count less one.
 
 A large mixed step launches ~250 operations from Python, which can take longer than it runs:
 replaying one graph takes one launch.
@@ -66,6 +72,46 @@ def token_sizes(max_tokens: int) -> list[int]:
     """Mixed-step token counts to capture."""
     sizes = [s for s in (128, 256) if s < max_tokens] + list(range(512, max_tokens, 512))
     return sorted(set(sizes + [max_tokens]))
+
+
+def eager_cascade_layouts(max_batch: int, max_tokens: int, block_size: int, num_blocks: int, max_groups: int,
+                          max_query: int) -> list[tuple[StepInputs, PrefixGroups]]:
+    """Steps with prompt rows whose one-token rows attend shared prefixes (cascade), for warming up
+    their eager kernels: for S = 4, 8, ... up to max_batch sequences, S - 1 one-token rows in
+    groups of two or more (as many groups as fit up to max_groups), each group sharing one block,
+    and a prompt row of a few more than max_query tokens (it joins no group) making the token count
+    odd; then the same at max_batch with the prompt row filling max_tokens - 1 tokens. Token ids
+    are 0; blocks 1.. are written (0 stays as the graphs' padding rows left it). Layouts the KV
+    cache has too few blocks for are left out."""
+    def odd(seqs: int, query: int) -> int:  # the query that makes seqs - 1 + query tokens odd
+        return query - 1 if (seqs - 1 + query) % 2 == 0 else query
+
+    sizes = sorted({min(1 << k, max_batch) for k in range(2, max(2, (max_batch - 1).bit_length()) + 1)})
+    runs = [(seqs, odd(seqs, max_query + 2)) for seqs in sizes]
+    largest = odd(max_batch, max_tokens - (max_batch - 1) - 1)  # the largest step, less a token or two
+    if largest > max_query:
+        runs.append((max_batch, largest))
+    layouts = []
+    for seqs, query in runs:
+        rows, prompt_blocks = seqs - 1, -(-query // block_size)
+        groups = min(max_groups, rows // 2)
+        if groups < 1 or 1 + groups + rows + prompt_blocks > num_blocks:
+            continue
+        shared = np.arange(1, groups + 1, dtype=np.int32)
+        own = groups + 1 + np.arange(rows, dtype=np.int32)
+        tables = np.zeros((seqs, max(2, prompt_blocks)), dtype=np.int32)
+        member_group = np.minimum(np.arange(rows) // 2, groups - 1)  # pairs; the last group takes the rest
+        tables[:rows, 0], tables[:rows, 1] = shared[member_group], own
+        tables[rows, :prompt_blocks] = groups + 1 + rows + np.arange(prompt_blocks, dtype=np.int32)
+        query_lens = np.array([1] * rows + [query], dtype=np.int32)
+        context_lens = np.array([block_size] * rows + [0], dtype=np.int32)
+        inputs = StepInputs.build(np.zeros(int(query_lens.sum()), dtype=np.int64), query_lens, context_lens, tables,
+                                  block_size)
+        starts = np.zeros(groups + 1, dtype=np.int32)
+        np.cumsum(np.bincount(member_group, minlength=groups), out=starts[1:])
+        layouts.append((inputs, PrefixGroups(starts, np.arange(rows, dtype=np.int32), np.zeros(groups, np.int32),
+                                             np.full(groups, block_size, np.int32), np.zeros(groups, np.int32))))
+    return layouts
 
 
 class StepGraphs:

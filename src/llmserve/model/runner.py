@@ -22,7 +22,7 @@ from llmserve.config import EngineConfig
 from llmserve.core.kv_cache_manager import MAX_PREFIX_GROUPS
 from llmserve.distributed.parallel_state import tp
 from llmserve.messages import PLACEHOLDER, PrefixGroups, StepPlan, StepResult
-from llmserve.model.cuda_graphs import StepGraphs
+from llmserve.model.cuda_graphs import StepGraphs, eager_cascade_layouts
 from llmserve.model.kv_cache import KVCacheLayout
 from llmserve.model.loader import load_model
 from llmserve.model.sampler import (SamplingBatch, check_sampled_drafts, draw, gather_logprobs, process_logits,
@@ -197,13 +197,19 @@ class ModelRunner:
 
     def capture_graphs(self, max_batch: int, max_tokens: int, emulate: bool = False) -> None:
         """Capture CUDA graphs of decode steps up to `max_batch` requests and of mixed steps up to
-        `max_tokens` tokens (after the KV cache is allocated: they bake in its address).
+        `max_tokens` tokens (after the KV cache is allocated: they bake in its address); with
+        cascade on, then run the eager passes no graph serves (cuda_graphs.eager_cascade_layouts).
         emulate: no capture; steps run eagerly over the graphs' padded buffers (tests without CUDA)."""
         self._make_current()
         max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = StepGraphs(self.model, self.staging, max_batch, max_tokens, max_blocks, emulate=emulate,
                                  cascade_groups=MAX_PREFIX_GROUPS if self.cascade else 0)
         self.graphs.capture()
+        if self.cascade:  # the eager passes of steps with prompt rows and cascade: their kernels compiled now
+            with torch.inference_mode():
+                for inputs, groups in eager_cascade_layouts(max_batch, max_tokens, self.block_size, self.num_blocks,
+                                                            MAX_PREFIX_GROUPS, MAX_CASCADE_QUERY):
+                    self.model(*self.staging.forward_inputs(inputs, groups))
         if hasattr(self.proposer, "capture_graphs"):  # a draft model's passes (plugins/draft_model.py)
             self.proposer.capture_graphs(emulate=emulate)
 
