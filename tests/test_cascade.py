@@ -399,3 +399,22 @@ def test_eager_cascade_layouts_cover_the_size_classes_steps_meet():
     few = eager_cascade_layouts(256, 8192, 16, 20, 32, 8)  # a cache of 20 blocks: the layouts that fit
     assert [i.num_reqs for i, _ in few] == [4, 8] and all(int(i.block_tables.max()) < 20 for i, _ in few)
 
+
+
+@pytest.mark.parametrize("capacity", [(1, 2, 2, 3), (8, 37, 19, 4101), (32, 512, 256, 256), (3, 5, 7, 9)])
+def test_packed_sections_each_start_on_16_bytes(capacity):
+    """Triton compiles a kernel variant per pointer alignment: every section of the packed
+    metadata starts 16-byte aligned whatever the counts, and holds what pack() put there."""
+    G, R, S, T = capacity
+    groups = PrefixGroups(np.array([0, 2], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32),
+                          np.array([4], np.int32), np.array([0], np.int32))
+    qsl = np.arange(min(S, T) + 1, dtype=np.int32)  # one token per sequence
+    packed = torch.zeros(CascadeMetadata.size(*capacity), dtype=torch.int32)
+    CascadeMetadata.pack(groups, qsl, packed.numpy(), capacity)
+    meta = CascadeMetadata.view(packed, capacity)
+    fields = [meta.row_start, meta.rows, meta.seq, meta.lo, meta.hi, meta.level, meta.kv_start, meta.levels]
+    assert [f.numel() for f in fields] == [G + 1, R, G, G, G, G, S, T]
+    assert all((f.data_ptr() - packed.data_ptr()) % 16 == 0 for f in fields)
+    assert meta.row_start[:2].tolist() == [0, 2] and meta.rows[:2].tolist() == [0, 1]
+    assert (int(meta.seq[0]), int(meta.lo[0]), int(meta.hi[0])) == (0, 0, 4) and meta.kv_start[:2].tolist() == [4, 4]
+    assert meta.levels[:2].tolist() == [1, 1] and not meta.levels[2:].any() and not meta.kv_start[2:].any()

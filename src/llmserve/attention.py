@@ -55,31 +55,39 @@ class CascadeMetadata:
     num_part_rows: int = 0
 
     @staticmethod
+    def _layout(groups: int, rows: int, seqs: int, tokens: int) -> tuple[list[int], list[int]]:
+        """(offsets, lengths) of the sections [row_start | rows | seq | lo | hi | level | kv_start |
+        levels], each starting on 16 bytes: Triton specializes a kernel on whether each pointer it
+        gets is 16-byte aligned, so sections at offsets that vary with the step's counts would
+        compile a variant of the attention kernels per layout (seconds each, mid-run)."""
+        lengths = [groups + 1, rows, groups, groups, groups, groups, seqs, tokens]
+        offsets = np.cumsum([0] + [-(-n // 4) * 4 for n in lengths[:-1]]).tolist()
+        return offsets, lengths
+
+    @staticmethod
     def size(groups: int, rows: int, seqs: int, tokens: int) -> int:
-        """int32 elements of the packed layout for these capacities."""
-        return groups + 1 + rows + 4 * groups + seqs + tokens
+        """int32 elements of the packed layout for these capacities (levels, last, unpadded)."""
+        offsets, lengths = CascadeMetadata._layout(groups, rows, seqs, tokens)
+        return offsets[-1] + lengths[-1]
 
     @staticmethod
     def pack(groups: PrefixGroups, query_start_loc: np.ndarray, out: np.ndarray, capacity: tuple[int, int, int, int]) -> None:
-        """Fill `out` (int32, size(*capacity)) with the packed layout [row_start | rows | seq | lo |
-        hi | level | kv_start | levels] of `groups` (plan rows) over a batch with these query
-        offsets, padded to capacity (groups, rows, seqs, tokens)."""
-        G, R, S, T = capacity
+        """Fill `out` (int32, size(*capacity)) with the packed layout (_layout) of `groups` (plan
+        rows) over a batch with these query offsets, padded to capacity (groups, rows, seqs, tokens)."""
         n = groups.num_groups
         out[:] = 0
+        row_start, rows, seq, lo, hi, level, kv_start, levels = (
+            out[o:o + length] for o, length in zip(*CascadeMetadata._layout(*capacity)))
         counts = np.diff(query_start_loc)
         member_counts = counts[groups.members]  # each member's query rows, in group order
-        row_start = out[:G + 1]
         np.cumsum(np.add.reduceat(member_counts, groups.starts[:-1]) if n else [], out=row_start[1:n + 1])
         row_start[n + 1:] = row_start[n]
         total = int(row_start[n])
         firsts = np.cumsum(member_counts) - member_counts  # each member's first slot in `rows`
-        out[G + 1:G + 1 + total] = (np.repeat(query_start_loc[groups.members] - firsts, member_counts)
-                                    + np.arange(total))
-        o = G + 1 + R
-        for i, field in enumerate((groups.members[groups.starts[:-1]], groups.lo, groups.hi, groups.level)):
-            out[o + i * G:o + i * G + n] = field
-        kv_start, levels = out[o + 4 * G:o + 4 * G + S], out[o + 4 * G + S:o + 4 * G + S + T]
+        rows[:total] = np.repeat(query_start_loc[groups.members] - firsts, member_counts) + np.arange(total)
+        for part, field in zip((seq, lo, hi, level), (groups.members[groups.starts[:-1]], groups.lo, groups.hi,
+                                                      groups.level)):
+            part[:n] = field
         member_group = np.repeat(np.arange(n), np.diff(groups.starts))
         np.maximum.at(kv_start, groups.members, groups.hi[member_group])
         covered = np.bincount(groups.members, minlength=len(counts))  # a level-1 member is in a level-0 group too
@@ -96,9 +104,7 @@ class CascadeMetadata:
     @classmethod
     def view(cls, packed: torch.Tensor, capacity: tuple[int, int, int, int]) -> CascadeMetadata:
         """The tensors of a packed layout (views into `packed`)."""
-        G, R, S, T = capacity
-        parts = torch.split(packed, [G + 1, R, G, G, G, G, S, T])
-        return cls(*parts)
+        return cls(*(packed[o:o + length] for o, length in zip(*cls._layout(*capacity))))
 
 
 @dataclass(slots=True)
