@@ -31,8 +31,9 @@ attention.CascadeMetadata packs them (padding groups have no rows). A decode ste
 the runner chose cascade for the step. Mixed steps replay their plain graphs; one whose decode
 rows attend their groups through cascade runs eagerly, over kernel variants no capture compiled
 (the attention kernels specialize on the step's sequence count by powers of two and on its group
-count, the GEMMs on token counts not a multiple of 16). So that a fresh machine does not compile
-them, for seconds, when its first such step comes, capture ends with eager passes over
+count, the GEMMs on token counts not a multiple of 16; the packed metadata keeps every pointer
+16-byte aligned, so its layout adds none). So that a fresh machine does not compile them, for
+seconds, when its first such step comes, capture ends with eager passes over
 `eager_cascade_layouts()`: one per power of two of sequences, groups of two up to the most a step
 has, token counts odd, and the largest step's token count less one.
 
