@@ -378,7 +378,7 @@ def test_eager_cascade_layouts_cover_the_size_classes_steps_meet():
     """The start-up's eager cascade passes: every power of two of sequences up to the batch, group
     counts on both sides of 16, odd token counts, the largest step less a token, valid groups."""
     from llmserve.model.cuda_graphs import eager_cascade_layouts
-    layouts = eager_cascade_layouts(256, 8192, 16, 100_000, 32, 8)
+    layouts = eager_cascade_layouts(256, 8192, 16, 100_000, 32, 8, 40960)
     seqs = [inputs.num_reqs for inputs, _ in layouts]
     assert seqs == [4, 8, 16, 32, 64, 128, 256, 256]
     assert all(inputs.num_tokens % 2 == 1 for inputs, _ in layouts) and layouts[-1][0].num_tokens == 8191
@@ -394,10 +394,13 @@ def test_eager_cascade_layouts_cover_the_size_classes_steps_meet():
         assert used.min() >= 1  # block 0 is left to the graphs' padding rows
         own = inputs.block_tables[:-1, 1]
         assert len(set(own.tolist())) == len(own) and not set(own.tolist()) & set(inputs.block_tables[:-1, 0].tolist())
-    assert eager_cascade_layouts(4, 64, 4, 100, 32, 8)[0][0].num_reqs == 4
-    assert eager_cascade_layouts(2, 64, 4, 100, 32, 8) == []  # one one-token row: no group
-    few = eager_cascade_layouts(256, 8192, 16, 20, 32, 8)  # a cache of 20 blocks: the layouts that fit
+    assert eager_cascade_layouts(4, 64, 4, 100, 32, 8, 256)[0][0].num_reqs == 4
+    assert eager_cascade_layouts(2, 64, 4, 100, 32, 8, 256) == []  # one one-token row: no group
+    few = eager_cascade_layouts(256, 8192, 16, 20, 32, 8, 40960)  # a cache of 20 blocks: the layouts that fit
     assert [i.num_reqs for i, _ in few] == [4, 8] and all(int(i.block_tables.max()) < 20 for i, _ in few)
+    short = eager_cascade_layouts(256, 8192, 16, 100_000, 32, 8, 300)  # no sequence past max_model_len
+    assert [i.num_reqs for i, _ in short] == [4, 8, 16, 32, 64, 128, 256, 256]
+    assert all(int(i.positions.max()) < 300 for i, _ in short) and short[-1][0].num_tokens % 2 == 1
 
 
 

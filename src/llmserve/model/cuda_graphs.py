@@ -76,27 +76,27 @@ def token_sizes(max_tokens: int) -> list[int]:
 
 
 def eager_cascade_layouts(max_batch: int, max_tokens: int, block_size: int, num_blocks: int, max_groups: int,
-                          max_query: int) -> list[tuple[StepInputs, PrefixGroups]]:
+                          max_query: int, max_len: int) -> list[tuple[StepInputs, PrefixGroups]]:
     """Steps with prompt rows whose one-token rows attend shared prefixes (cascade), for warming up
     their eager kernels: for S = 4, 8, ... up to max_batch sequences, S - 1 one-token rows in
     groups of two or more (as many groups as fit up to max_groups), each group sharing one block,
     and a prompt row of a few more than max_query tokens (it joins no group) making the token count
-    odd; then the same at max_batch with the prompt row filling max_tokens - 1 tokens. Token ids
-    are 0; blocks 1.. are written (0 stays as the graphs' padding rows left it). Layouts the KV
-    cache has too few blocks for are left out."""
+    odd; then the same at max_batch with the prompt row filling max_tokens - 1 tokens (or
+    max_len, the longest sequence). Token ids are 0; blocks 1.. are written (0 stays as the
+    graphs' padding rows left it). Layouts the KV cache has too few blocks for are left out."""
     def odd(seqs: int, query: int) -> int:  # the query that makes seqs - 1 + query tokens odd
         return query - 1 if (seqs - 1 + query) % 2 == 0 else query
 
     sizes = sorted({min(1 << k, max_batch) for k in range(2, max(2, (max_batch - 1).bit_length()) + 1)})
     runs = [(seqs, odd(seqs, max_query + 2)) for seqs in sizes]
-    largest = odd(max_batch, max_tokens - (max_batch - 1) - 1)  # the largest step, less a token or two
-    if largest > max_query:
+    largest = odd(max_batch, min(max_tokens - (max_batch - 1) - 1, max_len))  # the largest step, less a token or two
+    if largest > max_query + 2:
         runs.append((max_batch, largest))
     layouts = []
     for seqs, query in runs:
         rows, prompt_blocks = seqs - 1, -(-query // block_size)
         groups = min(max_groups, rows // 2)
-        if groups < 1 or 1 + groups + rows + prompt_blocks > num_blocks:
+        if groups < 1 or 1 + groups + rows + prompt_blocks > num_blocks or max(query, block_size + 1) > max_len:
             continue
         shared = np.arange(1, groups + 1, dtype=np.int32)
         own = groups + 1 + np.arange(rows, dtype=np.int32)

@@ -208,7 +208,7 @@ class ModelRunner:
         if self.cascade:  # the eager passes of steps with prompt rows and cascade: their kernels compiled now
             with torch.inference_mode():
                 for inputs, groups in eager_cascade_layouts(max_batch, max_tokens, self.block_size, self.num_blocks,
-                                                            MAX_PREFIX_GROUPS, MAX_CASCADE_QUERY):
+                                                            MAX_PREFIX_GROUPS, MAX_CASCADE_QUERY, self.max_model_len):
                     self.model(*self.staging.forward_inputs(inputs, groups))
         if hasattr(self.proposer, "capture_graphs"):  # a draft model's passes (plugins/draft_model.py)
             self.proposer.capture_graphs(emulate=emulate)
