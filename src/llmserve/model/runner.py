@@ -3,13 +3,13 @@ StepPlan into a forward pass and sampled tokens.
 
 Its parts: the KV cache's layout and size (model/kv_cache.py), a step's inputs and their way to the
 device (model/step_inputs.py), CUDA graphs that replay whole steps (model/cuda_graphs.py), the
-requests' sampling state (model/sampling_state.py); here, the step pipeline that drives them.
+requests' sampling state (model/sampling_state.py), speculative decoding's proposals and checks
+(model/drafting.py); here, the step pipeline that drives them.
 """
 
 from __future__ import annotations
 
 import gc
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,16 +23,16 @@ from llmserve.core.kv_cache_manager import MAX_PREFIX_GROUPS
 from llmserve.distributed.parallel_state import tp
 from llmserve.messages import PLACEHOLDER, PrefixGroups, StepPlan, StepResult
 from llmserve.model.cuda_graphs import StepGraphs, eager_cascade_layouts
+from llmserve.model.drafting import Drafting, check_drawn_drafts, spread
 from llmserve.model.kv_cache import KVCacheLayout
 from llmserve.model.loader import load_model
-from llmserve.model.sampler import (SamplingBatch, check_sampled_drafts, draw, gather_logprobs, process_logits,
-                                    to_token_logprobs)
+from llmserve.model.sampler import draw, gather_logprobs, process_logits, to_token_logprobs
 from llmserve.model.sampling_state import MaskFill, SamplingState, SeqState
 from llmserve.model.spec import ModelSpec
 from llmserve.model.step_inputs import Staging, StepInputs
 from llmserve.model.step_timing import StepTiming
 from llmserve.quantization import QuantizationMethod
-from llmserve.speculative import Proposer, draft_keys, draws_drafts, kept_drafts
+from llmserve.speculative import Proposer, kept_drafts
 
 log = structlog.get_logger("llmserve.runner")
 
@@ -118,12 +118,7 @@ class ModelRunner:
         self.staging = Staging(device)
         self.sampling = SamplingState(list(spec.eos_token_ids), self.staging, strategies,
                                       jump_forward=config.scheduler.jump_forward, seed=config.model.seed)
-        self.proposer = proposer
-        """Speculative decoding's proposer (llmserve/speculative.py); None: no speculation."""
-        # running mean of the seconds from the end of one finished step (its proposals made) to the
-        # next one's result: a step's time without proposing (with a proposer)
-        self._period: float | None = None
-        self._finished_at = 0.0
+        self.drafting = Drafting(proposer, spec.vocab_size)
         self.num_blocks = 0
         self.graphs: StepGraphs | None = None
         self.timing = StepTiming()
@@ -141,9 +136,11 @@ class ModelRunner:
         tensor-parallel rank: re-running parts alone would desert the other ranks' collectives)."""
         self.dropped: set[str] = set()
         """Requests that jumped forward after the step being launched was planned: they sample nothing in it."""
-        self.draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}
-        """Requests whose last proposals were drawn from a distribution: (the drafts, their q rows),
-        until the request's next step (the one that checks them)."""
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """Speculative decoding's proposer (llmserve/speculative.py); None: no speculation."""
+        return self.drafting.proposer
 
     def _make_current(self) -> None:
         if self._cuda_index is not None:
@@ -351,9 +348,7 @@ class ModelRunner:
         """Queue the step's forward pass and its logits (rows that sample, in plan order)."""
         for req_id in plan.freed:
             self.sampling.drop(req_id)
-            self.draft_probs.pop(req_id, None)
-        if plan.freed and hasattr(self.proposer, "forget"):
-            self.proposer.forget(plan.freed)
+        self.drafting.forget(plan.freed)
         for req_id, new in plan.new_sequences.items():
             self.sampling.add(req_id, new)
         result = StepResult(plan.step_id, [], [])
@@ -387,8 +382,7 @@ class ModelRunner:
         self._prompt_logprobs(plan, qsl, hidden, result)
         if not result.req_ids:
             return _Forward(result, list(plan.req_ids))
-        drafts = draft_probs = None
-        proposed = [self.draft_probs.pop(r, None) for r in result.req_ids] if self.draft_probs else None
+        drafts = None
         if graphed and len(rows) == len(plan.req_ids):  # every row samples: lm_head at the captured size
             logits = self.model.compute_logits(hidden)[:len(rows)]
         else:
@@ -396,13 +390,12 @@ class ModelRunner:
             if plan.drafts:  # a request checking k drafts samples at its last k + 1 positions
                 ks = np.array([plan.drafts.get(r, 0) for r in result.req_ids], dtype=np.int64)
                 drafts = [plan.token_ids[end - k + 1:end + 1].tolist() for end, k in zip(last.tolist(), ks.tolist())]
-                if proposed is not None:  # drafts drawn from a distribution: checked against it
-                    draft_probs = [_drawn_from(d, entry) for d, entry in zip(drafts, proposed)]
-                last = _spread(last, ks)
+                last = spread(last, ks)
             num = len(last)
             if mixed_graphed and self.graphs.fits(num):  # padded to a captured batch size: a shape cuBLAS has met
                 last = np.pad(last, (0, self.graphs.batch_size(num) - num), mode="edge")
             logits = self.model.compute_logits(hidden[self.staging.to_device(last)])[:num]
+        draft_probs = self.drafting.checked_against(result.req_ids, drafts)  # drafts drawn from a distribution
         return _Forward(result, list(plan.req_ids), logits, drafts, plan.propose, draft_probs)
 
     def _cascade(self, plan: StepPlan, inputs: StepInputs, graphed: bool) -> PrefixGroups | None:
@@ -448,7 +441,7 @@ class ModelRunner:
             rows = np.array(keep, dtype=np.int64)
             if drafts is not None:
                 spans = np.array([len(d) + 1 for d in drafts], dtype=np.int64)
-                rows = _spread(np.cumsum(spans)[rows] - 1, spans[rows] - 1)
+                rows = spread(np.cumsum(spans)[rows] - 1, spans[rows] - 1)
                 drafts = [drafts[i] for i in keep]
                 draft_probs = None if draft_probs is None else [draft_probs[i] for i in keep]
             logits = logits[self.staging.to_device(rows)]
@@ -473,7 +466,8 @@ class ModelRunner:
         offsets = None if sampling.drafts is None else \
             np.concatenate([[0], np.cumsum([len(d) + 1 for d in sampling.drafts])[:-1]]).tolist()
         if sampling.draft_probs is not None and any(q is not None for q in sampling.draft_probs):
-            self._check_sampled_drafts(processed, batch, tokens, sampling, offsets)
+            check_drawn_drafts(processed, batch, tokens, offsets, sampling.drafts, sampling.draft_probs, self.staging,
+                               self.backend.sample_rows)
         flight = InFlight(result, sampling.req_ids, states, tokens,
                           {r: i for i, r in enumerate(result.req_ids)} if offsets is None else dict(zip(result.req_ids, offsets)),
                           mask_errors=mask_errors, drafts=sampling.drafts, offsets=offsets, propose=sampling.propose)
@@ -490,22 +484,6 @@ class ModelRunner:
         for state in states:
             state.in_flight += 1
         return flight
-
-    def _check_sampled_drafts(self, processed: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor,
-                              sampling: _Sampling, offsets: list[int]) -> None:
-        """The rows that check drafts drawn from a distribution take the rejection sampler's token
-        in place of the plain draw (model/sampler.py check_sampled_drafts); the rows after a
-        request's drafts keep theirs, so kept drafts are counted as for any proposal."""
-        rows, drafts, qs = [], [], []
-        for offset, d, q in zip(offsets, sampling.drafts, sampling.draft_probs):
-            if q is not None:
-                rows += range(offset, offset + len(d))
-                drafts += d
-                qs.append(q)
-        index = self.staging.to_device(np.array(rows, dtype=np.int64))
-        tokens[index] = check_sampled_drafts(processed[index], batch.temperature[index], batch.keys[index],
-                                             self.staging.to_device(np.array(drafts, dtype=np.int64)),
-                                             torch.cat(qs), self.backend.sample_rows)
 
     def _finish_or_fail(self, flight: InFlight, ahead: set[str] | frozenset = frozenset()) -> StepResult:
         """The launched step's result; if finishing it fails (its sampled tokens are lost), its
@@ -576,51 +554,8 @@ class ModelRunner:
             except Exception as exc:  # a constraint that cannot take its own token: this request fails alone
                 log.exception("constraint failed", request_id=req_id)
                 self._fail(result, req_id, f"{type(exc).__name__}: {exc}")
-        if self.proposer is not None:
-            now = time.perf_counter()
-            if 0 < (dt := now - self._finished_at) < 0.5:  # (longer: the engine was idle, not stepping)
-                self._period = dt if self._period is None else self._period + 0.1 * (dt - self._period)
-            if flight.propose:
-                self._propose(result, flight.propose)
-                took = time.perf_counter() - now
-                if self._period is not None:  # (the first step's cost is not known: none reported)
-                    result.propose_cost = took / self._period
-            self._finished_at = time.perf_counter()
+        self.drafting.finished(result, flight.propose, self.sampling.seqs)
         return result
-
-    def _propose(self, result: StepResult, limits: dict[str, int]) -> None:
-        """Drafts for the requests of the step that asked (speculative decoding), now that their
-        tokens are known (the scheduler uses them where no step launched meanwhile computes the
-        request: otherwise they only tell it that proposals would be found). A proposer that fails
-        proposes nothing; drafts past a request's limit or from the first id outside the
-        vocabulary on are dropped."""
-        asked = [r for r in result.req_ids if r in limits and r not in result.failed]
-        if not asked:
-            return
-        states = [self.sampling.seqs[r] for r in asked]
-        sequences, wanted = [(s.prompt_ids, s.output_ids) for s in states], [limits[r] for r in asked]
-        probs = None
-        try:
-            # draws from the proposer's distribution: one rank alone proposes, and the others
-            # could not check against a distribution they never saw
-            sampled = [draws_drafts(s.params) for s in states] if tp().size == 1 else []
-            if any(sampled) and hasattr(self.proposer, "propose_sampled"):
-                temperatures = [s.params.temperature if on else 0.0 for s, on in zip(states, sampled)]
-                keys = [draft_keys(s.seed, len(s.output_ids), n) if on else None
-                        for s, n, on in zip(states, wanted, sampled)]
-                proposed, probs = self.proposer.propose_sampled(asked, sequences, wanted, temperatures, keys)
-            else:
-                proposed = self.proposer.propose(asked, sequences, wanted)
-            proposed = [[int(t) for t in drafts[:limits[r]]] for r, drafts in zip(asked, proposed, strict=True)]
-        except Exception:
-            log.exception("proposer failed; these requests go on without drafts", request_ids=asked[:8])
-            proposed, probs = [[] for _ in asked], None
-        vocab = self.spec.vocab_size
-        for i, (req_id, drafts) in enumerate(zip(asked, proposed)):
-            bad = next((j for j, t in enumerate(drafts) if not 0 <= t < vocab), None)
-            result.drafts[req_id] = drafts = drafts if bad is None else drafts[:bad]
-            if probs is not None and probs[i] is not None and drafts:
-                self.draft_probs[req_id] = (drafts, probs[i])
 
     def _fail(self, result: StepResult, req_id: str, error: str) -> None:
         """`req_id` fails alone in this step: its constraint failed."""
@@ -665,16 +600,3 @@ class ModelRunner:
                 parts = gather_logprobs(logprobs, self.staging.to_device(np.array(nxt, dtype=np.int64)), k)
                 result.prompt_logprobs[req_id] = to_token_logprobs(nxt, parts, [k] * len(nxt))
 
-
-def _drawn_from(drafts: list[int], proposed: tuple[list[int], torch.Tensor] | None) -> torch.Tensor | None:
-    """The q rows of `drafts` where they are (a prefix of) drafts a proposer drew, else None."""
-    if not drafts or proposed is None or proposed[0][:len(drafts)] != drafts:
-        return None
-    return proposed[1][:len(drafts)]
-
-
-def _spread(ends: np.ndarray, ks: np.ndarray) -> np.ndarray:
-    """The positions ends[i] - ks[i] .. ends[i] of each i, in order (int64)."""
-    counts = ks + 1
-    first = np.repeat(ends - ks, counts)
-    return first + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
