@@ -130,6 +130,19 @@ def test_bench_serve_reads_events_however_the_stream_splits_them():
     assert result["ttft_ms"]["median"] > 0 and result["itl_ms"]["mean"] > 0
 
 
+class FakeEvent:
+    """What a CUDA event around a step reports: a device timestamp in ms."""
+
+    def __init__(self, ms):
+        self.ms = ms
+
+    def elapsed_time(self, other):
+        return other.ms - self.ms
+
+    def synchronize(self):
+        pass
+
+
 def test_step_timing_counts_idle_time_before_each_decode_step_only():
     from llmserve.model.step_timing import StepRecord, StepTiming
     t = StepTiming()
@@ -150,17 +163,7 @@ def test_step_timing_counts_idle_time_before_each_decode_step_only():
 
 def test_step_timing_splits_device_time_into_busy_and_idle():
     from llmserve.model.step_timing import StepRecord, StepTiming
-
-    class Event:  # what the CUDA events around a step report: device timestamps in ms
-        def __init__(self, ms):
-            self.ms = ms
-
-        def elapsed_time(self, other):
-            return other.ms - self.ms
-
-        def synchronize(self):
-            pass
-
+    Event = FakeEvent
     t = StepTiming()
     t.time_device()
     # device: step 0 runs 0-100 ms, step 1 100-300 (queued while 0 ran), step 2 340-360 after 40 ms idle,
@@ -188,17 +191,7 @@ def test_step_timing_reports_the_steps_recorded_when_asked_while_the_engine_step
     """The engine's thread may make a last step (for requests already returned) while the benchmark
     reads the timing: the report covers the steps recorded when it was asked, consistently."""
     from llmserve.model.step_timing import StepRecord, StepTiming
-
-    class Event:
-        def __init__(self, ms):
-            self.ms = ms
-
-        def elapsed_time(self, other):
-            return other.ms - self.ms
-
-        def synchronize(self):
-            pass
-
+    Event = FakeEvent
     live = StepTiming()
     live.time_device()
     live.records = [StepRecord(4, 4, 0.1 * i, 0.1 * i, 0.1 * i + 0.05, (Event(100 * i), Event(100 * i + 50)))

@@ -61,7 +61,10 @@ class CascadeMetadata:
         gets is 16-byte aligned, so sections at offsets that vary with the step's counts would
         compile a variant of the attention kernels per layout (seconds each, mid-run)."""
         lengths = [groups + 1, rows, groups, groups, groups, groups, seqs, tokens]
-        offsets = np.cumsum([0] + [-(-n // 4) * 4 for n in lengths[:-1]]).tolist()
+        offsets, o = [], 0
+        for n in lengths:  # (plain ints: this runs three times a cascade step)
+            offsets.append(o)
+            o += -(-n // 4) * 4
         return offsets, lengths
 
     @staticmethod

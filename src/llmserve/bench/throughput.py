@@ -197,9 +197,7 @@ def run(workload: str, *, peers: tuple[str, ...] = (), peer_requests: int = 64, 
         timing.clear()
         ranks = engine_kwargs.get("tensor_parallel_size", 1)
         if ranks > 1:  # the ranks run in processes of their own: rank 0 times its steps there
-            llm.engine.runner.rank_timing("clear")
-            if torch.cuda.is_available():
-                llm.engine.runner.rank_timing("time_device")
+            llm.engine.runner.rank_timing("time_device" if torch.cuda.is_available() else "clear")
         elif torch.cuda.is_available():
             timing.time_device()  # device busy/idle per step: two CUDA events a step
         if profile:

@@ -42,11 +42,6 @@ class StepTiming:
         self.clear()
         self.timing_device = True
 
-    @property
-    def device_events(self) -> list[tuple | None] | None:
-        """Each record's event pair (None for a step begun before time_device()); None if not timing."""
-        return [r.events for r in self.records] if self.timing_device else None
-
     @contextmanager
     def step(self, num_reqs: int, num_tokens: int):
         index = len(self.records)
@@ -93,12 +88,12 @@ class StepTiming:
         its last, and from the previous step's last to its first (0 when the device was still busy
         with earlier work as the step was queued; 0 and 0 for a step without events, one begun as
         timing started). Waits for the device. None if not timing it."""
-        timed = [r.events for r in self.records if r.events is not None] if self.timing_device else []
-        if not timed:
+        last = next((r.events for r in reversed(self.records) if r.events is not None), None)
+        if not self.timing_device or last is None:
             return None
-        timed[-1][1].synchronize()
+        last[1].synchronize()
         out, prev_end = [], None
-        for events in self.device_events:
+        for events in (r.events for r in self.records):
             if events is None:
                 out.append((0.0, 0.0))
                 continue
