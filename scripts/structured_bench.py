@@ -152,7 +152,7 @@ PHASES = {  # where each runs: the executor's thread, the mask thread, the event
     "executor: build the sampling batch, start the masks": ("llmserve.model.runner", "ModelRunner", "_sample"),
     "executor: the batch's parameters": ("llmserve.model.sampling_state", "SamplingState", "batch"),
     "executor: start the masks": ("llmserve.model.sampling_state", "SamplingState", "masks"),
-    "executor: queue the sampler": ("llmserve.model.runner", None, "sample"),
+    "executor: queue the sampler": ("llmserve.model.runner", None, "draw"),
     "executor: wait for the masks": ("llmserve.model.sampling_state", "MaskFill", "send"),
     "masks: fill": ("llmserve.model.sampling_state", None, "_fill_masks"),
     "loop: scheduler applies results": ("llmserve.actors.scheduler_actor", "SchedulerActor", "_apply"),
