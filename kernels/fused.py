@@ -10,7 +10,7 @@ the normalised value is rounded before the weight multiplies it, SiLU is rounded
 - rotary(q, k, positions, cos, sin): grid (tokens,); one token's query and key heads per program,
   rotate-halves (neox) style, in place. rotary_and_write_kv: the same, with the rotated key and
   the value stored straight into their KV-cache slot (the decoder's path: one kernel, not two).
-- silu_and_mul(x): grid (rows,); x = [gate | up] per row -> silu(gate) * up.
+- silu_and_mul(x): grid (rows, column blocks); x = [gate | up] per row -> silu(gate) * up.
 """
 
 from __future__ import annotations
@@ -218,14 +218,18 @@ def rotary_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
-    for start in range(0, N, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < N
-        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        up = tl.load(x_ptr + row * stride_x + N + cols, mask=mask, other=0.0)
-        g = gate.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-        tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + N + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+SILU_BLOCK = 1024
+"""Columns a silu_and_mul program takes: a decode step's few rows spread over many programs (one
+program looping over a 14,336-wide row waits on one load after another)."""
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -235,8 +239,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
         on = pdl(x.device)
-        _silu_and_mul_kernel[(rows,)](x, out, x.stride(0), out.stride(0), n, BLOCK=min(triton.next_power_of_2(n), 2048),
-                                      PDL=on, launch_pdl=on)
+        block = min(triton.next_power_of_2(n), SILU_BLOCK)
+        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block,
+                                                            PDL=on, launch_pdl=on)
     return out
 
 

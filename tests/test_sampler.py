@@ -26,7 +26,6 @@ def batch(n, *, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, seeds=None, o
         temperature=f(temperature), top_k=torch.full((n,), top_k or vocab, dtype=torch.int64), top_p=f(top_p),
         min_p=f(min_p), keys=row_keys(torch.tensor(seeds if seeds is not None else list(range(n)), dtype=torch.int64),
                                       torch.tensor(out_index if out_index is not None else [0] * n, dtype=torch.int64)),
-        all_greedy=temperature == 0,
         filtered_rows=torch.arange(n) if (top_k is not None or top_p < 1.0 or min_p > 0) else None, **kw)
 
 
@@ -215,7 +214,7 @@ def test_a_steps_sampling_batch_reuses_its_requests_parameters_and_recomputes_th
     state, other = fresh_state(), fresh_state()
 
     def fields(b):
-        out = {name: getattr(b, name) for name in ("temperature", "top_k", "top_p", "min_p", "keys", "all_greedy",
+        out = {name: getattr(b, name) for name in ("temperature", "top_k", "top_p", "min_p", "keys",
                                                    "max_logprobs", "filtered_rows", "all_filtered", "bias", "banned")}
         out["counts"] = b.penalties.output_counts if b.penalties is not None else None
         return out

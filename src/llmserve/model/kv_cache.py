@@ -85,7 +85,7 @@ class KVCacheLayout:
         dev, rows = self.device, num_seqs
         batch = SamplingBatch(temperature=torch.ones(rows, device=dev), top_k=torch.full((rows,), 50, device=dev),
                               top_p=torch.full((rows,), 0.9, device=dev), min_p=torch.zeros(rows, device=dev),
-                              keys=torch.zeros(rows, dtype=torch.int64, device=dev), all_greedy=False,
+                              keys=torch.zeros(rows, dtype=torch.int64, device=dev),
                               filtered_rows=torch.arange(rows, device=dev), max_logprobs=min(20, self.spec.vocab_size))
         sample(logits, batch, backend.sample_rows, backend.sample_filtered_rows, backend.apply_token_mask)
         torch.log_softmax(logits, -1, dtype=torch.float32).topk(batch.max_logprobs, -1)

@@ -42,7 +42,6 @@ class SamplingBatch:
     top_p: torch.Tensor  # float32
     min_p: torch.Tensor  # float32
     keys: torch.Tensor  # int64: the row's random stream, row_keys(seed, output tokens it already has)
-    all_greedy: bool
     filtered_rows: torch.Tensor | None = None  # int64 row indices that use min_p, top_k or top_p
     all_filtered: bool = False  # every row is one of them, with T > 0: no row takes the plain draw
     penalties: "Penalties | None" = None
@@ -101,8 +100,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, draw_fn: DrawFn = sample_
 def draw(logits: torch.Tensor, batch: SamplingBatch, draw_fn: DrawFn = sample_rows_reference,
          filter_fn: FilterFn = sample_filtered_rows_reference) -> torch.Tensor:
     """The choice of token for logits that process_logits() has processed: int64 [B]."""
-    if batch.all_greedy:
-        return logits.argmax(dim=-1)
+    # Greedy rows (T == 0) are the backend's sample_rows' too, which takes their argmax; a batch of
+    # them all is no exception: torch.argmax reduces a row in one thread block, the fused sampler
+    # spreads it over slices of the vocabulary (one row of 128k logits: 26 against 3.6 us, H200).
     if batch.all_filtered:  # the filtered sampler writes every row
         tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     else:

@@ -158,7 +158,7 @@ class SamplingState:
         batch = SamplingBatch(
             temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p, min_p=rows.min_p,
             keys=to_device(row_keys(rows.seeds, produced + np.array([s.in_flight for s in states], dtype=np.int64))),
-            all_greedy=rows.all_greedy, max_logprobs=rows.max_logprobs, filtered_rows=rows.filtered_rows,
+            max_logprobs=rows.max_logprobs, filtered_rows=rows.filtered_rows,
             all_filtered=rows.all_filtered, bias=rows.bias,
         )
         if rows.penalties is not None:
@@ -241,7 +241,6 @@ class _Rows:
     top_k: torch.Tensor
     top_p: torch.Tensor
     min_p: torch.Tensor
-    all_greedy: bool
     max_logprobs: int
     filtered_rows: torch.Tensor | None
     all_filtered: bool
@@ -276,7 +275,6 @@ class _Rows:
             top_k=t([min(p.top_k or vocab, vocab) for p in params], np.int64),
             top_p=t([p.top_p for p in params], np.float32),
             min_p=t([p.min_p for p in params], np.float32),
-            all_greedy=all(p.temperature == 0 for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
             filtered_rows=t(filtered, np.int64) if filtered else None,
             all_filtered=bool(filtered) and len(filtered) == len(params),
