@@ -526,6 +526,8 @@ def sample_rows_reference(logits: torch.Tensor, temperature: torch.Tensor, key: 
     a boundary between two tokens' cumulative weights."""
     x = logits.float()
     t = temperature.float()
+    if not bool((t > 0).any()):  # greedy rows only: no draw to compute
+        return x.argmax(-1)
     c = torch.tensor(_LOG2E, dtype=torch.float32, device=x.device) / torch.where(t > 0, t, 1.0)
     y = x * c[:, None]
     w = torch.exp2(y - y.max(-1, keepdim=True).values).double()

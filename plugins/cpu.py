@@ -38,8 +38,6 @@ class CPUBackend(AttentionBackend):
         return silu_and_mul_reference(x)
 
     def sample_rows(self, logits, temperature, key) -> torch.Tensor:
-        if not bool((temperature > 0).any()):  # all greedy: the argmax alone (host tensors: no sync to wait for)
-            return logits.argmax(-1)
         return sample_rows_reference(logits, temperature, key)
 
     def sample_filtered_rows(self, logits, temperature, top_k, top_p, min_p, key, rows, out) -> torch.Tensor:

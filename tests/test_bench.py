@@ -163,15 +163,14 @@ def test_step_timing_counts_idle_time_before_each_decode_step_only():
 
 def test_step_timing_splits_device_time_into_busy_and_idle():
     from llmserve.model.step_timing import StepRecord, StepTiming
-    Event = FakeEvent
     t = StepTiming()
     t.time_device()
     # device: step 0 runs 0-100 ms, step 1 100-300 (queued while 0 ran), step 2 340-360 after 40 ms idle,
     # step 3 400-500 after 40 ms idle (its event pair recorded early, while the device was busy, counts 0)
-    t.records = [StepRecord(4, 100, 0.0, 0.1, 0.1, (Event(0), Event(100))),
-                 StepRecord(4, 4, 0.1, 0.2, 0.3, (Event(100), Event(300))),
-                 StepRecord(4, 4, 0.3, 0.4, 0.5, (Event(340), Event(360))),
-                 StepRecord(300, 300, 0.5, 0.6, 0.7, (Event(400), Event(500)))]
+    t.records = [StepRecord(4, 100, 0.0, 0.1, 0.1, (FakeEvent(0), FakeEvent(100))),
+                 StepRecord(4, 4, 0.1, 0.2, 0.3, (FakeEvent(100), FakeEvent(300))),
+                 StepRecord(4, 4, 0.3, 0.4, 0.5, (FakeEvent(340), FakeEvent(360))),
+                 StepRecord(300, 300, 0.5, 0.6, 0.7, (FakeEvent(400), FakeEvent(500)))]
     assert [(round(b, 3), round(i, 3)) for b, i in t.device_s()] == [(0.1, 0), (0.2, 0), (0.02, 0.04), (0.1, 0.04)]
     assert round(t.report()["device_busy_s"], 3) == 0.42
     # a step begun before timing started has no events: it counts no device time, the others keep theirs
@@ -191,15 +190,14 @@ def test_step_timing_reports_the_steps_recorded_when_asked_while_the_engine_step
     """The engine's thread may make a last step (for requests already returned) while the benchmark
     reads the timing: the report covers the steps recorded when it was asked, consistently."""
     from llmserve.model.step_timing import StepRecord, StepTiming
-    Event = FakeEvent
     live = StepTiming()
     live.time_device()
-    live.records = [StepRecord(4, 4, 0.1 * i, 0.1 * i, 0.1 * i + 0.05, (Event(100 * i), Event(100 * i + 50)))
+    live.records = [StepRecord(4, 4, 0.1 * i, 0.1 * i, 0.1 * i + 0.05, (FakeEvent(100 * i), FakeEvent(100 * i + 50)))
                     for i in range(5)]
     periods = StepTiming.periods
 
     def stepping(self):  # a step lands between the device's times and the periods being read
-        live.records.append(StepRecord(4, 4, 9.0, 9.0, 9.1, (Event(9000), Event(9050))))
+        live.records.append(StepRecord(4, 4, 9.0, 9.0, 9.1, (FakeEvent(9000), FakeEvent(9050))))
         return periods(self)
     monkeypatch.setattr(StepTiming, "periods", stepping)
     report = live.report()

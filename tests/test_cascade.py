@@ -403,7 +403,6 @@ def test_eager_cascade_layouts_cover_the_size_classes_steps_meet():
     assert all(int(i.positions.max()) < 300 for i, _ in short) and short[-1][0].num_tokens % 2 == 1
 
 
-
 @pytest.mark.parametrize("capacity", [(1, 2, 2, 3), (8, 37, 19, 4101), (32, 512, 256, 256), (3, 5, 7, 9)])
 def test_packed_sections_each_start_on_16_bytes(capacity):
     """Triton compiles a kernel variant per pointer alignment: every section of the packed
