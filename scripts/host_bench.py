@@ -71,6 +71,38 @@ def no_device_work(vocab: int, specials: list[int], max_rows: int) -> None:
     CPUBackend.sample_rows = sample_rows
 
 
+class _Device:
+    """A device that takes `step_s` for each step's work, one step after another: a step's tokens
+    are ready `step_s` after the later of its launch and the end of the step before."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s, self.free_at = step_s, 0.0
+
+    def launch(self) -> "_Ready":
+        self.free_at = max(time.perf_counter(), self.free_at) + self.step_s
+        return _Ready(self.free_at)
+
+
+class _Ready:
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def synchronize(self) -> None:
+        time.sleep(max(0.0, self.at - time.perf_counter()))  # (the interpreter lock released, as CUDA's wait does)
+
+
+def with_device_time(step_s: float) -> None:
+    """Each launched step's tokens ready only once a simulated device has worked `step_s` on it."""
+    device, queue = _Device(step_s), runner.ModelRunner._queue
+
+    def timed_queue(self, sampling):
+        flight = queue(self, sampling)
+        flight.ready = device.launch()
+        return flight
+
+    runner.ModelRunner._queue = timed_queue
+
+
 def _allowed_tokens(packed: torch.Tensor, pool: torch.Tensor, in_pool: torch.Tensor, tries: int = 64) -> torch.Tensor:
     """One random token of `pool` (in_pool: bool [V], its members) per packed mask row that the row
     allows: `tries` at once, and a row that allows few (the output's opening `{"text": "`) from
@@ -109,6 +141,9 @@ def main() -> None:
     ap.add_argument("--cascade-attention", default="auto", choices=["auto", "always", "never"])
     ap.add_argument("--constrained", action="store_true")
     ap.add_argument("--vocab", type=int)
+    ap.add_argument("--device-ms", type=float, default=0.0,
+                    help="a simulated device's time a step: ms a step beyond it is host time the device waits for")
+    ap.add_argument("--sync", action="store_true", help="async scheduling off: each step planned once the one before is back")
     ap.add_argument("--json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
@@ -116,10 +151,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint(tmp, args.vocab)
         llm = LLM(tmp, dtype="float32", max_model_len=8192, max_num_seqs=max(batches), cpu_kv_cache_gib=1.0,
-                  cascade_attention=args.cascade_attention, log_interval_s=0)
+                  cascade_attention=args.cascade_attention, log_interval_s=0,
+                  async_scheduling=not args.sync)
         vocab = llm.engine.spec.vocab_size
         specials = llm.get_tokenizer().all_special_ids
         no_device_work(vocab, specials, max(batches))
+        if args.device_ms:
+            with_device_time(args.device_ms / 1e3)
         rng = random.Random(0)
         prefixes = [[rng.randrange(3, vocab) for _ in range(args.shared_prefix)] for _ in range(8)]
         # (constrained: the end of sequence is allowed, but the fake sampler never picks a special)
@@ -137,6 +175,7 @@ def main() -> None:
             best = min(walls)
             rows.append({"batch": b, "steps": args.steps, "shared_prefix": args.shared_prefix,
                          "constrained": args.constrained, "vocab": vocab,
+                         "device_ms": args.device_ms, "sync": args.sync,
                          "ms_per_step": 1e3 * best / args.steps, "us_per_request_step": 1e6 * best / args.steps / b,
                          "walls_s": walls})
             print(f"batch {b}: {rows[-1]['ms_per_step']:.3f} ms a step, "

@@ -24,7 +24,7 @@ HELP_ONLY = [
     "gc_bench.py", "int8_sweep.py", "moe_bench.py", "sampler_bench.py", "sass_stats.py", "spec_bench.py", "startup_bench.py",
     "structured_bench.py",
 ]
-RUN = ["bench_page.py", "bench_summary.py", "host_bench.py", "train_builtin_model.py"]
+RUN = ["bench_page.py", "bench_summary.py", "host_bench.py", "step_trace.py", "train_builtin_model.py"]
 HELPERS = ["graph_timing.py"]  # imported by the GPU benchmarks above, so their --help imports it too
 SHELL = ["gpu_suite.sh", "run.sh", "setup_venv.sh", "test.sh"]  # setup_venv.sh: sourced by both, and by CI
 
@@ -100,6 +100,29 @@ def test_host_bench_times_steps_without_device_work(tmp_path):
     rows = json.loads(out.read_text())
     assert [r["batch"] for r in rows] == [1, 4]
     assert all(r["ms_per_step"] > 0 and len(r["walls_s"]) == 1 for r in rows)
+
+
+def test_host_bench_with_a_simulated_device_takes_at_least_its_time_a_step(tmp_path):
+    """With the device taking 20 ms a step, a step takes at least that, the steps run one after
+    another (async scheduling off) or overlapping the host's work."""
+    out = tmp_path / "host.json"
+    for sync in ([], ["--sync"]):
+        run_script("host_bench.py", "--batch", "2", "--steps", "6", "--runs", "1", "--device-ms", "20", *sync,
+                   "--json", str(out), timeout=120)
+        [row] = json.loads(out.read_text())
+        assert row["sync"] == bool(sync) and row["device_ms"] == 20 and row["ms_per_step"] >= 20
+
+
+def test_step_trace_times_each_step_from_the_tokens_before(tmp_path):
+    out = tmp_path / "trace.json"
+    prof = tmp_path / "prof"
+    run_script("step_trace.py", "--tokens", "12", "--dtype", "float32", "--sync", "--profile", str(prof),
+               "--json", str(out), timeout=120)
+    data = json.loads(out.read_text())
+    marks = [r["mark"] for r in data["timeline"]]
+    assert data["sync"] and {"schedule>#1", "kv>#1", "step>#1", "inputs>#1"} <= set(marks), marks
+    assert marks.index("schedule>#1") < marks.index("kv>#1") < marks.index("step>#1")
+    assert "process" in (tmp_path / "prof.loop.txt").read_text()
 
 
 def test_host_bench_constrained_samples_within_the_masks_of_a_synthetic_vocabulary(tmp_path):

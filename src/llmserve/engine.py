@@ -35,7 +35,7 @@ from llmserve.config import EngineConfig, SpeculativeConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.scheduler import Scheduler
 from llmserve.distributed.parallel_state import single_rank
-from llmserve.distributed.workers import check_split, start_ranks
+from llmserve.distributed.workers import RankRunner, check_split, start_ranks
 from llmserve.model.runner import ModelRunner
 from llmserve.model.spec import ModelSpec, sampling_defaults
 from llmserve.outputs import RequestOutput
@@ -477,17 +477,21 @@ class Engine(Frontend):
         """The device side alone: the scheduler, the KV manager and the executor, until cancelled.
         Reports started with the scheduler's inbox (send NewRequests / FinishRequests there);
         EngineOutputs go to `to_requests`."""
-        # Bounded streams give backpressure, except the scheduler's inbox: the request actor and
-        # the scheduler send to each other, so one side must never block; what it holds is bounded
-        # by the requests in the engine (arrivals, finishes) plus one feedback and one result.
+        # The step's path (scheduler -> KV manager -> executor -> scheduler) sends without waiting:
+        # a send that waits is a checkpoint, where the request actor's work would run between a
+        # step's result and the launch of the next. What the streams hold is bounded all the same:
+        # the scheduler's inbox by the requests in the engine (arrivals, finishes) plus one feedback
+        # and one result, the KV manager's and the executor's by the scheduler's steps in flight
+        # (two) and one FinishInFlight.
         sched_send, sched_recv = anyio.create_memory_object_stream(math.inf)
-        kv_send, kv_recv = anyio.create_memory_object_stream(1)
-        exec_send, exec_recv = anyio.create_memory_object_stream(1)
+        kv_send, kv_recv = anyio.create_memory_object_stream(math.inf)
+        exec_send, exec_recv = anyio.create_memory_object_stream(math.inf)
         actors = [
             SchedulerActor(self.scheduler, self.stats, inbox=sched_recv, to_kv=kv_send, to_requests=to_requests,
                            async_scheduling=self.config.scheduler.async_scheduling),
             KVActor(self.kv, inbox=kv_recv, to_executor=exec_send, to_scheduler=sched_send.clone()),
-            ExecutorActor(self.runner, inbox=exec_recv, to_scheduler=sched_send.clone()),
+            ExecutorActor(self.runner, inbox=exec_recv, to_scheduler=sched_send.clone(),
+                          launch_here=not isinstance(self.runner, RankRunner)),
         ]
         async with anyio.create_task_group() as tg:
             for actor in actors:

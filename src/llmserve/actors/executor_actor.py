@@ -1,5 +1,6 @@
-"""Executor actor: runs each StepPlan on the model runner in a worker thread, so the event loop
-keeps serving while the device works, and sends the StepResults to the scheduler.
+"""Executor actor: runs each StepPlan on the model runner, in a worker thread wherever the call may
+wait for the device (so the event loop keeps serving meanwhile), and sends the StepResults to the
+scheduler. A launch with no step in flight waits for nothing: it runs on the loop's own thread.
 
 The runner keeps one step in flight (model/runner.py): each call launches the next step on the
 device before it waits for the previous one's tokens. So after a launch the actor waits for the
@@ -17,8 +18,10 @@ from llmserve.model.runner import ModelRunner
 
 
 class ExecutorActor:
-    def __init__(self, runner: ModelRunner, *, inbox: ObjectReceiveStream, to_scheduler: ObjectSendStream) -> None:
+    def __init__(self, runner: ModelRunner, *, inbox: ObjectReceiveStream, to_scheduler: ObjectSendStream,
+                 launch_here: bool = False) -> None:
         self.runner = runner
+        self.launch_here = launch_here  # a launch is local work (not a call to other processes)
         self.inbox, self.to_scheduler = inbox, to_scheduler
         self._thread = anyio.CapacityLimiter(1)
 
@@ -37,6 +40,12 @@ class ExecutorActor:
                 # A failed step comes back as an error result for its requests (the runner logs it).
                 if plan is None:
                     results = await anyio.to_thread.run_sync(self.runner.flush, limiter=self._thread)
+                elif self.launch_here and not self.runner.busy:
+                    # Nothing in flight: the launch waits for no device work, so it runs now, on
+                    # this thread. Handed to the worker, it would wait for the thread to wake and
+                    # for the interpreter lock, which this loop holds while other actors run: time
+                    # the device idles when a step waits for the one before (speculation).
+                    results = self.runner.step(plan)
                 else:
                     results = await anyio.to_thread.run_sync(self.runner.step, plan, limiter=self._thread)
                 # The scheduler's inbox is unbounded: this never blocks and, unlike `await send`,

@@ -24,15 +24,21 @@ class KVActor:
         async with self.inbox:
             async for proposal in self.inbox:
                 if isinstance(proposal, FinishInFlight):
-                    await self.to_executor.send(proposal)  # in order behind the plans before it
-                    continue
+                    messages = [(self.to_executor, proposal)]  # in order behind the plans before it
+                else:
+                    try:
+                        plan, feedback = self.manager.process(proposal)
+                    except Exception as exc:
+                        plan, feedback = self._failed(proposal, exc)
+                    # Both go out before any other task runs (no checkpoint between them), so the
+                    # feedback is in the scheduler's inbox before the step's result can be, and the
+                    # executor, woken first, launches the step before the scheduler takes the feedback.
+                    messages = [(self.to_executor, plan), (self.to_scheduler, feedback)]
                 try:
-                    plan, feedback = self.manager.process(proposal)
-                except Exception as exc:
-                    plan, feedback = self._failed(proposal, exc)
-                # Feedback first: the scheduler must know the step's shape before its result arrives.
-                await self.to_scheduler.send(feedback)
-                await self.to_executor.send(plan)
+                    for stream, msg in messages:
+                        stream.send_nowait(msg)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    return  # the engine is shutting down: nobody is left to read it
 
     def _failed(self, proposal: StepProposal, exc: Exception) -> tuple[StepPlan, StepFeedback]:
         """A proposal the manager could not fit (a bug: proposals hold validated requests only)

@@ -87,17 +87,28 @@ class SchedulerActor:
                         self.awaiting_feedback = True
                         self.news = False
                         self.finish_sent = False
-                        await self.to_kv.send(proposal)
+                        if not self._to_kv(proposal):
+                            return
                 # The executor launches each plan before it finishes the step before, so with one
                 # step out it waits for the next plan; when none comes before that step's result,
                 # it must hear so. (With two out, launching the second returns the first's result.)
                 if self.in_flight == 1 and not self.awaiting_feedback and not self.finish_sent:
                     self.finish_sent = True
-                    await self.to_kv.send(FinishInFlight())
+                    if not self._to_kv(FinishInFlight()):
+                        return
                 for outputs in self.outputs:
                     await self.to_requests.send(outputs)
                 self.outputs.clear()
                 self.stats.maybe_log(self.scheduler)
+
+    def _to_kv(self, msg: StepProposal | FinishInFlight) -> bool:
+        """Send without a checkpoint (the KV manager runs next, before the request actor's work);
+        False: the KV manager is gone, the engine is shutting down."""
+        try:
+            self.to_kv.send_nowait(msg)
+            return True
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
 
     def _schedule(self) -> StepProposal | None:
         """The next proposal. Should planning ever fail (a bug: it runs on validated requests

@@ -1,0 +1,162 @@
+"""Where a small step's time goes on the host: the moments each step passes through the engine's
+actors, relative to the moment the step before's tokens reached the host, medians over a run.
+
+    python scripts/step_trace.py [--model DIR] [--batch 1] [--tokens 512] [--sync]
+                                 [--dtype bfloat16] [--profile PREFIX] [--json out.json]
+
+B requests of 64 random prompt tokens each generate --tokens greedy tokens (ignore_eos) on the model
+(the built-in one by default). Each step's path is timed where it crosses a boundary: the executor's
+thread has the tokens (`ready`: their copy to the host waited for), the scheduler takes the result
+and plans, the KV manager fits the plan, the runner builds the inputs and launches (`replay`: the
+CUDA graph is started: the device works from here), the sampler is queued, the request actor
+publishes. With --sync (async scheduling off, as a speculating engine runs) the next step is
+planned only once the tokens are back, so `ready` to `replay` is the host time the device idles;
+without it, the same moments show what overlaps the device.
+
+--profile PREFIX: cProfile of the runner's calls (PREFIX.runner.txt) and of the actors' handlers
+on the event loop (PREFIX.loop.txt), by cumulative time.
+"""
+
+import argparse
+import collections
+import cProfile
+import functools
+import io
+import pstats
+import random
+import time
+from pathlib import Path
+
+import llmserve
+from llmserve import LLM, SamplingParams
+from llmserve.actors import request_actor
+from llmserve.bench.report import report
+from llmserve.core import kv_cache_manager, scheduler
+from llmserve.model import cuda_graphs, runner, step_inputs
+
+EVENTS: list[tuple[str, float]] = []
+PROFILES = {"runner": cProfile.Profile(), "loop": cProfile.Profile()}
+PROFILING = False
+
+
+def mark(cls, name: str, tag: str, profile: str | None = None) -> None:
+    """Record `tag>` and `tag<` around cls.name (a method, or a coroutine function)."""
+    fn = getattr(cls, name)
+    prof = PROFILES[profile] if profile else None
+
+    if hasattr(fn, "__code__") and fn.__code__.co_flags & 0x80:  # a coroutine function
+        @functools.wraps(fn)
+        async def wrapped(*args, **kwargs):
+            EVENTS.append((tag + ">", time.perf_counter()))
+            result = await fn(*args, **kwargs)
+            EVENTS.append((tag + "<", time.perf_counter()))
+            return result
+    else:
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            EVENTS.append((tag + ">", time.perf_counter()))
+            if PROFILING and prof is not None:
+                result = prof.runcall(fn, *args, **kwargs)
+            else:
+                result = fn(*args, **kwargs)
+            EVENTS.append((tag + "<", time.perf_counter()))
+            return result
+    setattr(cls, name, wrapped)
+
+
+class _Ready:
+    """A step's event, noting when waiting for it returned."""
+
+    def __init__(self, event) -> None:
+        self.event = event
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+        EVENTS.append(("ready", time.perf_counter()))
+
+
+def instrument() -> None:
+    mark(runner.ModelRunner, "step", "step", "runner")
+    mark(runner.ModelRunner, "flush", "flush", "runner")
+    mark(runner.ModelRunner, "_finish", "finish")
+    mark(runner.ModelRunner, "_sample", "sample")
+    mark(step_inputs.StepInputs, "build", "inputs")
+    mark(cuda_graphs.StepGraphs, "run", "replay")
+    mark(cuda_graphs.StepGraphs, "run_mixed", "replay_mixed")
+    mark(scheduler.Scheduler, "on_result", "on_result", "loop")
+    mark(scheduler.Scheduler, "schedule", "schedule", "loop")
+    mark(scheduler.Scheduler, "on_feedback", "feedback", "loop")
+    mark(kv_cache_manager.KVCacheManager, "process", "kv", "loop")
+    mark(request_actor.RequestActor, "_on_outputs", "outputs")
+    queue = runner.ModelRunner._queue
+
+    def timed_queue(self, sampling):
+        flight = queue(self, sampling)
+        if flight.ready is not None:
+            flight.ready = _Ready(flight.ready)
+        else:  # (CPU: the tokens are on the host at once)
+            EVENTS.append(("ready", time.perf_counter()))
+        EVENTS.append(("queued", time.perf_counter()))
+        return flight
+
+    runner.ModelRunner._queue = timed_queue
+
+
+def timeline(events: list[tuple[str, float]]) -> list[dict]:
+    """Each tag's median time after the `ready` before it (the n-th occurrence of a tag in a
+    step's stretch as tag#n), in order of that median."""
+    starts = [i for i, (tag, _) in enumerate(events) if tag == "ready"]
+    times = collections.defaultdict(list)
+    for a, b in zip(starts, starts[1:]):
+        t0, seen = events[a][1], collections.Counter()
+        for tag, t in events[a + 1:b]:
+            seen[tag] += 1
+            times[f"{tag}#{seen[tag]}"].append((t - t0) * 1e6)
+    rows = []
+    for tag, us in times.items():
+        us.sort()
+        rows.append({"mark": tag, "steps": len(us), "median_us": us[len(us) // 2]})
+    return sorted(rows, key=lambda r: r["median_us"])
+
+
+def main() -> None:
+    global PROFILING
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(Path(llmserve.__file__).parent / "builtin_model"))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=384)
+    ap.add_argument("--sync", action="store_true")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--profile")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    instrument()
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.tokens + 64, max_num_seqs=max(args.batch, 8),
+              enable_prefix_caching=False, async_scheduling=not args.sync, log_interval_s=0)
+    vocab = llm.engine.spec.vocab_size
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(64)]} for _ in range(args.batch)]
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    EVENTS.clear()
+    PROFILING = args.profile is not None
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    PROFILING = False
+    llm.shutdown()
+    rows = timeline(EVENTS)
+    for r in rows:
+        print(f"{r['mark']:16s} {r['median_us']:9.1f} us  ({r['steps']} steps)")
+    print(f"{1e3 * wall / args.tokens:.3f} ms a step, batch {args.batch}, sync {args.sync}")
+    if args.profile:
+        for name, prof in PROFILES.items():
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(60)
+            Path(f"{args.profile}.{name}.txt").write_text(out.getvalue())
+    report({"batch": args.batch, "sync": args.sync, "tokens": args.tokens, "model": args.model,
+            "ms_per_step": 1e3 * wall / args.tokens, "timeline": rows}, args.json, echo=False)
+
+
+if __name__ == "__main__":
+    main()
