@@ -119,16 +119,17 @@ def _paged_attention_kernel(
     kv_lo = 0
     if CASCADE:  # the keys before kv_start are a shared prefix, attended by the cascade kernel
         kv_lo = tl.load(kv_start_ptr + seq)
-    if DECODE:  # every key is visible to the one query: only the last tile needs a mask
-        if WINDOW > 0:  # (the window's keys alone: they are all visible)
-            kv_lo = tl.maximum(kv_lo, seq_len - WINDOW)
+    if DECODE:  # one query: every key is visible to it, only the last tile needs a mask; a few
+        # (BLOCK_Q > 1: a step checking drafts) see the keys up to their own
+        if WINDOW > 0:  # (from the first query's window: for one query, all visible)
+            kv_lo = tl.maximum(kv_lo, ctx_len - WINDOW + 1)
         if NUM_SPLITS > 1:
             chunk = tl.cdiv(tl.cdiv(kv_end - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
             kv_lo = kv_lo + split * chunk
             kv_end = tl.minimum(kv_lo + chunk, kv_end)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv_lo, kv_end, kv_end, qk_scale, d, d_ok, *kv,
-                                BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=True, CAUSAL=False, WINDOW=0,
-                                SOFTCAP=SOFTCAP)
+                                BLOCK_SIZE, BLOCK_N, PRECISION, FP8, DOT_TY, MASKED=True, CAUSAL=BLOCK_Q > 1,
+                                WINDOW=WINDOW if BLOCK_Q > 1 else 0, SOFTCAP=SOFTCAP)
     elif WINDOW > 0:  # from the first key the tile's first row sees, every tile masked both ways
         kv_lo = tl.maximum(kv_lo, ctx_len + q_tile * BLOCK_Q - WINDOW + 1)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv_lo, kv_end, kv_end, qk_scale, d, d_ok, *kv,
@@ -218,7 +219,7 @@ def _attend(acc, m_i, l_i, q, q_pos, lo, hi, kv_end, qk_scale, d, d_ok,
         elif MASKED:
             s = tl.where(k_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        if WINDOW > 0:  # a row with no key seen yet: subtract 0, not -inf (its weights are all 0)
+        if WINDOW > 0 or CAUSAL:  # a row with no key seen yet: subtract 0, not -inf (its weights are all 0)
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_sub = m_new
@@ -287,6 +288,7 @@ def merge_partials(out: torch.Tensor, part: torch.Tensor, ml: torch.Tensor, leve
 
 
 PREFILL_BLOCK_M, DECODE_BLOCK_M = 64, 16  # rows (query tokens x group heads) of a program
+MAX_DECODE_QUERY = 16  # the longest queries a program per sequence takes (k + 1 for k drafts)
 
 
 MAX_SPLITS = 16
@@ -330,10 +332,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     partials: tuple[torch.Tensor, torch.Tensor, int] | None = None,
                     levels: tuple[torch.Tensor, int] | None = None, window: int | None = None,
                     softcap: float | None = None, part_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as reference.paged_attention_reference. `max_query_len` 1 says every query
-    length is 1 (a decode step, a program per sequence); any other value, that some may be longer
-    (its exact value does not matter). `tiles` overrides (BLOCK_N, num_warps, num_stages);
-    `num_splits` the decode key slices (a power of two; decode steps only); `block_m` the rows
+    """Same contract as reference.paged_attention_reference. `max_query_len` bounds every query's
+    length: 1 is a decode step, a program per sequence; up to MAX_DECODE_QUERY (a step checking
+    drafts; without cascade or a given `block_m`) the same, each program's rows a sequence's queries
+    (while they fit 64 rows); above, prompt tiles (its exact value then does not matter).
+    `tiles` overrides (BLOCK_N, num_warps, num_stages); `num_splits` the decode key slices (a power
+    of two; decode steps only); `block_m` the rows
     (query tokens x group heads) of a program; `seq_order` int32 [num_seqs], a permutation: the
     order in which decode programs take the sequences. `window`: sliding-window attention, each
     query sees only its `window` latest keys (itself included). `softcap`: scores (scaled) become
@@ -351,7 +355,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and query.stride(2) == 1
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
-    block_m = max(block_m or (PREFILL_BLOCK_M if max_query_len > 1 else DECODE_BLOCK_M), group_p)
+    # A program per sequence (decode) while every query fits one tile of at most 64 rows: each then
+    # reads its sequence's keys once, in key slices, rather than in prompt tiles nearly all masked.
+    few = 1 < max_query_len <= MAX_DECODE_QUERY and kv_start is None and block_m is None
+    decode = max_query_len == 1 or (few and triton.next_power_of_2(max_query_len) * group_p <= PREFILL_BLOCK_M)
+    if block_m is None:
+        block_m = triton.next_power_of_2(max_query_len) * group_p if decode else PREFILL_BLOCK_M
+        block_m = max(block_m, DECODE_BLOCK_M if decode else 0)
+    block_m = max(block_m, group_p)
     block_q = block_m // group_p
     if out is None:
         out = torch.empty_like(query)
@@ -361,9 +372,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     fp8 = k_scale is not None
     assert not fp8 or (k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1)
     scales = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)  # unused pointers without FP8
-    decode = max_query_len == 1
     fp32 = query.dtype == torch.float32
-    block_n, warps, stages = tiles or (decode_tiles(fp8) if decode else prefill_tiles(fp32))
+    block_n, warps, stages = tiles or (decode_tiles(fp8) if decode and block_m <= DECODE_BLOCK_M
+                                       else prefill_tiles(fp32))
     splits = 1 if not decode else (num_splits or decode_splits(num_seqs, num_kv_heads, query.device))
     if partials is not None:
         part, ml, slot0 = partials

@@ -519,3 +519,23 @@ def test_soft_capped_scores_match_reference(case, window):
         out = paged_attention(q, kc, vc, tables, qsl, seq_lens, 0.25, max(query_lens), window=window, softcap=2.0,
                               num_splits=splits)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("splits", [None, 2, 4])
+@pytest.mark.parametrize("group", [1, 4])
+def test_short_queries_take_a_program_per_sequence_in_key_slices(group, splits, window):
+    """A step checking drafts (each sequence a few queries after its context) runs like a decode
+    step: a program per sequence, its keys in slices. The last slice of the 50-key sequence holds
+    keys 48 and 49 alone, which its first query (position 45) must not see: a slice without a key
+    for a row weighs nothing. Padding sequences with empty queries (as a captured step has) are left
+    alone."""
+    query_lens, context_lens = [5, 1, 3, 2, 0], [45, 7, 70, 0, 0]
+    q, kc, vc, tables, qsl, seq_lens = make_batch(query_lens, context_lens, block_size=4, num_kv_heads=2, group=group,
+                                                  head_dim=16, dtype=torch.float32, seed=5)
+    seq_lens[-1] = 1
+    ref = paged_attention_reference(q, kc, vc, tables, qsl, seq_lens, 0.3, window=window)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, kc, vc, tables, qsl, seq_lens, 0.3, max(query_lens), out=out, tiles=(16, 4, 1),
+                    num_splits=splits, window=window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

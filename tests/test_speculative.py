@@ -572,6 +572,8 @@ def test_a_draft_model_that_is_the_model_itself_has_every_greedy_draft_kept(chec
         if graphs:
             llm.engine.runner.capture_graphs(llm.config.scheduler.max_num_seqs, 32, emulate=True)
             first, chained = record_calls(proposer.graphs, "_replay"), record_calls(proposer.chain, "_forward")
+            target = llm.engine.runner.graphs
+            steps = record_calls(target, "_replay")
         assert run(llm, params) == plain
         spec = llm.engine.scheduler.spec
     assert spec.drafts > 0 and spec.accepted_tokens == spec.draft_tokens  # its own argmax, every time
@@ -580,6 +582,11 @@ def test_a_draft_model_that_is_the_model_itself_has_every_greedy_draft_kept(chec
         assert chained and {b for b, _ in chained} <= set(proposer.chain.sizes)
         assert not any(sampled for _, sampled in chained)  # greedy requests: argmaxes
         assert first and {kind for kind, _ in first} == {"mixed"}
+        # the steps checking drafts (k + 1 = 5 tokens a request) through the verify graphs, at
+        # captured sizes; the chunked prompts through the mixed ones
+        verify = [b for kind, b in steps if kind == "verify"]
+        assert verify and set(verify) <= set(target.verify_sizes)
+        assert "mixed" in {kind for kind, _ in steps}
 
 
 @pytest.mark.parametrize("graphs", [False, True])

@@ -117,7 +117,8 @@ def eager_cascade_layouts(max_batch: int, max_tokens: int, block_size: int, num_
 
 class StepGraphs:
     def __init__(self, model, staging: Staging, max_batch: int, max_tokens: int, max_blocks_per_seq: int,
-                 emulate: bool = False, cascade_groups: int = 0) -> None:
+                 emulate: bool = False, cascade_groups: int = 0, verify_queries: int = 0,
+                 verify_batch: int = 0) -> None:
         self.model = model
         self.staging = staging
         self.emulate = emulate
@@ -125,6 +126,13 @@ class StepGraphs:
         self.sizes = graph_sizes(max_batch)
         self.token_sizes = token_sizes(max_tokens)
         self.max_batch, self.max_tokens = max_batch, max_tokens
+        # Steps checking drafts: up to verify_batch sequences of at most verify_queries tokens each
+        # (k + 1), captured per decode size b over b * verify_queries token rows, so that their
+        # attention runs a program per sequence (kernels/paged_attention.py) and their GEMMs take
+        # the step's own few rows, not a mixed step's 128 or more.
+        self.verify_queries = verify_queries
+        self.verify_sizes = [b for b in self.sizes if b <= verify_batch and b * verify_queries <= max(max_batch, max_tokens)
+                             ] if verify_queries > 1 else []
         rows = max(max_batch, max_tokens)
         i32, i64 = torch.int32, torch.int64
         self.input_ids = torch.zeros(rows, dtype=i64, device=device)
@@ -135,6 +143,7 @@ class StepGraphs:
         self.seq_order = torch.arange(max_batch, dtype=i32, device=device)
         self.decode_qsl = torch.arange(max_batch + 1, dtype=i32, device=device)
         self.mixed_qsl = torch.zeros(max_batch + 1, dtype=i32, device=device)
+        self.verify_qsl = torch.zeros(max_batch + 1, dtype=i32, device=device)
         self.cascade_groups = cascade_groups  # group capacity of the cascade graphs (0: none captured)
         self.cascade_sizes = [b for b in self.sizes if b >= 2] if cascade_groups else []
         self.cascade_packed = torch.zeros(CascadeMetadata.size(*self._cascade_capacity(max_batch)), dtype=i32,
@@ -157,6 +166,11 @@ class StepGraphs:
                 capacity = self._cascade_capacity(b)
                 meta.cascade = CascadeMetadata.view(self.cascade_packed[:CascadeMetadata.size(*capacity)], capacity)
             return self.model(self.input_ids[:b], self.positions[:b], meta)
+        if kind == "verify":  # b sequences over b * verify_queries token rows
+            t = b * self.verify_queries
+            meta = AttentionMetadata(self.slot_mapping[:t], self.block_tables[:b], self.verify_qsl[:b + 1],
+                                     self.seq_lens[:b], max_query_len=self.verify_queries)
+            return self.model(self.input_ids[:t], self.positions[:t], meta)
         meta = AttentionMetadata(self.slot_mapping[:b], self.block_tables, self.mixed_qsl, self.seq_lens,
                                  max_query_len=b)
         hidden = self.model(self.input_ids[:b], self.positions[:b], meta)
@@ -173,6 +187,7 @@ class StepGraphs:
             return
         shapes = [("mixed", t) for t in reversed(self.token_sizes)] + [("decode", b) for b in reversed(self.sizes)]
         shapes += [("cascade", b) for b in reversed(self.cascade_sizes)]
+        shapes += [("verify", b) for b in reversed(self.verify_sizes)]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # off the capture: kernel compilation, cuBLAS handles and kernels
@@ -204,6 +219,9 @@ class StepGraphs:
 
     def fits_mixed(self, num_tokens: int, num_reqs: int) -> bool:
         return num_tokens <= self.max_tokens and num_reqs <= self.max_batch
+
+    def fits_verify(self, num_reqs: int, max_query_len: int) -> bool:
+        return bool(self.verify_sizes) and max_query_len <= self.verify_queries and num_reqs <= self.verify_sizes[-1]
 
     def fits_cascade(self, num_reqs: int, groups: PrefixGroups) -> bool:
         return (bool(self.cascade_sizes) and 2 <= num_reqs <= self.max_batch
@@ -247,6 +265,21 @@ class StepGraphs:
         self.mixed_qsl.copy_(staged[S:], non_blocking=True)
         self._copy_tables(inputs)
         return self._replay("mixed", t)
+
+    def run_verify(self, inputs: StepInputs,
+                   from_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Replay for S sequences of at most verify_queries tokens each (fits_verify), padded to the
+        captured size b >= S; returns hidden states [b * verify_queries, hidden] (rows T.. are padding)."""
+        T, S = inputs.num_tokens, inputs.num_reqs
+        b = next(s for s in self.verify_sizes if s >= S)
+        self._copy_tokens(inputs, b * self.verify_queries, from_device)
+        lens_qsl, staged = self.staging.empty((2 * b + 1,), np.int32)  # [seq_lens | query_start_loc], padded
+        lens_qsl[:S], lens_qsl[S:b] = inputs.seq_lens, 1  # (padding sequences: no query, so never read)
+        lens_qsl[b:b + S + 1], lens_qsl[b + S + 1:] = inputs.query_start_loc, T
+        self.seq_lens[:b].copy_(staged[:b], non_blocking=True)
+        self.verify_qsl[:b + 1].copy_(staged[b:], non_blocking=True)
+        self._copy_tables(inputs)
+        return self._replay("verify", b)
 
     def _copy_tokens(self, inputs: StepInputs, rows: int,
                      from_device: tuple[torch.Tensor, torch.Tensor] | None) -> None:

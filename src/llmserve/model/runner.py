@@ -199,8 +199,11 @@ class ModelRunner:
         emulate: no capture; steps run eagerly over the graphs' padded buffers (tests without CUDA)."""
         self._make_current()
         max_blocks = -(-self.max_model_len // self.block_size)
+        spec = self.config.speculative
         self.graphs = StepGraphs(self.model, self.staging, max_batch, max_tokens, max_blocks, emulate=emulate,
-                                 cascade_groups=MAX_PREFIX_GROUPS if self.cascade else 0)
+                                 cascade_groups=MAX_PREFIX_GROUPS if self.cascade else 0,
+                                 verify_queries=spec.num_speculative_tokens + 1 if spec.method else 0,
+                                 verify_batch=min(spec.disable_by_batch_size, max_batch))
         self.graphs.capture()
         if self.cascade:  # the eager passes of steps with prompt rows and cascade: their kernels compiled now
             with torch.inference_mode():
@@ -360,15 +363,20 @@ class ModelRunner:
         from_device = self._fill_placeholders(plan, qsl, previous, holes)
         decode = plan.num_tokens == len(plan.req_ids)
         graphed = self.graphs is not None and self.graphs.fits(len(plan.req_ids)) and decode
-        mixed_graphed = (self.graphs is not None and not decode
+        verify_graphed = (self.graphs is not None and not decode
+                          and self.graphs.fits_verify(len(plan.req_ids), inputs.max_query_len))
+        mixed_graphed = (self.graphs is not None and not decode and not verify_graphed
                          and self.graphs.fits_mixed(plan.num_tokens, len(plan.req_ids)))
-        cascade = self._cascade(plan, inputs, mixed_graphed)
+        cascade = self._cascade(plan, inputs, mixed_graphed or verify_graphed)
         if cascade is not None and graphed and not self.graphs.fits_cascade(len(plan.req_ids), cascade):
             cascade = None
-        mixed_graphed = mixed_graphed and cascade is None  # (mixed graphs have no cascade: it runs eagerly)
+        # (mixed and verify graphs have no cascade: it runs eagerly)
+        mixed_graphed, verify_graphed = mixed_graphed and cascade is None, verify_graphed and cascade is None
         self.cascade_steps += cascade is not None
         if graphed:  # hidden has the captured size's rows; those past the batch are padding
             hidden = self.graphs.run(inputs, from_device, cascade)
+        elif verify_graphed:
+            hidden = self.graphs.run_verify(inputs, from_device)
         elif mixed_graphed:
             hidden = self.graphs.run_mixed(inputs, from_device)
         else:
@@ -392,7 +400,7 @@ class ModelRunner:
                 drafts = [plan.token_ids[end - k + 1:end + 1].tolist() for end, k in zip(last.tolist(), ks.tolist())]
                 last = spread(last, ks)
             num = len(last)
-            if mixed_graphed and self.graphs.fits(num):  # padded to a captured batch size: a shape cuBLAS has met
+            if (mixed_graphed or verify_graphed) and self.graphs.fits(num):  # padded to a captured batch size: a shape cuBLAS has met
                 last = np.pad(last, (0, self.graphs.batch_size(num) - num), mode="edge")
             logits = self.model.compute_logits(hidden[self.staging.to_device(last)])[:num]
         draft_probs = self.drafting.checked_against(result.req_ids, drafts)  # drafts drawn from a distribution
