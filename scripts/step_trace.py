@@ -21,6 +21,7 @@ import argparse
 import collections
 import cProfile
 import functools
+import inspect
 import io
 import pstats
 import random
@@ -44,7 +45,7 @@ def mark(cls, name: str, tag: str, profile: str | None = None) -> None:
     fn = getattr(cls, name)
     prof = PROFILES[profile] if profile else None
 
-    if hasattr(fn, "__code__") and fn.__code__.co_flags & 0x80:  # a coroutine function
+    if inspect.iscoroutinefunction(fn):
         @functools.wraps(fn)
         async def wrapped(*args, **kwargs):
             EVENTS.append((tag + ">", time.perf_counter()))

@@ -223,6 +223,17 @@ class StepGraphs:
     def fits_verify(self, num_reqs: int, max_query_len: int) -> bool:
         return bool(self.verify_sizes) and max_query_len <= self.verify_queries and num_reqs <= self.verify_sizes[-1]
 
+    def fits_tokens(self, num_tokens: int, num_reqs: int, max_query_len: int) -> bool:
+        """A step with queries longer than one token: a verify graph or a mixed one serves it (run_tokens)."""
+        return self.fits_verify(num_reqs, max_query_len) or self.fits_mixed(num_tokens, num_reqs)
+
+    def run_tokens(self, inputs: StepInputs,
+                   from_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """run_verify where its graphs fit the step, else run_mixed."""
+        if self.fits_verify(inputs.num_reqs, inputs.max_query_len):
+            return self.run_verify(inputs, from_device)
+        return self.run_mixed(inputs, from_device)
+
     def fits_cascade(self, num_reqs: int, groups: PrefixGroups) -> bool:
         return (bool(self.cascade_sizes) and 2 <= num_reqs <= self.max_batch
                 and groups.num_groups <= self.cascade_groups)

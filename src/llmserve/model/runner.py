@@ -363,22 +363,17 @@ class ModelRunner:
         from_device = self._fill_placeholders(plan, qsl, previous, holes)
         decode = plan.num_tokens == len(plan.req_ids)
         graphed = self.graphs is not None and self.graphs.fits(len(plan.req_ids)) and decode
-        verify_graphed = (self.graphs is not None and not decode
-                          and self.graphs.fits_verify(len(plan.req_ids), inputs.max_query_len))
-        mixed_graphed = (self.graphs is not None and not decode and not verify_graphed
-                         and self.graphs.fits_mixed(plan.num_tokens, len(plan.req_ids)))
-        cascade = self._cascade(plan, inputs, mixed_graphed or verify_graphed)
+        mixed_graphed = (self.graphs is not None and not decode
+                         and self.graphs.fits_tokens(plan.num_tokens, len(plan.req_ids), inputs.max_query_len))
+        cascade = self._cascade(plan, inputs, mixed_graphed)
         if cascade is not None and graphed and not self.graphs.fits_cascade(len(plan.req_ids), cascade):
             cascade = None
-        # (mixed and verify graphs have no cascade: it runs eagerly)
-        mixed_graphed, verify_graphed = mixed_graphed and cascade is None, verify_graphed and cascade is None
+        mixed_graphed = mixed_graphed and cascade is None  # (mixed and verify graphs have no cascade: it runs eagerly)
         self.cascade_steps += cascade is not None
         if graphed:  # hidden has the captured size's rows; those past the batch are padding
             hidden = self.graphs.run(inputs, from_device, cascade)
-        elif verify_graphed:
-            hidden = self.graphs.run_verify(inputs, from_device)
         elif mixed_graphed:
-            hidden = self.graphs.run_mixed(inputs, from_device)
+            hidden = self.graphs.run_tokens(inputs, from_device)
         else:
             input_ids, positions, meta = self.staging.forward_inputs(inputs, cascade)
             if from_device is not None:
@@ -400,7 +395,7 @@ class ModelRunner:
                 drafts = [plan.token_ids[end - k + 1:end + 1].tolist() for end, k in zip(last.tolist(), ks.tolist())]
                 last = spread(last, ks)
             num = len(last)
-            if (mixed_graphed or verify_graphed) and self.graphs.fits(num):  # padded to a captured batch size: a shape cuBLAS has met
+            if mixed_graphed and self.graphs.fits(num):  # padded to a captured batch size: a shape cuBLAS has met
                 last = np.pad(last, (0, self.graphs.batch_size(num) - num), mode="edge")
             logits = self.model.compute_logits(hidden[self.staging.to_device(last)])[:num]
         draft_probs = self.drafting.checked_against(result.req_ids, drafts)  # drafts drawn from a distribution
