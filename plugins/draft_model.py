@@ -13,10 +13,13 @@ Per request it keeps the tokens its cache holds. Each call, for the requests ask
               before on the device (_Chain); a request asked for fewer drafts stops early
     the host reads all the drafts at once. The cache then holds known + drafts[:-1].
 
-Both parts replay CUDA graphs when the engine captures its own (`capture_graphs`): pass 0 the
-StepGraphs of a decode or mixed step (the catch-up is one or two tokens a request in steady
-state), the chain one graph per batch size for all k - 1 passes. A small draft is bound by its
-launches, so eagerly its proposals cost several of the target's steps.
+Both parts replay CUDA graphs when the engine captures its own (`capture_graphs`). In steady state
+a request's catch-up is the tokens its last check kept and the one after them (at most k + 1):
+then, for argmaxes, pass 0 (as a verify step of StepGraphs: b sequences over b * (k + 1) rows),
+its choices and the chain are one graph per batch size, so a proposal is one replay and one read.
+Otherwise (a new request's prompt, draws) pass 0 replays the decode, verify or mixed graph that
+fits and the chain its own. A small draft is bound by its launches, so eagerly its proposals cost
+several of the target's steps.
 
 A choice is the draft model's argmax (`propose`, and requests with temperature 0), or for a
 request that samples freely a draw from q = softmax(logits / T) at the stream the engine gives it
@@ -84,12 +87,14 @@ class DraftModelProposer:
                             self.max_blocks, spec.vocab_size)
 
     def capture_graphs(self, emulate: bool = False) -> None:
-        """Capture pass 0's decode and mixed graphs (up to k + 1 tokens a request) and the chain's,
-        for batches up to the speculating limit. emulate: the padded buffers run eagerly (tests)."""
+        """Capture pass 0's decode, verify and mixed graphs (up to k + 1 tokens a request) and the
+        chain's (the fused ones beginning with pass 0's verify step), for batches up to the
+        speculating limit. emulate: the padded buffers run eagerly (tests)."""
         self.graphs = StepGraphs(self.model, self.staging, self.graph_batch, self.graph_batch * (self.k + 1),
-                                 self.max_blocks, emulate=emulate)
+                                 self.max_blocks, emulate=emulate, verify_queries=self.k + 1,
+                                 verify_batch=self.graph_batch)
         self.graphs.capture()
-        self.chain.capture(self.graph_batch, emulate)
+        self.chain.capture(self.graph_batch, emulate, self.graphs)
 
     def forget(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
@@ -139,19 +144,25 @@ class DraftModelProposer:
         for row, i in enumerate(rows):
             if temperatures[i] > 0:
                 streams[row, :wants[row]] = keys[i][:wants[row]]
-        temps_dev = self.staging.to_device(temps)
-        logits = self._first(feeds, np.array(starts, dtype=np.int32), tables)
-        first = self.backend.sample_rows(logits, temps_dev, self.staging.to_device(np.ascontiguousarray(streams[:, 0])))
-        out, q = first[:, None], None
-        if sampled:
-            q = _distribution(logits, temps_dev)[:, None]
-        if max(wants) > 1:  # draft p (p >= 2) is fed at the position after the known tokens' p - 2
-            ends = np.array([s + len(f) for s, f in zip(starts, feeds)], dtype=np.int64)
-            more, more_q = self.chain.run(first, ends, np.array(wants, dtype=np.int32) - 1, tables,
-                                          temps if sampled else None, streams[:, 1:])
-            out = torch.cat([out, more], dim=1)
+        inputs = StepInputs.build(np.concatenate(feeds), np.array([len(f) for f in feeds], dtype=np.int32),
+                                  np.array(starts, dtype=np.int32), tables, self.block_size)
+        counts = np.array(wants, dtype=np.int32) - 1  # chained passes; draft p (p >= 2) is fed at the
+        ends = inputs.seq_lens.astype(np.int64)       # position after the known tokens' p - 2
+        q = None
+        if not sampled and self.chain.fused(inputs):
+            out = self.chain.run_fused(inputs, ends, counts)
+        else:
+            temps_dev = self.staging.to_device(temps)
+            logits = self._first(inputs)
+            first = self.backend.sample_rows(logits, temps_dev, self.staging.to_device(np.ascontiguousarray(streams[:, 0])))
+            out = first[:, None]
             if sampled:
-                q = torch.cat([q, more_q], dim=1)
+                q = _distribution(logits, temps_dev)[:, None]
+            if max(wants) > 1:
+                more, more_q = self.chain.run(first, ends, counts, tables, temps if sampled else None, streams[:, 1:])
+                out = torch.cat([out, more], dim=1)
+                if sampled:
+                    q = torch.cat([q, more_q], dim=1)
         for row, (i, tokens, want) in enumerate(zip(rows, out.tolist(), wants)):  # the host waits here, once
             drafts[i] = tokens[:want]
             self.cached[req_ids[i]].tokens.extend(drafts[i][:-1])  # its cache holds all drafts but the last
@@ -159,16 +170,14 @@ class DraftModelProposer:
                 probs[i] = q[row, :want]
         return drafts, probs
 
-    def _first(self, feeds: list[np.ndarray], starts: np.ndarray, tables: np.ndarray) -> torch.Tensor:
-        """Pass 0: each request's `feeds` from position `starts`, through a captured graph where
-        one fits; the logits at each one's last ([requests, V], on the device)."""
-        query_lens = np.array([len(f) for f in feeds], dtype=np.int32)
-        inputs = StepInputs.build(np.concatenate(feeds), query_lens, starts, tables, self.block_size)
+    def _first(self, inputs: StepInputs) -> torch.Tensor:
+        """Pass 0 alone: each request's feed, through a captured graph where one fits; the logits
+        at each one's last position ([requests, V], on the device)."""
         graphs, S, T = self.graphs, inputs.num_reqs, inputs.num_tokens
         if graphs is not None and inputs.max_query_len == 1 and graphs.fits(S):
             hidden = graphs.run(inputs)
-        elif graphs is not None and graphs.fits_mixed(T, S):
-            hidden = graphs.run_mixed(inputs)
+        elif graphs is not None and graphs.fits_tokens(T, S, inputs.max_query_len):
+            hidden = graphs.run_tokens(inputs)
         else:
             hidden = self.model(*self.staging.forward_inputs(inputs))
         last = self.staging.to_device((inputs.query_start_loc[1:] - 1).astype(np.int64))
@@ -184,13 +193,16 @@ class _Chain:
     """The draft's passes 1 .. P, one token per request each, chained on the device: pass p feeds
     the choice of pass p - 1 and derives its positions, KV slots and context lengths from static
     buffers, so no pass waits for the host and all P replay as one CUDA graph per batch size
-    (graph_sizes up to the speculating limit), in two variants: argmaxes, or draws (each row's
-    own temperature, 0 for an argmax) with their distributions kept.
+    (graph_sizes up to the speculating limit), in three variants: argmaxes; draws (each row's own
+    temperature, 0 for an argmax) with their distributions kept; and, fused, argmaxes after pass 0
+    itself (`first`: the StepGraphs whose verify step it runs over that one's static buffers; the
+    chain then reads that one's block tables), so that a whole proposal is one replay.
 
     static buffer   rows 0 .. n - 1 (this call)                 rows n .. b - 1 (padding)
     ids             each request's first draft (pass 0's)      stale
     positions       the first draft's position                 0
     counts          passes the request makes (its drafts - 1)  0
+    last            (fused) its last row of pass 0's           0
     block_tables    its blocks                                 stale (never read through)
     temperatures    its temperature (draws)                    0
     keys [P, .]     its drafts' random streams (draws)         0
@@ -207,6 +219,7 @@ class _Chain:
         device, i32, i64 = staging.device, torch.int32, torch.int64
         self.ids = torch.zeros(capacity, dtype=i64, device=device)
         self.positions = torch.zeros(capacity, dtype=i64, device=device)
+        self.last = torch.zeros(capacity, dtype=i64, device=device)
         self.counts = torch.zeros(capacity, dtype=i32, device=device)
         self.seq_order = torch.arange(capacity, dtype=i32, device=device)
         self.block_tables = torch.zeros(capacity, max_blocks, dtype=i32, device=device)
@@ -215,16 +228,23 @@ class _Chain:
         self.temperatures = torch.zeros(capacity, dtype=torch.float32, device=device)
         self.keys = torch.zeros(passes, capacity, dtype=i64, device=device)
         self.probs = torch.zeros(passes, capacity, vocab, dtype=torch.float32, device=device)
+        self.first: StepGraphs | None = None
         self.sizes: list[int] = []
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, str], torch.Tensor] = {}
 
-    def _forward(self, b: int, sampled: bool = False) -> torch.Tensor:
-        """All passes over the static buffers' first b rows: the choices, int64 [b, passes] (with
-        `sampled`, draws, and their distributions in `probs`)."""
-        ids, start, tables = self.ids[:b], self.positions[:b], self.block_tables[:b]
+    def _forward(self, b: int, variant: str = "argmax") -> torch.Tensor:
+        """All passes over the static buffers' first b rows: the choices, int64 [b, passes]
+        ("argmax"; "draw": draws, and their distributions in `probs`; "fused": pass 0's argmaxes
+        first, [b, 1 + passes])."""
+        if variant == "fused":
+            hidden = self.first.forward("verify", b)
+            ids = self.model.compute_logits(hidden[self.last[:b]]).argmax(-1)
+            out, tables = [ids], self.first.block_tables[:b]
+        else:
+            ids, out, tables = self.ids[:b], [], self.block_tables[:b]
+        start = self.positions[:b]
         last_block = tables.shape[1] - 1
-        out = []
         for p in range(self.passes):
             live = self.counts[:b] > p
             pos = start + p
@@ -235,7 +255,7 @@ class _Chain:
                                      seq_order=self.seq_order[:b])
             hidden = self.model(ids, torch.where(live, pos, 0), meta)
             logits = self.model.compute_logits(hidden)
-            if sampled:
+            if variant == "draw":
                 temperatures = self.temperatures[:b]
                 self.probs[p, :b] = _distribution(logits, temperatures)
                 ids = self.backend.sample_rows(logits, temperatures, self.keys[p, :b])
@@ -245,16 +265,20 @@ class _Chain:
         return torch.stack(out, dim=1)
 
     @torch.inference_mode()
-    def capture(self, max_batch: int, emulate: bool) -> None:
-        self.sizes = graph_sizes(max_batch)
-        if emulate or self.passes == 0:
+    def capture(self, max_batch: int, emulate: bool, first: StepGraphs | None = None) -> None:
+        """Graphs of every variant per batch size (emulate: none, the variants run eagerly);
+        `first`: the StepGraphs with verify graphs that the fused variant begins with."""
+        self.sizes, self.first = graph_sizes(max_batch), first
+        variants = [(b, v) for b in reversed(self.sizes) for v in ("argmax", "draw") if self.passes]
+        if first is not None:
+            variants += [(b, "fused") for b in reversed(first.verify_sizes)]
+        if emulate or not variants:
             return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        variants = [(b, sampled) for b in reversed(self.sizes) for sampled in (False, True)]
         with torch.cuda.stream(stream):  # warm-up off the capture (Triton compiles, cuBLAS handles)
-            for b, sampled in variants:
-                self._forward(b, sampled)
+            for key in variants:
+                self._forward(*key)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         pool = torch.cuda.graph_pool_handle()
@@ -263,6 +287,20 @@ class _Chain:
             with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 self.outputs[key] = self._forward(*key)
             self.graphs[key] = graph
+
+    def fused(self, inputs: StepInputs) -> bool:
+        """Whether pass 0 over `inputs` and the chain can run as one (a verify step of `first`'s)."""
+        return self.first is not None and self.first.fits_verify(inputs.num_reqs, inputs.max_query_len)
+
+    def run_fused(self, inputs: StepInputs, positions: np.ndarray, counts: np.ndarray) -> torch.Tensor:
+        """All drafts of n requests, argmaxes, in one replay: pass 0 over `inputs` (fused()), then
+        the chain from `positions` (where each one's first draft is fed: int64 [n]) for `counts`
+        passes (int32 [n]). Returns int64 [n, 1 + P] on the device (row i's first 1 + counts[i])."""
+        n = inputs.num_reqs
+        b = self.first.stage_verify(inputs)
+        last = inputs.query_start_loc[1:] - 1
+        self._stage(b, positions, counts, last)
+        return self._replay(b, "fused")[:n]
 
     def run(self, first: torch.Tensor, positions: np.ndarray, counts: np.ndarray, tables: np.ndarray,
             temperatures: np.ndarray | None = None, keys: np.ndarray | None = None,
@@ -283,23 +321,35 @@ class _Chain:
             streams, staged = self.staging.empty((self.passes, b), np.int64)
             streams[:, :n], streams[:, n:] = keys.T, 0
             self.keys[:, :b].copy_(staged, non_blocking=True)
-        host, staged = self.staging.empty((b,), np.int64)
-        host[:n], host[n:] = positions, 0
-        self.positions[:b].copy_(staged, non_blocking=True)
-        counts_order, staged = self.staging.empty((2, b), np.int32)  # [counts | seq_order], padded
-        counts_order[0, :n], counts_order[0, n:] = counts, 0
-        counts_order[1] = np.argsort(-host - counts_order[0], kind="stable")  # longest context first
-        self.counts[:b].copy_(staged[0], non_blocking=True)
-        self.seq_order[:b].copy_(staged[1], non_blocking=True)
+        self._stage(b, positions, counts)
         self.block_tables[:n, :width].copy_(self.staging.stage(tables), non_blocking=True)
         self.ids[:n].copy_(first)
-        if (b, sampled) in self.graphs:
-            self.graphs[b, sampled].replay()
-            out = self.outputs[b, sampled][:n]
-        else:
-            with torch.inference_mode():
-                out = self._forward(b, sampled)[:n]
+        out = self._replay(b, "draw" if sampled else "argmax")[:n]
         return out, self.probs[:, :n].transpose(0, 1).clone() if sampled else None
+
+    def _stage(self, b: int, positions: np.ndarray, counts: np.ndarray, last: np.ndarray | None = None) -> None:
+        """positions (and the fused variant's last rows), counts and the order of the longest
+        contexts first into the static buffers, padded to b."""
+        n = len(positions)
+        host, staged = self.staging.empty((2, b), np.int64)  # [positions | last]
+        host[0, :n], host[:, n:] = positions, 0
+        if last is not None:
+            host[1, :n] = last
+        self.positions[:b].copy_(staged[0], non_blocking=True)
+        if last is not None:
+            self.last[:b].copy_(staged[1], non_blocking=True)
+        counts_order, staged = self.staging.empty((2, b), np.int32)  # [counts | seq_order], padded
+        counts_order[0, :n], counts_order[0, n:] = counts, 0
+        counts_order[1] = np.argsort(-host[0] - counts_order[0], kind="stable")  # longest context first
+        self.counts[:b].copy_(staged[0], non_blocking=True)
+        self.seq_order[:b].copy_(staged[1], non_blocking=True)
+
+    def _replay(self, b: int, variant: str) -> torch.Tensor:
+        if (b, variant) in self.graphs:
+            self.graphs[b, variant].replay()
+            return self.outputs[b, variant]
+        with torch.inference_mode():
+            return self._forward(b, variant)
 
 
 def _common_prefix(a: array, b: array) -> int:

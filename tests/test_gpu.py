@@ -280,9 +280,11 @@ def test_cuda_a_draft_model_that_is_the_model_itself_has_every_greedy_draft_kept
         plain = run_all(llm, params)
     with LLM(path, **options, speculative_config={"method": "draft", "model": path, "num_speculative_tokens": 4}) as llm:
         hold_speculation_on(llm)
+        replays = record_calls(llm.engine.runner.proposer.chain, "_replay")
         assert run_all(llm, params) == plain
         spec = llm.engine.scheduler.spec
         assert spec.drafts > 0 and spec.accepted_tokens == spec.draft_tokens
+        assert any(variant == "fused" for _, variant in replays)  # pass 0 and the chain: one captured graph
 
 
 def test_cuda_cascade_forced_on_gives_transformers_tokens_through_its_graphs(checkpoint):

@@ -43,6 +43,7 @@ A proposer is registered by name (hook `llmserve_register_proposers`) as a facto
 
 from __future__ import annotations
 
+import math
 from array import array
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -119,19 +120,22 @@ class Speculation:
 class SpecControl:
     """Whether the engine speculates now, from the drafts speculation keeps.
 
-    Speculating, its measure is a running mean (weight ALPHA a step) of the drafts kept per
-    speculating request per step; a step that waited for proposals that did not come counts as
-    zero (a request's first proposals are judged by the step that checks them). Below MIN_GAIN plus
-    the proposer's cost it stops: a step that checks drafts costs 1.2-1.4 plain steps (measured on
-    an H100 from a 6M to an 8B model: 1.19-1.25 for the lost overlap of planning with the device,
-    the rest for the checked positions; BENCHMARKS.md), so a request must gain about 0.4 tokens a
-    step to pay, and as many more as the proposer takes of a step (a running mean of the
-    executor's measure, StepResult.propose_cost: n-gram lookups nearly nothing, a draft model run
-    eagerly several steps). A proposer that costs more than it could ever gain is not probed again.
+    Speculating, its measure is the mean of the drafts kept per speculating request per step: over
+    a spell's first 1 / ALPHA steps their plain mean, after them a running mean (weight ALPHA); a
+    step that waited for proposals that did not come counts as zero (a request's first proposals
+    are judged by the step that checks them). A spell is judged by its own steps, never by a prior
+    (a draft model taking most of a fast step could not climb from one in time): once it has SETTLE
+    steps, below MIN_GAIN plus the proposer's cost it stops. A step that checks drafts costs
+    1.2-1.4 plain steps (measured on an H100 from a 6M to an 8B model: 1.19-1.25 for the lost
+    overlap of planning with the device, the rest for the checked positions; BENCHMARKS.md), so a
+    request must gain about 0.4 tokens a step to pay, and as many more as the proposer takes of a
+    step (a running mean of the executor's measure, StepResult.propose_cost: n-gram lookups nearly
+    nothing, a draft model run eagerly several steps). A proposer that costs more than it could ever gain stops at once and is
+    not probed again.
 
     Stopped, it waits `gap` planned steps, then probes: one step, overlapped as usual, asks for
     proposals for every request that may speculate, only to count those found. Where at least
-    PROBE_SHARE of them found some, speculation starts again with the mean at START; else the gap
+    PROBE_SHARE of them found some, a new spell starts (its mean from its own steps); else the gap
     doubles (up to MAX_GAP). A spell that ends within SHORT steps doubles the gap too, a longer one
     resets it. So a load the proposer cannot guess costs a proposal per request every 256 steps
     or so and never a synchronous step; one it guesses but rarely right costs a few synchronous
@@ -139,7 +143,7 @@ class SpecControl:
     """
 
     MIN_GAIN = 0.4
-    START = 0.8
+    SETTLE = 4
     ALPHA = 0.1
     PROBE_SHARE = 0.5
     FIRST_GAP, MAX_GAP, SHORT = 8, 256, 32
@@ -148,7 +152,7 @@ class SpecControl:
         self.max_gain = max_gain  # drafts a step at most (num_speculative_tokens)
         self.cost: float | None = None  # running mean of the proposer's cost, in steps (from its first measure)
         self.active = True
-        self.gain = self.START
+        self.gain = 0.0
         self.gap = self.FIRST_GAP
         self.wait = 0  # planned steps before the next probe
         self.steps = 0  # steps of the current spell
@@ -176,7 +180,7 @@ class SpecControl:
         """The probe's result: `found` of the `asked` requests got proposals."""
         self.probe_step = None
         if asked and found >= self.PROBE_SHARE * asked:
-            self.active, self.gain, self.steps = True, self.START, 0
+            self.active, self.gain, self.steps = True, 0.0, 0
         else:
             self._stop()
 
@@ -186,9 +190,11 @@ class SpecControl:
         if not self.active or not requests:
             return
         self.steps += 1
-        self.gain += self.ALPHA * (kept / requests - self.gain)
+        weight = max(1 / self.steps, self.ALPHA)  # a plain mean over the spell's first steps
+        self.gain += weight * (kept / requests - self.gain)
         self.cost = cost if self.cost is None else self.cost + self.ALPHA * (cost - self.cost)
-        if self.gain < self.MIN_GAIN + self.cost:
+        hopeless = self.max_gain and self.MIN_GAIN + self.cost >= self.max_gain  # not even all drafts kept would pay
+        if hopeless or (self.steps >= self.SETTLE and self.gain < self.MIN_GAIN + self.cost):
             if self.steps > self.SHORT:
                 self.gap = self.FIRST_GAP
             self._stop()
@@ -196,6 +202,42 @@ class SpecControl:
     def _stop(self) -> None:
         self.active, self.wait = False, self.gap
         self.gap = min(2 * self.gap, self.MAX_GAP)
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """How often a request's drafts are kept, and so how many it is given to check (per request,
+    by its own record; per batch, by the batch's size).
+
+    The chance that a draft is kept once the one before it was is estimated as kept / judged:
+    drafts kept over drafts judged (those kept and the first rejected after them), each check's
+    counts weighing DECAY times those of the check after it, from a prior of 2 kept of 3 judged.
+    Draft i is kept with that chance to the power i. It is worth its row while that exceeds the
+    batch's bar: nothing at one request (a step of one is bound by reading the weights; four
+    checked rows add ~2% to it, BENCHMARKS.md), rising linearly to DRAFT_ODDS at the batch size
+    above which nobody speculates (64 checked rows add 4-10% to a step of 16 requests). So a
+    request alone always checks all it may (its checked rows cost nothing, and its drafts, kept in
+    runs, would only come later), and in a batch one whose drafts are seldom kept checks fewer."""
+    kept: float = 2.0
+    judged: float = 3.0
+
+    DECAY = 0.8
+    DRAFT_ODDS = 0.2
+
+    def record(self, checked: int, kept: int) -> None:
+        """A check of `checked` drafts kept the first `kept`."""
+        self.kept = self.DECAY * self.kept + kept
+        self.judged = self.DECAY * self.judged + kept + (kept < checked)
+
+    def limit(self, most: int, batch: int, max_batch: int) -> int:
+        """Drafts to propose (1 .. most) in a step of `batch` requests, speculation stopping above `max_batch`."""
+        bar = self.DRAFT_ODDS * (batch - 1) / max(max_batch - 1, 1)
+        rate = self.kept / self.judged
+        if bar <= 0 or rate >= 1:
+            return most
+        if rate <= bar:
+            return 1
+        return min(most, int(math.log(bar) / math.log(rate)))
 
 
 _DRAFT_SALT = 0x61C88647

@@ -17,7 +17,7 @@ from enum import IntEnum
 from llmserve.messages import (PLACEHOLDER, Admission, EngineOutputs, NewRequest, ScheduledRequest,
                                SequenceUpdate, StepFeedback, StepProposal, StepResult)
 from llmserve.sampling_params import SamplingParams
-from llmserve.speculative import SpecControl, SpecCounters, Speculation
+from llmserve.speculative import Acceptance, SpecControl, SpecCounters, Speculation
 
 
 _PLACEHOLDER = array("q", [PLACEHOLDER])  # times the tokens in flight
@@ -72,6 +72,8 @@ class Request:
     """Drafts are to be proposed for it once the step in flight has finished."""
     missed: bool = False
     """Its last step asked for proposals and none came (speculative decoding)."""
+    acceptance: Acceptance | None = None
+    """How often its drafts are kept (from its first check on): how many it is given."""
 
     @property
     def num_output(self) -> int:
@@ -215,7 +217,7 @@ class Scheduler:
             small = len(entries) <= self.speculation.max_batch
             if small and control.active:
                 for entry in entries:  # drafts take what the budget has left
-                    budget = self._speculate(self.requests[entry.req_id], entry, budget)
+                    budget = self._speculate(self.requests[entry.req_id], entry, budget, len(entries))
             else:
                 for entry in entries:  # its next token comes without them: they would no longer follow it
                     self.requests[entry.req_id].drafts = None
@@ -227,10 +229,11 @@ class Scheduler:
 
     # ---- speculative decoding ------------------------------------------------------------------
 
-    def _speculate(self, req: Request, entry: ScheduledRequest, budget: int) -> int:
-        """Give a request's entry its drafts to check, and ask for proposals after it; returns the
-        budget left. Only for a request with nothing in flight: its step's result is then the next
-        one it gets, and carries what this step asked for."""
+    def _speculate(self, req: Request, entry: ScheduledRequest, budget: int, batch: int) -> int:
+        """Give a request's entry its drafts to check, and ask for proposals after it (as many as
+        its Acceptance finds worth checking in a step of `batch` requests); returns the budget
+        left. Only for a request with nothing in flight: its step's result is then the next one it
+        gets, and carries what this step asked for."""
         if req.pending or not self.speculation.serves(req.params, req.prepared):
             req.drafts = None
             return budget
@@ -245,7 +248,10 @@ class Scheduler:
                 room -= k
                 budget -= k
         if room > 0:
-            entry.propose = min(room, self.speculation.num_tokens)
+            most = self.speculation.num_tokens
+            if req.acceptance is not None:
+                most = req.acceptance.limit(most, batch, self.speculation.max_batch)
+            entry.propose = min(room, most)
             req.proposing = True
         return budget
 
@@ -283,6 +289,9 @@ class Scheduler:
         kept = len(tokens) - 1 if k else 0
         if k:
             self.spec.record(k, kept)
+            if req.acceptance is None:
+                req.acceptance = Acceptance()
+            req.acceptance.record(k, kept)
             if kept < k:  # the rejected drafts' slots are computed again
                 req.num_computed -= k - kept
                 req.retract += k - kept

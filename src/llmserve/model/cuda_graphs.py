@@ -157,8 +157,9 @@ class StepGraphs:
         in at most two groups (a group and one nested in it)."""
         return self.cascade_groups, 2 * b, b, b
 
-    def _forward(self, kind: str, b: int) -> torch.Tensor:
-        """The forward pass over the static buffers for `b` rows (decode, cascade) or tokens (mixed)."""
+    def forward(self, kind: str, b: int) -> torch.Tensor:
+        """The forward pass over the static buffers for `b` rows (decode, cascade), tokens (mixed) or
+        sequences (verify): what a graph captures (and a graph of another's may begin with)."""
         if kind in ("decode", "cascade"):
             meta = AttentionMetadata(self.slot_mapping[:b], self.block_tables[:b], self.decode_qsl[:b + 1],
                                      self.seq_lens[:b], max_query_len=1, seq_order=self.seq_order[:b])
@@ -192,7 +193,7 @@ class StepGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # off the capture: kernel compilation, cuBLAS handles and kernels
             for kind, b in shapes:
-                self._forward(kind, b)
+                self.forward(kind, b)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the warm-up's activations: the pool below needs the room
@@ -203,7 +204,7 @@ class StepGraphs:
             # this capture's business; our stream, on this device (torch's default capture stream
             # is made once per process, on the device current then: another engine's)
             with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                self.outputs[kind, b] = self._forward(kind, b)
+                self.outputs[kind, b] = self.forward(kind, b)
             self.graphs[kind, b] = graph
         for b in self.sizes:  # cuBLAS picks (and lazily loads) a kernel per shape on first use
             self.model.compute_logits(self.outputs["decode", b])
@@ -281,6 +282,12 @@ class StepGraphs:
                    from_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Replay for S sequences of at most verify_queries tokens each (fits_verify), padded to the
         captured size b >= S; returns hidden states [b * verify_queries, hidden] (rows T.. are padding)."""
+        return self._replay("verify", self.stage_verify(inputs, from_device))
+
+    def stage_verify(self, inputs: StepInputs,
+                     from_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+        """The static buffers of the verify graph for S sequences, padded to its captured size b >= S
+        (returned): for run_verify, or a graph of its own that runs this one's pass first."""
         T, S = inputs.num_tokens, inputs.num_reqs
         b = next(s for s in self.verify_sizes if s >= S)
         self._copy_tokens(inputs, b * self.verify_queries, from_device)
@@ -290,7 +297,7 @@ class StepGraphs:
         self.seq_lens[:b].copy_(staged[:b], non_blocking=True)
         self.verify_qsl[:b + 1].copy_(staged[b:], non_blocking=True)
         self._copy_tables(inputs)
-        return self._replay("verify", b)
+        return b
 
     def _copy_tokens(self, inputs: StepInputs, rows: int,
                      from_device: tuple[torch.Tensor, torch.Tensor] | None) -> None:
@@ -313,6 +320,6 @@ class StepGraphs:
     def _replay(self, kind: str, b: int) -> torch.Tensor:
         if self.emulate:
             with torch.inference_mode():
-                return self._forward(kind, b)
+                return self.forward(kind, b)
         self.graphs[kind, b].replay()
         return self.outputs[kind, b]
