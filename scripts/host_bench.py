@@ -90,6 +90,9 @@ class _Ready:
     def synchronize(self) -> None:
         time.sleep(max(0.0, self.at - time.perf_counter()))  # (the interpreter lock released, as CUDA's wait does)
 
+    def query(self) -> bool:
+        return time.perf_counter() >= self.at
+
 
 def with_device_time(step_s: float) -> None:
     """Each launched step's tokens ready only once a simulated device has worked `step_s` on it."""

@@ -66,14 +66,25 @@ def mark(cls, name: str, tag: str, profile: str | None = None) -> None:
 
 
 class _Ready:
-    """A step's event, noting when waiting for it returned."""
+    """A step's event, noting when waiting for it returned (or polling it first found it done)."""
 
     def __init__(self, event) -> None:
-        self.event = event
+        self.event, self.noted = event, False
 
     def synchronize(self) -> None:
         self.event.synchronize()
-        EVENTS.append(("ready", time.perf_counter()))
+        self._note()
+
+    def query(self) -> bool:
+        done = self.event.query()
+        if done:
+            self._note()
+        return done
+
+    def _note(self) -> None:
+        if not self.noted:
+            self.noted = True
+            EVENTS.append(("ready", time.perf_counter()))
 
 
 def instrument() -> None:

@@ -5,7 +5,10 @@ scheduler. A launch with no step in flight waits for nothing: it runs on the loo
 The runner keeps one step in flight (model/runner.py): each call launches the next step on the
 device before it waits for the previous one's tokens. So after a launch the actor waits for the
 next message: a plan (launch it, finish the one before) or FinishInFlight, the scheduler's word
-that no plan comes before a result (finish the step in flight).
+that no plan comes before a result (finish the step in flight). That finish first polls the
+device from the loop for up to POLL_S (a step that waits for the one before, as under speculation,
+goes on as soon as its tokens land, without the hops to a worker thread and back), then waits on
+the worker thread.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from llmserve.messages import FinishInFlight
 from llmserve.model.runner import ModelRunner
+
+POLL_S = 0.02
+"""Longest the loop polls for the step in flight to land before a worker thread waits for it: the
+device time of a decode step, not that of a long prompt's."""
 
 
 class ExecutorActor:
@@ -39,7 +46,10 @@ class ExecutorActor:
                     plan = None
                 # A failed step comes back as an error result for its requests (the runner logs it).
                 if plan is None:
-                    results = await anyio.to_thread.run_sync(self.runner.flush, limiter=self._thread)
+                    if self.launch_here and not self.runner.masks_pending and await self._landed():
+                        results = self.runner.flush()
+                    else:
+                        results = await anyio.to_thread.run_sync(self.runner.flush, limiter=self._thread)
                 elif self.launch_here and not self.runner.busy:
                     # Nothing in flight: the launch waits for no device work, so it runs now, on
                     # this thread. Handed to the worker, it would wait for the thread to wake and
@@ -56,3 +66,12 @@ class ExecutorActor:
                         self.to_scheduler.send_nowait(result)
                     except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                         return  # the engine is shutting down: nobody is left to read the result
+
+    async def _landed(self) -> bool:
+        """Whether the step in flight landed within POLL_S, polled between the loop's other work."""
+        deadline = anyio.current_time() + POLL_S
+        while not self.runner.landed():
+            if anyio.current_time() > deadline:
+                return False
+            await anyio.sleep(0)
+        return True

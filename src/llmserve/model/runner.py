@@ -235,6 +235,16 @@ class ModelRunner:
         """A launched step is still to finish."""
         return self.in_flight is not None or self.waiting is not None
 
+    @property
+    def masks_pending(self) -> bool:
+        """A launched step waits for masks the mask thread fills (flush() waits for them)."""
+        return self.waiting is not None
+
+    def landed(self) -> bool:
+        """The step in flight, if any, has its tokens on the host."""
+        flight = self.in_flight
+        return flight is None or flight.ready is None or flight.ready.query()
+
     def step(self, plan: StepPlan) -> list[StepResult]:
         """Launch `plan`; return the results finished meanwhile (the step before it), in order."""
         self._make_current()
