@@ -206,11 +206,13 @@ def speculative_rows(figs) -> list[str]:
                          f"{100 * dr['heldout_argmax_agreement']:.0f}% of held-out positions)")
             else:
                 draft = "the built-in model as its draft"
+            k = f", k = {pair['num_speculative_tokens']}" if "num_speculative_tokens" in pair else ""
             parts.append(f"trained target ({t['parameters'] / 1e6:.0f}M, held-out perplexity {t['heldout_perplexity']:.1f}), "
-                         f"{draft}:")
+                         f"{draft}{k}:")
         for key, label in (("draft_b1", "draft, batch 1, greedy"), ("draft_b1_sampled", "draft, batch 1, T 0.7"),
                            ("draft_b1_drawn", "draft, batch 1, T 0.7 unseeded (drafts drawn)"),
-                           ("draft_b8", "draft, batch 8"), ("ngram_b1", "n-gram, batch 1, copy-heavy")):
+                           ("draft_b8", "draft, batch 8"), ("ngram_b1", "n-gram, batch 1, copy-heavy"),
+                           ("ngram_b1_copy", "n-gram, batch 1, the answer repeating the prompt")):
             if key in pair:
                 on = pair[key]["on"]
                 parts.append(f"{label}: TPOT {pair[key]['off']['tpot_ms']:.2f} → {on['tpot_ms']:.2f} ms, **{on['speedup']:.2f}×**; "

@@ -11,9 +11,9 @@ verify: the 8B shape (decode-b1's model, dummy weights, bf16), batch B in (1, 16
 each step waits for the one before, as speculation makes it, with nothing to check); on (the
 plain run's next k = 4 tokens proposed at every step). Random weights in bf16 leave near-ties that
 a verify step's sums split otherwise than a decode step's, so outputs part after a few tokens and
-drafts are then rejected: what is measured is a step's cost, ms per step against off (the target
-for on is at most 1.2; sync says how much of it is the lost overlap); at full acceptance the
-speed-up would be (k + 1) / on's ratio.
+drafts are then rejected (each request still checks k: Acceptance held at k): what is measured
+is a step's cost, ms per step against off (the target for on is at most 1.2; sync says how much of
+it is the lost overlap); at full acceptance the speed-up would be (k + 1) / on's ratio.
 
 ngram: the built-in model (trained: it can copy), float32, batch 1: copy-heavy prompts (a held-out
 document's first 600 characters, two blank lines, then its first 150 again: the answer goes on
@@ -21,13 +21,17 @@ repeating it), four in turn, 256 greedy tokens each; n-gram proposals with k = 4
 deciding (a fresh one each run). Reported: TPOT on and off, their ratio, and the tokens produced
 per verify step (1 + drafts kept / verify steps).
 
-pair (not in `all`; --target DIR [--draft DIR]): a target trained by `train_builtin_model.py --size
-target` on the built-in model's text and tokenizer, bf16, its draft (k = 4; by default the built-in
-model, or one distilled from the target with `train_builtin_model.py --teacher`): eight
-held-out documents' first 400 characters, 256 tokens each, one at a time greedy and sampled
-(temperature 0.7: seeded, so with the draft's greedy choices; and unseeded, so with drafts drawn
-from the draft's distribution and kept with probability min(1, p / q)), then all eight at once; then the target with n-gram proposals on copy-heavy
-prompts as in `ngram`. Outputs may part in bf16 (agreeing_prefix says how far they agree).
+pair (not in `all`; --target DIR [--draft DIR] [--k K] [--cases a,b]): a target trained by
+`train_builtin_model.py --size target` on the built-in model's text and tokenizer, bf16, its draft
+(k = 4 unless --k; by default the built-in model, or one distilled from the target with
+`train_builtin_model.py --teacher`): eight held-out documents' first 400 characters, 256 tokens
+each, one at a time greedy and sampled (temperature 0.7: seeded, so with the draft's greedy
+choices; and unseeded, so with drafts drawn from the draft's distribution and kept with
+probability min(1, p / q)), then all eight at once; then the target with n-gram proposals on
+copy-heavy prompts as in `ngram`, and on prompts whose answer repeats them throughout (a
+document's first 1,000 characters, then its first 100 again; 192 tokens, within the ~240 still to
+repeat). --cases runs only those of draft_b1, draft_b1_sampled, draft_b1_drawn, draft_b8,
+ngram_b1, ngram_b1_copy. Outputs may part in bf16 (agreeing_prefix says how far they agree).
 
 load: W-small's model (Qwen3-0.6B shape, dummy weights) with W-small's first B prompts and
 lengths, B in (16, 64), n-gram proposals allowed up to batch 64: random prompts and weights, so
@@ -48,7 +52,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.bench.workloads import decode_b1, w_small
 from llmserve.hookspecs import hookimpl
 from llmserve.plugin_manager import get_plugin_manager
-from llmserve.speculative import SpecControl
+from llmserve.speculative import Acceptance, SpecControl
 
 ROUNDS = 5
 
@@ -139,13 +143,14 @@ def verify(tmp: str) -> dict:
     w = decode_b1()
     pm, plugin = get_plugin_manager(), OraclePlugin()
     pm.register(plugin, name="oracle")
-    results = {}
+    results, limit = {}, Acceptance.limit
     try:
         with LLM(w.write_model_dir(tmp), load_format="dummy", log_interval_s=0, max_model_len=4096,
                  enable_prefix_caching=False, speculative_config={"method": "oracle", "num_speculative_tokens": 4}) as llm:
             speculation = llm.engine.scheduler.speculation
             control = llm.engine.scheduler.spec_control  # held on
             control.active, control.record = True, lambda *args, **kwargs: None
+            Acceptance.limit = lambda self, most, batch, max_batch: most  # every request checks k: a step's cost at k
 
             def with_k(k):
                 def setup():
@@ -162,6 +167,7 @@ def verify(tmp: str) -> dict:
                 results[f"b{batch}"] = compare(llm, sides, prompts, params, f"verify b{batch}", exact=False, held=True)
     finally:
         pm.unregister(plugin)
+        Acceptance.limit = limit
     return results
 
 
@@ -178,32 +184,47 @@ def ngram() -> dict:
         return {"b1": compare(llm, sides, prompts, params, "ngram b1", one_by_one=True)}
 
 
-def pair(target: str, draft: str | None = None) -> dict:
+def pair(target: str, draft: str | None = None, k: int = 4, cases: set[str] | None = None) -> dict:
     """The trained target (train_builtin_model.py --size target) with its draft (by default the
-    built-in model), then with n-gram proposals on copy-heavy prompts; bf16."""
+    built-in model), then with n-gram proposals on copy-heavy prompts; bf16. k: drafts a step at
+    most; cases: those of the result's keys to run (default: all)."""
+    want = lambda case: cases is None or case in cases  # noqa: E731
     draft = draft or str(Path(llmserve.__file__).parent / "builtin_model")
     docs = [d.strip() for d in (Path(target) / "heldout.txt").read_text().split("<|doc|>") if len(d.strip()) > 600]
     out = {}
-    with LLM(target, dtype="bfloat16", log_interval_s=0, enable_prefix_caching=False,
-             speculative_config={"method": "draft", "model": draft, "num_speculative_tokens": 4}) as llm:
-        tok = llm.get_tokenizer()
-        prompts = [tok.encode(d[:400]) for d in docs[:8]]
-        greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=256)
-        sampled = SamplingParams(temperature=0.7, seed=1, ignore_eos=True, max_tokens=256)
-        drawn = SamplingParams(temperature=0.7, ignore_eos=True, max_tokens=256)  # unseeded: drafts drawn
-        speculation = llm.engine.scheduler.speculation
-        sides = {"off": lambda: None, "on": lambda: speculation}
-        out["draft_b1"] = compare(llm, sides, prompts, greedy, "draft b1", exact=False, one_by_one=True)
-        out["draft_b1_sampled"] = compare(llm, sides, prompts, sampled, "draft b1 sampled", exact=False, one_by_one=True)
-        out["draft_b1_drawn"] = compare(llm, sides, prompts, drawn, "draft b1 drawn", exact=False, one_by_one=True)
-        out["draft_b8"] = compare(llm, sides, prompts, greedy, "draft b8", exact=False)
-    with LLM(target, dtype="bfloat16", log_interval_s=0, enable_prefix_caching=False,
-             speculative_config={"method": "ngram", "num_speculative_tokens": 4}) as llm:
-        tok = llm.get_tokenizer()
-        prompts = [tok.encode(d[:600] + "\n\n" + d[:150]) for d in docs[:4]]
-        speculation = llm.engine.scheduler.speculation
-        sides = {"off": lambda: None, "on": lambda: speculation}
-        out["ngram_b1"] = compare(llm, sides, prompts, greedy, "target ngram b1", exact=False, one_by_one=True)
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=256)
+    drafting = [(case, params, batched) for case, params, batched in (
+        ("draft_b1", greedy, False),
+        ("draft_b1_sampled", SamplingParams(temperature=0.7, seed=1, ignore_eos=True, max_tokens=256), False),
+        ("draft_b1_drawn", SamplingParams(temperature=0.7, ignore_eos=True, max_tokens=256), False),  # unseeded: drafts drawn
+        ("draft_b8", greedy, True)) if want(case)]
+    if drafting:
+        with LLM(target, dtype="bfloat16", log_interval_s=0, enable_prefix_caching=False,
+                 speculative_config={"method": "draft", "model": draft, "num_speculative_tokens": k}) as llm:
+            tok = llm.get_tokenizer()
+            prompts = [tok.encode(d[:400]) for d in docs[:8]]
+            speculation = llm.engine.scheduler.speculation
+            sides = {"off": lambda: None, "on": lambda: speculation}
+            for case, params, batched in drafting:
+                out[case] = compare(llm, sides, prompts, params, case.replace("_", " "), exact=False,
+                                    one_by_one=not batched)
+    if want("ngram_b1") or want("ngram_b1_copy"):
+        with LLM(target, dtype="bfloat16", log_interval_s=0, enable_prefix_caching=False,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": k}) as llm:
+            tok = llm.get_tokenizer()
+            speculation = llm.engine.scheduler.speculation
+            sides = {"off": lambda: None, "on": lambda: speculation}
+            if want("ngram_b1"):
+                prompts = [tok.encode(d[:600] + "\n\n" + d[:150]) for d in docs[:4]]
+                out["ngram_b1"] = compare(llm, sides, prompts, greedy, "target ngram b1", exact=False, one_by_one=True)
+            if want("ngram_b1_copy"):
+                # an answer that repeats the prompt throughout (editing a given text): the output
+                # stays within the text the prompt's second copy has yet to repeat (~240 tokens)
+                prompts = [tok.encode(d[:1000] + "\n\n" + d[:100]) for d in docs if len(d) >= 1000][:4]
+                copy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=192)
+                out["ngram_b1_copy"] = compare(llm, sides, prompts, copy, "target ngram b1 copy", exact=False,
+                                               one_by_one=True)
+    out["num_speculative_tokens"] = k
     for name, path in (("target", target), ("draft", draft)):
         training = json.loads((Path(path) / "training.json").read_text())
         last = training["log"][-1]
@@ -228,6 +249,9 @@ def main() -> None:
     ap.add_argument("--mode", default="all", choices=["verify", "ngram", "load", "pair", "all"])
     ap.add_argument("--target", help="pair: the trained target's directory")
     ap.add_argument("--draft", help="pair: its draft's directory (default: the built-in model)")
+    ap.add_argument("--k", type=int, default=4, help="pair: num_speculative_tokens")
+    ap.add_argument("--cases", help="pair: a comma-separated subset of draft_b1, draft_b1_sampled, draft_b1_drawn, "
+                                    "draft_b8, ngram_b1, ngram_b1_copy")
     ap.add_argument("--json")
     args = ap.parse_args()
     results = {}
@@ -239,7 +263,7 @@ def main() -> None:
         if args.mode in ("load", "all"):
             results["load"] = load(tmp + "/small")
         if args.mode == "pair":
-            results["pair"] = pair(args.target, args.draft)
+            results["pair"] = pair(args.target, args.draft, args.k, set(args.cases.split(",")) if args.cases else None)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     json.dump(results, sys.stdout, indent=1)

@@ -13,8 +13,8 @@ document is held out (OUT_DIR/heldout.txt) for perplexity checks. `train` fits a
 tokenizer (4096 tokens) and the model, and saves both with save_pretrained (bfloat16 safetensors).
 
 The same recipe trains a target/draft pair for speculative decoding (scripts/spec_bench.py) on the
-same text with the built-in model's own tokenizer: a larger target, then a draft of the built-in
-shape distilled from it (`--teacher`: the loss is the KL divergence from the target's next-token
+same text with the built-in model's own tokenizer: a larger target, then a draft (the built-in
+shape, or `--size draft`: two wide layers) distilled from it (`--teacher`: the loss is the KL divergence from the target's next-token
 distribution, so the draft learns to guess what the target would say, not only the text):
 
     python scripts/train_builtin_model.py train corpus.txt TARGET --size target \
@@ -70,8 +70,12 @@ SIZES = {
                     num_key_value_heads=4, head_dim=32, lr=3e-3),
     "target": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
                    num_key_value_heads=4, head_dim=64, lr=1e-3),
+    "draft": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=64, lr=2e-3),
 }
-"""Model shapes by name: the built-in model, and the target it drafts for."""
+"""Model shapes by name: the built-in model, the target it drafts for, and a draft of two wide
+layers (a small model's pass costs its kernels' launches, not its bytes: two layers launch a third
+of the built-in shape's six)."""
 
 
 def train(corpus: Path, out_dir: Path, steps: int, device: str, batch: int = 64, seed: int = 0,
