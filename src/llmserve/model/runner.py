@@ -26,7 +26,7 @@ from llmserve.model.cuda_graphs import StepGraphs, eager_cascade_layouts
 from llmserve.model.drafting import Drafting, check_drawn_drafts, spread
 from llmserve.model.kv_cache import KVCacheLayout
 from llmserve.model.loader import load_model
-from llmserve.model.sampler import draw, gather_logprobs, process_logits, to_token_logprobs
+from llmserve.model.sampler import draw, gather_logprobs, process_logits, prompt_logprobs, to_token_logprobs
 from llmserve.model.sampling_state import MaskFill, SamplingState, SeqState
 from llmserve.model.spec import ModelSpec
 from llmserve.model.step_inputs import Staging, StepInputs
@@ -392,7 +392,8 @@ class ModelRunner:
 
         rows = np.flatnonzero(plan.sample)
         result.req_ids = [plan.req_ids[i] for i in rows]
-        self._prompt_logprobs(plan, qsl, hidden, result)
+        result.prompt_logprobs = prompt_logprobs(plan, qsl, hidden, self.sampling.seqs, self.model.compute_logits,
+                                                 self.staging.to_device)
         if not result.req_ids:
             return _Forward(result, list(plan.req_ids))
         drafts = None
@@ -596,20 +597,4 @@ class ModelRunner:
             return None
         to_dev = lambda xs: self.staging.to_device(np.array(xs, dtype=np.int64))  # noqa: E731
         return to_dev(dst), previous.tokens[to_dev(src)]
-
-    def _prompt_logprobs(self, plan: StepPlan, qsl: np.ndarray, hidden: torch.Tensor, result: StepResult) -> None:
-        """Logprobs of each prompt token given the ones before it, for the prompt positions this step computed."""
-        for i, req_id in enumerate(plan.req_ids):
-            state = self.sampling.seqs[req_id]
-            k = state.params.prompt_logprobs
-            if k is None:
-                continue
-            start, n = int(plan.context_lens[i]), int(plan.query_lens[i])
-            end = min(start + n, len(state.prompt_ids) - 1)  # positions that have a next prompt token
-            if end > start:
-                h = hidden[int(qsl[i]):int(qsl[i]) + end - start]
-                logprobs = torch.log_softmax(self.model.compute_logits(h), -1, dtype=torch.float32)
-                nxt = state.prompt_ids[start + 1:end + 1]
-                parts = gather_logprobs(logprobs, self.staging.to_device(np.array(nxt, dtype=np.int64)), k)
-                result.prompt_logprobs[req_id] = to_token_logprobs(nxt, parts, [k] * len(nxt))
 

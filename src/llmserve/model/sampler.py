@@ -22,12 +22,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from llmserve.kernels.sampling import (hash32_reference, sample_filtered_rows_reference, sample_rows_reference,
                                        uniform_reference)
 from llmserve.kernels.token_mask import apply_token_mask_reference
-from llmserve.messages import TokenLogprobs
+from llmserve.messages import StepPlan, TokenLogprobs
 
 DrawFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 FilterFn = Callable[..., torch.Tensor]
@@ -153,3 +154,25 @@ def to_token_logprobs(token_ids: list[int], parts: tuple[torch.Tensor, ...], ks:
     chosen, rank, top_ids, top_lp = (t.tolist() for t in parts)
     return [TokenLogprobs(tok, lp, r, ids[:k], lps[:k])
             for tok, lp, r, ids, lps, k in zip(token_ids, chosen, rank, top_ids, top_lp, ks)]
+
+
+def prompt_logprobs(plan: StepPlan, qsl: np.ndarray, hidden: torch.Tensor, seqs: dict,
+                    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                    to_device: Callable[[np.ndarray], torch.Tensor]) -> dict[str, list[TokenLogprobs]]:
+    """The logprobs of each prompt token given the ones before it, for the prompt positions a step
+    computed (`hidden`, rows by `qsl`), per request of the plan that asked (`seqs`: their SeqStates)."""
+    out = {}
+    for i, req_id in enumerate(plan.req_ids):
+        state = seqs[req_id]
+        k = state.params.prompt_logprobs
+        if k is None:
+            continue
+        start, n = int(plan.context_lens[i]), int(plan.query_lens[i])
+        end = min(start + n, len(state.prompt_ids) - 1)  # positions that have a next prompt token
+        if end > start:
+            h = hidden[int(qsl[i]):int(qsl[i]) + end - start]
+            logprobs = torch.log_softmax(compute_logits(h), -1, dtype=torch.float32)
+            nxt = state.prompt_ids[start + 1:end + 1]
+            parts = gather_logprobs(logprobs, to_device(np.array(nxt, dtype=np.int64)), k)
+            out[req_id] = to_token_logprobs(nxt, parts, [k] * len(nxt))
+    return out
