@@ -572,3 +572,47 @@ def test_llm_chat_renders_each_conversation_with_the_chat_template(checkpoint):
         assert tok.decode(own.prompt_token_ids) == "the quick brown!"
         with pytest.raises(ValueError, match="continue_final_message"):
             llm.chat(first, params, continue_final_message=True)
+
+
+async def test_the_executor_finishes_a_landed_step_on_the_loop_and_a_slow_one_on_a_worker_thread():
+    """On FinishInFlight the executor polls the step in flight: one that lands within POLL_S is
+    finished on the loop's thread; one that does not, or one waiting for its masks, on a worker
+    thread (a long wait must not hold the loop)."""
+    import threading
+
+    from llmserve.actors import executor_actor
+    from llmserve.actors.executor_actor import ExecutorActor
+    from llmserve.messages import FinishInFlight, StepResult
+
+    class Runner:
+        def __init__(self, polls_to_land, masks_pending=False):
+            self.polls, self.to_land, self.masks_pending = 0, polls_to_land, masks_pending
+            self.busy, self.flushed_on = True, None
+
+        def landed(self):
+            self.polls += 1
+            return self.polls > self.to_land
+
+        def flush(self):
+            self.busy, self.flushed_on = False, threading.current_thread()
+            return [StepResult(1, ["a"], [5])]
+
+    async def finish(runner):
+        to_exec, inbox = anyio.create_memory_object_stream(8)
+        to_sched, results = anyio.create_memory_object_stream(8)
+        actor = ExecutorActor(runner, inbox=inbox, to_scheduler=to_sched, launch_here=True)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(actor.run)
+            await to_exec.send(FinishInFlight())
+            assert (await results.receive()).token_ids == [5]
+            await to_exec.aclose()
+        return runner.flushed_on
+
+    loop_thread = threading.current_thread()
+    lands = Runner(polls_to_land=3)
+    assert await finish(lands) is loop_thread and lands.polls == 4
+    assert await finish(Runner(polls_to_land=3, masks_pending=True)) is not loop_thread
+    slow = Runner(polls_to_land=10 ** 9)
+    start = anyio.current_time()
+    assert await finish(slow) is not loop_thread
+    assert anyio.current_time() - start >= executor_actor.POLL_S and slow.polls > 1
