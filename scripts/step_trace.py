@@ -2,7 +2,7 @@
 actors, relative to the moment the step before's tokens reached the host, medians over a run.
 
     python scripts/step_trace.py [--model DIR] [--batch 1] [--tokens 512] [--sync]
-                                 [--dtype bfloat16] [--profile PREFIX] [--json out.json]
+                                 [--speculative JSON] [--dtype bfloat16] [--profile PREFIX] [--json out.json]
 
 B requests of 64 random prompt tokens each generate --tokens greedy tokens (ignore_eos) on the model
 (the built-in one by default). Each step's path is timed where it crosses a boundary: the executor's
@@ -12,6 +12,11 @@ CUDA graph is started: the device works from here), the sampler is queued, the r
 publishes. With --sync (async scheduling off, as a speculating engine runs) the next step is
 planned only once the tokens are back, so `ready` to `replay` is the host time the device idles;
 without it, the same moments show what overlaps the device.
+
+--speculative '{"method": "draft", "model": "builtin", "num_speculative_tokens": 4}': the engine
+speculates (held on, whatever it keeps; "builtin" names the built-in model), so each step is a
+verify step and its stretch also shows the proposal (`propose`) and the verify graph's replay; ms
+a step counts steps, not tokens.
 
 --profile PREFIX: cProfile of the runner's calls (PREFIX.runner.txt) and of the actors' handlers
 on the event loop (PREFIX.loop.txt), by cumulative time.
@@ -23,6 +28,7 @@ import cProfile
 import functools
 import inspect
 import io
+import json
 import pstats
 import random
 import time
@@ -33,7 +39,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.actors import request_actor
 from llmserve.bench.report import report
 from llmserve.core import kv_cache_manager, scheduler
-from llmserve.model import cuda_graphs, runner, step_inputs
+from llmserve.model import cuda_graphs, drafting, runner, step_inputs
 
 EVENTS: list[tuple[str, float]] = []
 PROFILES = {"runner": cProfile.Profile(), "loop": cProfile.Profile()}
@@ -95,6 +101,8 @@ def instrument() -> None:
     mark(step_inputs.StepInputs, "build", "inputs")
     mark(cuda_graphs.StepGraphs, "run", "replay")
     mark(cuda_graphs.StepGraphs, "run_mixed", "replay_mixed")
+    mark(cuda_graphs.StepGraphs, "run_verify", "replay_verify")
+    mark(drafting.Drafting, "_propose", "propose")  # (within the runner's calls: profiled there)
     mark(scheduler.Scheduler, "on_result", "on_result", "loop")
     mark(scheduler.Scheduler, "schedule", "schedule", "loop")
     mark(scheduler.Scheduler, "on_feedback", "feedback", "loop")
@@ -138,13 +146,22 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=384)
     ap.add_argument("--sync", action="store_true")
+    ap.add_argument("--speculative", help="a speculative_config as JSON (its model 'builtin': the built-in model)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--profile")
     ap.add_argument("--json")
     args = ap.parse_args()
     instrument()
+    builtin = str(Path(llmserve.__file__).parent / "builtin_model")
+    speculative = json.loads(args.speculative) if args.speculative else None
+    if speculative and speculative.get("model") == "builtin":
+        speculative["model"] = builtin
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.tokens + 64, max_num_seqs=max(args.batch, 8),
-              enable_prefix_caching=False, async_scheduling=not args.sync, log_interval_s=0)
+              enable_prefix_caching=False, async_scheduling=not args.sync, log_interval_s=0,
+              speculative_config=speculative)
+    sched = llm.engine.scheduler
+    if speculative:  # held on: every step checks what was proposed
+        sched.spec_control.active, sched.spec_control.record = True, lambda *a, **kw: None
     vocab = llm.engine.spec.vocab_size
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(64)]} for _ in range(args.batch)]
@@ -152,22 +169,26 @@ def main() -> None:
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     EVENTS.clear()
     PROFILING = args.profile is not None
+    steps = sum(sched.iteration_tokens)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
+    steps = sum(sched.iteration_tokens) - steps
     PROFILING = False
     llm.shutdown()
     rows = timeline(EVENTS)
     for r in rows:
         print(f"{r['mark']:16s} {r['median_us']:9.1f} us  ({r['steps']} steps)")
-    print(f"{1e3 * wall / args.tokens:.3f} ms a step, batch {args.batch}, sync {args.sync}")
+    print(f"{1e3 * wall / steps:.3f} ms a step ({steps} steps), batch {args.batch}, sync {args.sync}, "
+          f"speculative {speculative}")
     if args.profile:
         for name, prof in PROFILES.items():
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(60)
             Path(f"{args.profile}.{name}.txt").write_text(out.getvalue())
     report({"batch": args.batch, "sync": args.sync, "tokens": args.tokens, "model": args.model,
-            "ms_per_step": 1e3 * wall / args.tokens, "timeline": rows}, args.json, echo=False)
+            "speculative": speculative, "steps": steps, "ms_per_step": 1e3 * wall / steps, "timeline": rows},
+           args.json, echo=False)
 
 
 if __name__ == "__main__":
