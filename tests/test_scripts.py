@@ -213,9 +213,12 @@ def test_train_builtin_model_on_a_tiny_corpus(tmp_path):
                "--batch", "1", "--size", "target", "--tokenizer", str(out_dir), timeout=240)
     assert (target / "tokenizer.json").read_text() == (out_dir / "tokenizer.json").read_text()
     assert json.loads((target / "training.json").read_text())["parameters"] > 10 * training["parameters"]
-    # a draft distilled from that target: its log says how often its argmax is the target's
+    # a draft of two wide layers distilled from that target, on sequences that repeat a passage:
+    # its log says how often its argmax is the target's, and how much of a repeated passage it copies
     draft = tmp_path / "draft"
     run_script("train_builtin_model.py", "train", str(corpus), str(draft), "--steps", "1", "--device", "cpu",
-               "--batch", "1", "--tokenizer", str(out_dir), "--teacher", str(target), timeout=240)
+               "--batch", "1", "--size", "draft", "--copies", "1", "--tokenizer", str(out_dir), "--teacher", str(target),
+               timeout=240)
     distilled = json.loads((draft / "training.json").read_text())
     assert distilled["teacher"] == str(target) and 0 <= distilled["log"][0]["heldout_argmax_agreement"] <= 1
+    assert distilled["copies"] == 1 and 0 <= distilled["log"][0]["heldout_copied"] <= 1
