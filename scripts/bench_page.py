@@ -294,11 +294,14 @@ def render(runs: list[dict]) -> str:
                              ("Several GPUs", "parallel", parallel_rows)):
         if key in figs:
             parts.append(f"### {title}\n\n" + "\n".join(rows(figs[key])))
+    behind = {run["id"] for shown in figs.values() for _, run in shown}
     index = ["| run | time | device | commit | command | what |", "|---|---|---|---|---|---|"]
     for run in reversed(runs):
-        index.append(f"| {link(run)} | {run['time']:%Y-%m-%d %H:%M} | {run['device']} | {run['commit']} | "
-                     f"`{run['command']}` | {run['what']} |")
-    parts.append("### Runs\n\nEvery folder under `benchmarks/results/`, newest first.\n\n" + "\n".join(index))
+        if run["id"] in behind:
+            index.append(f"| {link(run)} | {run['time']:%Y-%m-%d %H:%M} | {run['device']} | {run['commit']} | "
+                         f"`{run['command']}` | {run['what']} |")
+    parts.append("### Runs\n\nThe calls behind the figures above, newest first. Every other call's files and "
+                 "run.toml stay in its folder under `benchmarks/results/`.\n\n" + "\n".join(index))
     return "\n\n".join(parts)
 
 
