@@ -10,7 +10,7 @@ from llmserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from llmserve.hookspecs import hookimpl
 from llmserve.kernels.reference import cascade_attention_reference, paged_attention_reference, write_kv_reference
 from llmserve.kernels.fused import rms_norm_reference, rotary_reference, silu_and_mul_reference
-from llmserve.kernels.sampling import sample_filtered_rows_reference, sample_rows_reference
+from llmserve.kernels.sampling_reference import sample_filtered_rows_reference, sample_rows_reference
 
 
 class CPUBackend(AttentionBackend):

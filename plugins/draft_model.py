@@ -146,8 +146,8 @@ class DraftModelProposer:
                 streams[row, :wants[row]] = keys[i][:wants[row]]
         inputs = StepInputs.build(np.concatenate(feeds), np.array([len(f) for f in feeds], dtype=np.int32),
                                   np.array(starts, dtype=np.int32), tables, self.block_size)
-        counts = np.array(wants, dtype=np.int32) - 1  # chained passes; draft p (p >= 2) is fed at the
-        ends = inputs.seq_lens.astype(np.int64)       # position after the known tokens' p - 2
+        # chained passes a request makes; draft p (p >= 2) is fed at the position after its known tokens' p - 2
+        counts, ends = np.array(wants, dtype=np.int32) - 1, inputs.seq_lens.astype(np.int64)
         q = None
         if not sampled and self.chain.fused(inputs):
             out = self.chain.run_fused(inputs, ends, counts)

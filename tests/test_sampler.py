@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from llmserve.kernels.sampling import row_keys
+from llmserve.kernels.sampling_reference import row_keys
 from llmserve.model.sampler import Penalties, SamplingBatch, apply_penalties, gather_logprobs, sample
 
 
@@ -70,7 +70,7 @@ def test_a_batch_filtered_in_every_row_skips_the_plain_draw():
 
     def draw(*args):
         drawn.append(1)
-        from llmserve.kernels.sampling import sample_rows_reference
+        from llmserve.kernels.sampling_reference import sample_rows_reference
         return sample_rows_reference(*args)
 
     both = sample(logits, batch(6, top_k=5, top_p=0.9, vocab=50), draw)

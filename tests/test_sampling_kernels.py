@@ -4,8 +4,8 @@ is one): the inverse-transform draw and the filtered (top-k / top-p / min-p) dra
 import pytest
 import torch
 
-from llmserve.kernels.sampling import (SLICE, row_keys, sample_filtered_rows, sample_filtered_rows_reference,
-                                       sample_rows, sample_rows_reference)
+from llmserve.kernels.sampling import SLICE, sample_filtered_rows, sample_rows
+from llmserve.kernels.sampling_reference import row_keys, sample_filtered_rows_reference, sample_rows_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -35,7 +35,7 @@ def test_sample_rows_matches_reference(dtype):
 
 def _unhash32(h: int) -> int:
     """The input that kernels/sampling.py's 32-bit hash maps to h (the hash is a bijection)."""
-    from llmserve.kernels.sampling import _M1, _M2
+    from llmserve.kernels.sampling_reference import _M1, _M2
     mask = 0xFFFFFFFF
     h ^= h >> 16
     h = (h * pow(_M2, -1, 2**32)) & mask
@@ -47,7 +47,7 @@ def _unhash32(h: int) -> int:
 def test_sample_rows_never_draws_a_token_of_zero_weight_at_either_end_of_u():
     """u at its largest (the salted key hashes to 0xFFFFFFFF) lands on the last token of nonzero
     weight, u at its smallest on the first, whatever the -inf logits around them."""
-    from llmserve.kernels.sampling import _U_SALT, hash32_reference, uniform_reference
+    from llmserve.kernels.sampling_reference import _U_SALT, hash32_reference, uniform_reference
     keys = torch.tensor([_unhash32(0xFFFFFFFF) ^ _U_SALT, _unhash32(0) ^ _U_SALT], device=DEVICE)
     assert hash32_reference(keys.cpu() ^ _U_SALT).tolist() == [0xFFFFFFFF, 0]
     u = uniform_reference(keys)
@@ -215,7 +215,7 @@ def test_sample_rows_never_draws_a_token_of_zero_weight_past_a_block_whose_sums_
     remainder for the next block, whose first token was then drawn even at zero weight (a masked
     token: a constrained request's output broke its grammar). Targets swept across that gap: every
     draw has nonzero weight."""
-    from llmserve.kernels.sampling import _U_SALT
+    from llmserve.kernels.sampling_reference import _U_SALT
     ks = range(4194304 - 8, 4194304 + 24)  # u = (k + 0.5) / 2**23 around 1/2: targets around 1.0
     keys = torch.tensor([_unhash32(k << 9) ^ _U_SALT for k in ks], device=DEVICE)
     logits = torch.full((len(ks), 128), float("-inf"))

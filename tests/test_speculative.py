@@ -728,7 +728,7 @@ def test_a_draft_drawn_from_q_is_kept_with_probability_min_1_p_over_q_and_tokens
     p (goodness of fit), and a draft d is kept (the row's token is d: a rejected d has p(d) < q(d),
     so the redraw from max(p - q, 0) is never d) with probability min(1, p(d) / q(d)), in all
     sum(min(p, q))."""
-    from llmserve.kernels.sampling import row_keys, sample_rows_reference
+    from llmserve.kernels.sampling_reference import row_keys, sample_rows_reference
     from llmserve.model.sampler import check_sampled_drafts
     from llmserve.speculative import draft_keys
 

@@ -196,14 +196,16 @@ class AttentionBackend:
 
     def sample_rows(self, logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         """Fused sampling: a draw from softmax(logits / T) per row at the row key's u (T == 0: plain
-        argmax); see kernels/sampling.py for the exact function every backend must compute."""
+        argmax); see kernels/sampling.py (in torch: sampling_reference.py) for the exact function every
+        backend must compute."""
         raise NotImplementedError
 
     def sample_filtered_rows(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                              top_p: torch.Tensor, min_p: torch.Tensor, key: torch.Tensor, rows: torch.Tensor,
                              out: torch.Tensor) -> torch.Tensor:
         """The rows `rows` (all with T > 0) drawn from softmax(logits / T) over the tokens min_p,
-        top_k and top_p keep, into `out`; see kernels/sampling.py for the exact function."""
+        top_k and top_p keep, into `out`; see kernels/sampling.py (in torch: sampling_reference.py) for
+        the exact function."""
         raise NotImplementedError
 
     def apply_token_mask(self, logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> None:

@@ -51,7 +51,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from llmserve.config import SpeculativeConfig
-from llmserve.kernels.sampling import hash32_reference, row_keys
+from llmserve.kernels.sampling_reference import hash32_reference, row_keys
 from llmserve.sampling_params import SamplingParams
 
 
@@ -130,8 +130,8 @@ class SpecControl:
     overlap of planning with the device, the rest for the checked positions; BENCHMARKS.md), so a
     request must gain about 0.4 tokens a step to pay, and as many more as the proposer takes of a
     step (a running mean of the executor's measure, StepResult.propose_cost: n-gram lookups nearly
-    nothing, a draft model run eagerly several steps). A proposer that costs more than it could ever gain stops at once and is
-    not probed again.
+    nothing, a draft model run eagerly several steps). A proposer that costs more than it could
+    ever gain stops at once and is not probed again.
 
     Stopped, it waits `gap` planned steps, then probes: one step, overlapped as usual, asks for
     proposals for every request that may speculate, only to count those found. Where at least
@@ -193,7 +193,7 @@ class SpecControl:
         weight = max(1 / self.steps, self.ALPHA)  # a plain mean over the spell's first steps
         self.gain += weight * (kept / requests - self.gain)
         self.cost = cost if self.cost is None else self.cost + self.ALPHA * (cost - self.cost)
-        hopeless = self.max_gain and self.MIN_GAIN + self.cost >= self.max_gain  # not even all drafts kept would pay
+        hopeless = self.max_gain > 0 and self.MIN_GAIN + self.cost >= self.max_gain  # even every draft kept
         if hopeless or (self.steps >= self.SETTLE and self.gain < self.MIN_GAIN + self.cost):
             if self.steps > self.SHORT:
                 self.gap = self.FIRST_GAP

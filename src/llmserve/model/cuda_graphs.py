@@ -131,9 +131,9 @@ class StepGraphs:
         # attention runs a program per sequence (kernels/paged_attention.py) and their GEMMs take
         # the step's own few rows, not a mixed step's 128 or more.
         self.verify_queries = verify_queries
-        self.verify_sizes = [b for b in self.sizes if b <= verify_batch and b * verify_queries <= max(max_batch, max_tokens)
-                             ] if verify_queries > 1 else []
         rows = max(max_batch, max_tokens)
+        self.verify_sizes = ([b for b in self.sizes if b <= verify_batch and b * verify_queries <= rows]
+                             if verify_queries > 1 else [])
         i32, i64 = torch.int32, torch.int64
         self.input_ids = torch.zeros(rows, dtype=i64, device=device)
         self.positions = torch.zeros(rows, dtype=i64, device=device)

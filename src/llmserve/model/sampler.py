@@ -9,7 +9,7 @@ for any of the steps below that change them, while the fused kernel upcasts as i
     strategy's mask masked) -> greedy rows: argmax
     -> random rows: a draw from softmax(logits / temperature), after min_p, top_k and top_p where asked
 
-Random draws come from a counter hash of (request seed, output index) (kernels/sampling.py): they
+Random draws come from a counter hash of (request seed, output index) (kernels/sampling_reference.py): they
 depend only on the request's own seed and position, never on the batch around it, so a seeded
 request gives the same output whatever else runs, also after preemption. Rows without
 min_p/top_k/top_p take the backend's fused sampler (inverse transform at the row's u); rows with
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmserve.kernels.sampling import (hash32_reference, sample_filtered_rows_reference, sample_rows_reference,
-                                       uniform_reference)
+from llmserve.kernels.sampling_reference import (hash32_reference, sample_filtered_rows_reference,
+                                                 sample_rows_reference, uniform_reference)
 from llmserve.kernels.token_mask import apply_token_mask_reference
 from llmserve.messages import StepPlan, TokenLogprobs
 

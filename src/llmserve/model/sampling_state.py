@@ -20,7 +20,7 @@ import structlog
 import torch
 
 from llmserve.decoding import Constraint, mask_width
-from llmserve.kernels.sampling import row_keys
+from llmserve.kernels.sampling_reference import row_keys
 from llmserve.messages import NewSequence
 from llmserve.model.sampler import Penalties, SamplingBatch
 from llmserve.model.step_inputs import Staging
