@@ -110,7 +110,7 @@ def compare(llm, sides: dict, prompts, params, label: str, exact: bool = True, o
     for r in range(ROUNDS):
         for side in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
             if not held:
-                llm.engine.scheduler.spec_control = SpecControl()
+                llm.engine.scheduler.spec_control = SpecControl(speculation.num_tokens if speculation else 0)
             runs[side].append(timed(llm, prompts, params, sides[side](), one_by_one))
     llm.engine.scheduler.speculation = speculation
     base = list(sides)[0]

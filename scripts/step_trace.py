@@ -2,10 +2,11 @@
 actors, relative to the moment the step before's tokens reached the host, medians over a run.
 
     python scripts/step_trace.py [--model DIR] [--batch 1] [--tokens 512] [--sync]
-                                 [--speculative JSON] [--dtype bfloat16] [--profile PREFIX] [--json out.json]
+                                 [--speculative JSON] [--temperature T --seed S] [--dtype bfloat16]
+                                 [--profile PREFIX] [--json out.json]
 
-B requests of 64 random prompt tokens each generate --tokens greedy tokens (ignore_eos) on the model
-(the built-in one by default). Each step's path is timed where it crosses a boundary: the executor's
+B requests of 64 random prompt tokens each generate --tokens tokens (ignore_eos; greedy unless
+--temperature, each request seeded S + i with --seed) on the model (the built-in one by default). Each step's path is timed where it crosses a boundary: the executor's
 thread has the tokens (`ready`: their copy to the host waited for), the scheduler takes the result
 and plans, the KV manager fits the plan, the runner builds the inputs and launches (`replay`: the
 CUDA graph is started: the device works from here), the sampler is queued, the request actor
@@ -147,6 +148,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=384)
     ap.add_argument("--sync", action="store_true")
     ap.add_argument("--speculative", help="a speculative_config as JSON (its model 'builtin': the built-in model)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--profile")
     ap.add_argument("--json")
@@ -165,7 +168,8 @@ def main() -> None:
     vocab = llm.engine.spec.vocab_size
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(64)]} for _ in range(args.batch)]
-    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=args.tokens, temperature=args.temperature, ignore_eos=True,
+                             seed=None if args.seed is None else args.seed + i) for i in range(args.batch)]
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     EVENTS.clear()
     PROFILING = args.profile is not None
@@ -180,13 +184,14 @@ def main() -> None:
     for r in rows:
         print(f"{r['mark']:16s} {r['median_us']:9.1f} us  ({r['steps']} steps)")
     print(f"{1e3 * wall / steps:.3f} ms a step ({steps} steps), batch {args.batch}, sync {args.sync}, "
-          f"speculative {speculative}")
+          f"temperature {args.temperature}, seed {args.seed}, speculative {speculative}")
     if args.profile:
         for name, prof in PROFILES.items():
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(60)
             Path(f"{args.profile}.{name}.txt").write_text(out.getvalue())
     report({"batch": args.batch, "sync": args.sync, "tokens": args.tokens, "model": args.model,
+            "temperature": args.temperature, "seed": args.seed,
             "speculative": speculative, "steps": steps, "ms_per_step": 1e3 * wall / steps, "timeline": rows},
            args.json, echo=False)
 

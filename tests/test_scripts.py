@@ -128,10 +128,12 @@ def test_step_trace_times_each_step_from_the_tokens_before(tmp_path):
 def test_step_trace_of_a_speculating_engine_times_the_proposal(tmp_path):
     out = tmp_path / "trace.json"
     run_script("step_trace.py", "--tokens", "12", "--dtype", "float32", "--sync", "--speculative",
-               '{"method": "draft", "model": "builtin", "num_speculative_tokens": 3}', "--json", str(out), timeout=180)
+               '{"method": "draft", "model": "builtin", "num_speculative_tokens": 3}', "--temperature", "0.5",
+               "--seed", "3", "--json", str(out), timeout=180)
     data = json.loads(out.read_text())
     marks = [r["mark"] for r in data["timeline"]]
     assert data["speculative"]["model"].endswith("builtin_model") and 0 < data["steps"] < 12  # drafts kept
+    assert (data["temperature"], data["seed"]) == (0.5, 3)
     assert marks.index("finish>#1") < marks.index("propose>#1") < marks.index("schedule>#1"), marks
 
 

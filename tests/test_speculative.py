@@ -22,6 +22,7 @@ from llmserve.config import EngineConfig, SpeculativeConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.scheduler import Scheduler
 from llmserve.messages import Admission, NewRequest, ScheduledRequest, StepFeedback, StepProposal, StepResult
+from llmserve.model.drafting import Drafting
 from llmserve.plugin_manager import get_plugin_manager
 from llmserve.plugins.ngram import NgramProposer
 from llmserve.speculative import Acceptance, SpecControl, Speculation, kept_drafts
@@ -187,7 +188,8 @@ def test_speculation_stops_while_it_keeps_too_few_drafts_and_probes_before_it_st
     assert until_stopped(4, 0) == SpecControl.SETTLE  # a short spell: the gap doubles too
     assert probe(4, 4) == 256 and c.active
     assert until_stopped(4, 4) is None  # a draft kept a step per request: it stays on
-    assert until_stopped(4, 0) == 9 and probe(4, 4) == 8  # after a long spell (1 * 0.9^9 < 0.4) the gap starts over
+    assert until_stopped(4, 0) == 12 and probe(4, 4) == 8  # after a long spell (its mean 0.9^n, plus its
+    # standard error, under 0.4 after 12 steps) the gap starts over
     assert until_stopped(4, 1) == SpecControl.SETTLE  # 0.25 a request: too few
     while not c.probe_due:
         c.planned()
@@ -195,6 +197,81 @@ def test_speculation_stops_while_it_keeps_too_few_drafts_and_probes_before_it_st
     for _ in range(2 * SpecControl.FIRST_GAP + 1):
         c.planned()
     assert c.probe_step is None and not c.active
+
+
+def _spell(kept_pattern, interval, steps=300, plain_interval=0.002):
+    """A controller stopped once (nothing kept), plain steps of `plain_interval` s while it waits,
+    then a spell of one request keeping `kept_pattern` in turn, a step every `interval` s, its
+    proposer taking half a step; returns the controller and the steps the spell lasted."""
+    c = SpecControl(max_gain=4)
+    for _ in range(SpecControl.SETTLE):
+        c.record(1, 0, cost=0.5, interval=interval)
+    assert not c.active
+    while not c.probe_due:
+        c.planned()
+        c.plain(plain_interval)
+    c.probe_sent(1)
+    c.probed(1, 1)
+    for i in range(steps):
+        c.record(1, kept_pattern[i % len(kept_pattern)], cost=0.5, interval=interval)
+        if not c.active:
+            return c, i + 1
+    return c, steps
+
+
+def test_the_bar_is_what_speculating_steps_measure_against_plain_ones():
+    """1.1 drafts kept a step, in bursts with six rejections in a row: at 1.6 plain steps a step
+    (the bar 0.6) it pays, and a run of rejections does not stop it (the mean dips to ~0.6, its
+    standard error keeps it above the bar); at 2.25 plain steps (the bar 1.25) it stops. Before
+    anything is measured the bar is the model's: 0.4 plus the proposer's cost."""
+    bursty = [4, 0, 0, 0, 0, 0, 0, 3, 2, 2]
+    c, lasted = _spell(bursty, 0.0032)
+    assert c.active and lasted == 300 and c.bar == pytest.approx(0.6)
+    c, lasted = _spell(bursty, 0.0045)
+    assert not c.active and c.bar == pytest.approx(1.25) and lasted < 30
+    fresh = SpecControl(max_gain=4)
+    fresh.record(1, 2, cost=0.5, interval=0.0032)
+    assert fresh.bar == pytest.approx(0.9)  # nothing plain measured yet
+
+
+def test_a_steady_shortfall_stops_a_spell_whatever_its_spread():
+    """A spell that keeps 0.3 drafts a step against a bar of 0.6 stops once its mean and error
+    settle under the bar, within a few dozen steps."""
+    c, lasted = _spell([0, 0, 1, 0, 0, 0, 1, 0, 0, 1], 0.0032)
+    assert not c.active and lasted < 40
+
+
+def test_plain_steps_are_timed_while_speculation_is_stopped_and_probes_are_not():
+    s = make_scheduler()
+    control = s.spec_control
+    s.add(NewRequest("a", array("q", [1, 2, 3]), SamplingParams(seed=1, max_tokens=40)))
+    p = s.schedule()
+    feedback(s, p)
+    s.on_result(StepResult(p.step_id, ["a"], [5], drafts={"a": []}, interval=0.001))  # speculating: not plain
+    assert list(control.plain_intervals) == []
+    control.active, control.wait = False, 2
+    for interval in (0.002, 0.003):
+        p = s.schedule()
+        feedback(s, p)
+        s.on_result(StepResult(p.step_id, ["a"], [6], interval=interval))
+    p = s.schedule()  # the probe (proposals asked for: its step is not a plain one)
+    assert control.probe_step == p.step_id
+    feedback(s, p)
+    s.on_result(StepResult(p.step_id, ["a"], [7], drafts={"a": []}, interval=0.009))
+    assert list(control.plain_intervals) == [0.002, 0.003]
+
+
+def test_the_executor_times_each_step_from_the_result_before():
+    class Lookup:
+        def propose(self, req_ids, sequences, limits):
+            return [[] for _ in req_ids]
+
+    drafting, seqs = Drafting(Lookup(), 100), {}
+    first, second = StepResult(1, [], []), StepResult(2, [], [])
+    drafting.finished(first, {}, seqs)
+    time.sleep(0.01)
+    drafting.finished(second, {}, seqs)
+    assert first.interval == 0.0 and 0.01 <= second.interval < 0.1
 
 
 def test_the_controller_judges_proposals_by_the_step_that_checks_them():
@@ -210,15 +287,15 @@ def test_the_controller_judges_proposals_by_the_step_that_checks_them():
         feedback(s, p)
         e = p.entries[0]
         s.on_result(StepResult(p.step_id, ["a"], [5], accepted={"a": accepted} if accepted else {},
-                               drafts={"a": list(drafts)}, propose_cost=0.1))
+                               drafts={"a": list(drafts)}, propose_cost=0.1, interval=0.003))
         return e
 
     assert step(drafts=[6, 7, 8]).propose == 3 and records == []  # only proposed: not judged
-    assert step(accepted=[6, 7, 4], drafts=[]).drafts == 3 and records == [(1, 2, 0.1)]  # two kept
+    assert step(accepted=[6, 7, 4], drafts=[]).drafts == 3 and records == [(1, 2, 0.1, 0.003)]  # two kept
     step()  # checked nothing: its proposals did not come
-    assert records[-1] == (1, 0, 0.1)
+    assert records[-1] == (1, 0, 0.1, 0.003)
     step(drafts=[9])  # none came again
-    assert records[-1] == (1, 0, 0.1) and len(records) == 3
+    assert records[-1] == (1, 0, 0.1, 0.003) and len(records) == 3
 
 
 def test_drafts_from_before_a_pause_in_speculation_are_never_checked():

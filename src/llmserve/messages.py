@@ -265,6 +265,9 @@ class StepResult:
     propose_cost: float = 0.0
     """The proposer's time for these drafts, in steps: over the executor's running mean of the
     time from one finished step's end (its proposals made) to the next step's result."""
+    interval: float = 0.0
+    """Seconds from the executor's previous step result to this one (0: not measured, or the engine
+    was idle between them): with speculation, what the controller weighs its steps' cost by."""
     dropped_next: set[str] = field(default_factory=set)
     """Of `jumps`, those whose next step was launched before this one finished, with the sampled
     token as its input: they sample nothing there, and where the jump replaced that token, its

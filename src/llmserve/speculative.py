@@ -44,7 +44,9 @@ A proposer is registered by name (hook `llmserve_register_proposers`) as a facto
 from __future__ import annotations
 
 import math
+import statistics
 from array import array
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -118,20 +120,27 @@ class Speculation:
 
 
 class SpecControl:
-    """Whether the engine speculates now, from the drafts speculation keeps.
+    """Whether the engine speculates now, from the drafts speculation keeps and what its steps cost.
 
-    Speculating, its measure is the mean of the drafts kept per speculating request per step: over
-    a spell's first 1 / ALPHA steps their plain mean, after them a running mean (weight ALPHA); a
-    step that waited for proposals that did not come counts as zero (a request's first proposals
-    are judged by the step that checks them). A spell is judged by its own steps, never by a prior
-    (a draft model taking most of a fast step could not climb from one in time): once it has SETTLE
-    steps, below MIN_GAIN plus the proposer's cost it stops. A step that checks drafts costs
+    Speculating, its measure is the drafts kept per speculating request per step: over a spell's
+    first 1 / ALPHA steps their plain mean, after them a running mean (weight ALPHA), with a
+    variance kept the same way; a step that waited for proposals that did not come counts as zero
+    (a request's first proposals are judged by the step that checks them). A spell is judged by
+    its own steps, never by a prior (a draft model taking most of a fast step could not climb from
+    one in time): once it has SETTLE steps it stops where even the mean plus one standard error
+    (of ~1 / ALPHA steps) is below the bar, so a spell whose drafts pay on average is not stopped
+    by a run of rejections (each stop costs a synchronous restart and probes).
+
+    The bar is what a speculating step costs over a plain one, in steps, less one: a request must
+    keep that many drafts a step to pay. Measured where it can be: the median interval between
+    the spell's steps' results (proposals, the checked positions and the lost overlap of planning
+    with the device all inside it) over the median of the last PLAIN_SAMPLES plain steps' (taken
+    while speculation was stopped). Before both are known, a model: a step that checks drafts costs
     1.2-1.4 plain steps (measured on an H100 from a 6M to an 8B model: 1.19-1.25 for the lost
-    overlap of planning with the device, the rest for the checked positions; BENCHMARKS.md), so a
-    request must gain about 0.4 tokens a step to pay, and as many more as the proposer takes of a
-    step (a running mean of the executor's measure, StepResult.propose_cost: n-gram lookups nearly
-    nothing, a draft model run eagerly several steps). A proposer that costs more than it could
-    ever gain stops at once and is not probed again.
+    overlap, the rest for the checked positions; BENCHMARKS.md), so MIN_GAIN = 0.4, plus what the
+    proposer takes of a step (a running mean of the executor's measure, StepResult.propose_cost:
+    n-gram lookups nearly nothing, a draft model a large share of a small model's step). A proposer
+    that costs more than it could ever gain stops at once and is not probed again.
 
     Stopped, it waits `gap` planned steps, then probes: one step, overlapped as usual, asks for
     proposals for every request that may speculate, only to count those found. Where at least
@@ -145,6 +154,7 @@ class SpecControl:
     MIN_GAIN = 0.4
     SETTLE = 4
     ALPHA = 0.1
+    PLAIN_SAMPLES = 16
     PROBE_SHARE = 0.5
     FIRST_GAP, MAX_GAP, SHORT = 8, 256, 32
 
@@ -153,6 +163,9 @@ class SpecControl:
         self.cost: float | None = None  # running mean of the proposer's cost, in steps (from its first measure)
         self.active = True
         self.gain = 0.0
+        self.spread = 0.0  # the running variance of the spell's steps' drafts kept per request
+        self.intervals: deque[float] = deque(maxlen=2 * self.PLAIN_SAMPLES)  # the spell's steps' (seconds)
+        self.plain_intervals: deque[float] = deque(maxlen=self.PLAIN_SAMPLES)
         self.gap = self.FIRST_GAP
         self.wait = 0  # planned steps before the next probe
         self.steps = 0  # steps of the current spell
@@ -180,21 +193,40 @@ class SpecControl:
         """The probe's result: `found` of the `asked` requests got proposals."""
         self.probe_step = None
         if asked and found >= self.PROBE_SHARE * asked:
-            self.active, self.gain, self.steps = True, 0.0, 0
+            self.active, self.gain, self.spread, self.steps = True, 0.0, 0.0, 0
+            self.intervals.clear()
         else:
             self._stop()
 
-    def record(self, requests: int, kept: int, cost: float = 0.0) -> None:
+    @property
+    def bar(self) -> float:
+        """Drafts a speculating request must keep a step for its steps to pay."""
+        if len(self.intervals) >= self.SETTLE and len(self.plain_intervals) >= self.SETTLE:
+            return statistics.median(self.intervals) / statistics.median(self.plain_intervals) - 1
+        return self.MIN_GAIN + (self.cost or 0.0)
+
+    def plain(self, interval: float) -> None:
+        """A step without speculation took `interval` seconds from the result before (0: not known)."""
+        if not self.active and interval > 0:
+            self.plain_intervals.append(interval)
+
+    def record(self, requests: int, kept: int, cost: float = 0.0, interval: float = 0.0) -> None:
         """A step's result: `requests` of it speculated (proposed or checked drafts), keeping `kept`
-        drafts; the proposer took `cost` steps for its drafts."""
+        drafts; the proposer took `cost` steps for its drafts, and the result came `interval`
+        seconds after the one before (0: not known)."""
         if not self.active or not requests:
             return
         self.steps += 1
         weight = max(1 / self.steps, self.ALPHA)  # a plain mean over the spell's first steps
-        self.gain += weight * (kept / requests - self.gain)
+        delta = kept / requests - self.gain
+        self.gain += weight * delta
+        self.spread = (1 - weight) * (self.spread + weight * delta * delta)
+        if interval > 0:
+            self.intervals.append(interval)
         self.cost = cost if self.cost is None else self.cost + self.ALPHA * (cost - self.cost)
         hopeless = self.max_gain > 0 and self.MIN_GAIN + self.cost >= self.max_gain  # even every draft kept
-        if hopeless or (self.steps >= self.SETTLE and self.gain < self.MIN_GAIN + self.cost):
+        error = math.sqrt(self.spread / min(self.steps, (2 - self.ALPHA) / self.ALPHA))
+        if hopeless or (self.steps >= self.SETTLE and self.gain + error < self.bar):
             if self.steps > self.SHORT:
                 self.gap = self.FIRST_GAP
             self._stop()

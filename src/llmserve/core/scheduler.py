@@ -347,7 +347,8 @@ class Scheduler:
         for req_id, prompt_lps in result.prompt_logprobs.items():
             if req_id in self.requests:
                 self.requests[req_id].held_prompt_logprobs.extend(prompt_lps)
-        if result.step_id == self.spec_control.probe_step:
+        probe = result.step_id == self.spec_control.probe_step
+        if probe:
             self.spec_control.probed(len(result.drafts), sum(1 for d in result.drafts.values() if d))
         speculated = kept = 0  # requests of the step that proposed or checked drafts; drafts kept
         requests, eos = self.requests, self.eos_token_ids
@@ -400,7 +401,9 @@ class Scheduler:
                     break
             updates.append(update)
         if speculated:
-            self.spec_control.record(speculated, kept, result.propose_cost)
+            self.spec_control.record(speculated, kept, result.propose_cost, result.interval)
+        elif not probe:  # (a probe's step also proposed)
+            self.spec_control.plain(result.interval)
         return EngineOutputs(updates)
 
     def _check_stop(self, req: Request, token: int, update: SequenceUpdate) -> bool:

@@ -42,6 +42,7 @@ class Drafting:
         # next one's result: a step's time without proposing
         self._period: float | None = None
         self._finished_at = 0.0
+        self._result_at = 0.0
 
     def forget(self, freed: list[str]) -> None:
         """Requests that ended: their kept distributions and the proposer's state of them go."""
@@ -62,12 +63,16 @@ class Drafting:
 
     def finished(self, result: StepResult, limits: dict[str, int], seqs: dict[str, SeqState]) -> None:
         """A step's result is known: propose for the requests it asked for (`limits`), and report
-        what proposing cost against the step's period (result.propose_cost)."""
+        what proposing cost against the step's period (result.propose_cost) and the time since the
+        step before's result (result.interval)."""
         if self.proposer is None:
             return
         now = time.perf_counter()
         if 0 < (dt := now - self._finished_at) < 0.5:  # (longer: the engine was idle, not stepping)
             self._period = dt if self._period is None else self._period + 0.1 * (dt - self._period)
+        if 0 < (dt := now - self._result_at) < 0.5:
+            result.interval = dt
+        self._result_at = now
         if limits:
             self._propose(result, limits, seqs)
             took = time.perf_counter() - now
