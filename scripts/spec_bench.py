@@ -35,12 +35,15 @@ ngram_b1, ngram_b1_copy. Outputs may part in bf16 (agreeing_prefix says how far 
 
 load: W-small's model (Qwen3-0.6B shape, dummy weights) with W-small's first B prompts and
 lengths, B in (16, 64), n-gram proposals allowed up to batch 64: random prompts and weights, so
-proposals are rare and wrong; throughput on / off (speculation must not lose: at least 0.97).
+proposals are rare and wrong; throughput on / off (speculation must not lose: at least 0.97), and
+`stopped` / off: speculation configured but its controller held stopped (no spell, no probe), so
+what the controller's spells and probes cost is on / stopped.
 """
 
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import tempfile
@@ -54,7 +57,7 @@ from llmserve.hookspecs import hookimpl
 from llmserve.plugin_manager import get_plugin_manager
 from llmserve.speculative import Acceptance, SpecControl
 
-ROUNDS = 5
+ROUNDS = int(os.environ.get("SPEC_ROUNDS", 5))
 
 
 class Oracle:
@@ -238,9 +241,18 @@ def load(tmp: str) -> dict:
     w = w_small()
     with LLM(w.write_model_dir(tmp), load_format="dummy", log_interval_s=0, enable_prefix_caching=False,
              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}) as llm:
-        speculation = llm.engine.scheduler.speculation
-        sides = {"off": lambda: None, "on": lambda: speculation}
-        return {f"b{b}": compare(llm, sides, w.prompts[:b], w.params[:b], f"load b{b}", exact=False)
+        s = llm.engine.scheduler
+        speculation = s.speculation
+
+        def control(stopped: bool):
+            def setup():
+                s.spec_control = SpecControl(speculation.num_tokens)
+                if stopped:  # never speculates nor probes: what speculation costs apart from the controller's work
+                    s.spec_control.active, s.spec_control.wait = False, 1 << 30
+                return speculation
+            return setup
+        sides = {"off": lambda: None, "on": control(False), "stopped": control(True)}
+        return {f"b{b}": compare(llm, sides, w.prompts[:b], w.params[:b], f"load b{b}", exact=False, held=True)
                 for b in (16, 64)}
 
 
