@@ -207,7 +207,9 @@ def speculative_rows(figs) -> list[str]:
             else:
                 draft = "the built-in model as its draft"
             k = f", k = {pair['num_speculative_tokens']}" if "num_speculative_tokens" in pair else ""
-            parts.append(f"trained target ({t['parameters'] / 1e6:.0f}M, held-out perplexity {t['heldout_perplexity']:.1f}), "
+            copies = (f", {100 * t['copies']:.0f}% of its training sequences repeating a passage (its argmax copies "
+                      f"{100 * t['heldout_copied']:.0f}% of a repeated held-out passage)") if t.get("copies") else ""
+            parts.append(f"trained target ({t['parameters'] / 1e6:.0f}M, held-out perplexity {t['heldout_perplexity']:.1f}{copies}), "
                          f"{draft}{k}:")
         for key, label in (("draft_b1", "draft, batch 1, greedy"), ("draft_b1_sampled", "draft, batch 1, T 0.7"),
                            ("draft_b1_drawn", "draft, batch 1, T 0.7 unseeded (drafts drawn)"),
@@ -219,8 +221,10 @@ def speculative_rows(figs) -> list[str]:
                              f"{on['verify_steps']} steps checked drafts, {on['kept_tokens']} of {on['draft_tokens']} kept")
         for b, r in d.get("load", {}).items():
             on = r["on"]
+            stopped = (f"; configured, its controller held stopped: {r['stopped']['speedup']:.3f}"
+                       if "stopped" in r else "")
             parts.append(f"W-small's model and requests, {b}, proposals allowed: throughput on / off **{on['speedup']:.3f}** "
-                         f"({on['verify_steps']} steps checked drafts)")
+                         f"({on['verify_steps']} steps checked drafts){stopped}")
         rows.append(f"| {fig['name']} | {'<br>'.join(parts)} | {link(run)} |")
     return rows
 

@@ -233,7 +233,8 @@ def pair(target: str, draft: str | None = None, k: int = 4, cases: set[str] | No
         last = training["log"][-1]
         out[name] = {"parameters": training["parameters"], "steps": training["steps"],
                      "heldout_perplexity": math.exp(last["heldout_loss"]), "teacher": training.get("teacher"),
-                     "heldout_argmax_agreement": last.get("heldout_argmax_agreement")}
+                     "heldout_argmax_agreement": last.get("heldout_argmax_agreement"),
+                     "copies": training.get("copies", 0.0), "heldout_copied": last.get("heldout_copied")}
     return out
 
 
