@@ -34,7 +34,7 @@ repeat). --cases runs only those of draft_b1, draft_b1_sampled, draft_b1_drawn, 
 ngram_b1, ngram_b1_copy. Outputs may part in bf16 (agreeing_prefix says how far they agree).
 
 load: W-small's model (Qwen3-0.6B shape, dummy weights) with W-small's first B prompts and
-lengths, B in (16, 64), n-gram proposals allowed up to batch 64: random prompts and weights, so
+lengths, B in --batches (16, 64; 256 is all of W-small), n-gram proposals allowed up to batch 64: random prompts and weights, so
 proposals are rare and wrong; throughput on / off (speculation must not lose: at least 0.97), and
 `stopped` / off: speculation configured but its controller held stopped (no spell, no probe), so
 what the controller's spells and probes cost is on / stopped.
@@ -238,7 +238,7 @@ def pair(target: str, draft: str | None = None, k: int = 4, cases: set[str] | No
     return out
 
 
-def load(tmp: str) -> dict:
+def load(tmp: str, batches: tuple[int, ...] = (16, 64)) -> dict:
     w = w_small()
     with LLM(w.write_model_dir(tmp), load_format="dummy", log_interval_s=0, enable_prefix_caching=False,
              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}) as llm:
@@ -254,7 +254,7 @@ def load(tmp: str) -> dict:
             return setup
         sides = {"off": lambda: None, "on": control(False), "stopped": control(True)}
         return {f"b{b}": compare(llm, sides, w.prompts[:b], w.params[:b], f"load b{b}", exact=False, held=True)
-                for b in (16, 64)}
+                for b in batches}
 
 
 def main() -> None:
@@ -265,6 +265,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="pair: num_speculative_tokens")
     ap.add_argument("--cases", help="pair: a comma-separated subset of draft_b1, draft_b1_sampled, draft_b1_drawn, "
                                     "draft_b8, ngram_b1, ngram_b1_copy")
+    ap.add_argument("--batches", default="16,64", help="load: batch sizes (256: all of W-small)")
     ap.add_argument("--json")
     args = ap.parse_args()
     results = {}
@@ -274,7 +275,7 @@ def main() -> None:
         if args.mode in ("ngram", "all"):
             results["ngram"] = ngram()
         if args.mode in ("load", "all"):
-            results["load"] = load(tmp + "/small")
+            results["load"] = load(tmp + "/small", tuple(int(b) for b in args.batches.split(",")))
         if args.mode == "pair":
             results["pair"] = pair(args.target, args.draft, args.k, set(args.cases.split(",")) if args.cases else None)
     if args.json:

@@ -3,7 +3,7 @@ actors, relative to the moment the step before's tokens reached the host, median
 
     python scripts/step_trace.py [--model DIR] [--batch 1] [--tokens 512] [--sync]
                                  [--speculative JSON] [--temperature T --seed S] [--dtype bfloat16]
-                                 [--profile PREFIX] [--json out.json]
+                                 [--shape decode-b1] [--profile PREFIX] [--json out.json]
 
 B requests of 64 random prompt tokens each generate --tokens tokens (ignore_eos; greedy unless
 --temperature, each request seeded S + i with --seed) on the model (the built-in one by default). Each step's path is timed where it crosses a boundary: the executor's
@@ -19,6 +19,8 @@ speculates (held on, whatever it keeps; "builtin" names the built-in model), so 
 verify step and its stretch also shows the proposal (`propose`) and the verify graph's replay; ms
 a step counts steps, not tokens.
 
+--shape decode-b1: the model of that workload (the Llama-3.1-8B shape, dummy weights) instead of --model.
+
 --profile PREFIX: cProfile of the runner's calls (PREFIX.runner.txt) and of the actors' handlers
 on the event loop (PREFIX.loop.txt), by cumulative time.
 """
@@ -32,6 +34,7 @@ import io
 import json
 import pstats
 import random
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +42,7 @@ import llmserve
 from llmserve import LLM, SamplingParams
 from llmserve.actors import request_actor
 from llmserve.bench.report import report
+from llmserve.bench.workloads import decode_b1
 from llmserve.core import kv_cache_manager, scheduler
 from llmserve.model import cuda_graphs, drafting, runner, step_inputs
 
@@ -151,6 +155,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--shape", choices=["decode-b1"], help="a workload's model, dummy weights")
     ap.add_argument("--profile")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -159,9 +164,12 @@ def main() -> None:
     speculative = json.loads(args.speculative) if args.speculative else None
     if speculative and speculative.get("model") == "builtin":
         speculative["model"] = builtin
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.tokens + 64, max_num_seqs=max(args.batch, 8),
+    model, extra = args.model, {}
+    if args.shape:
+        model, extra = decode_b1().write_model_dir(tempfile.mkdtemp()), {"load_format": "dummy"}
+    llm = LLM(model, dtype=args.dtype, max_model_len=args.tokens + 64, max_num_seqs=max(args.batch, 8),
               enable_prefix_caching=False, async_scheduling=not args.sync, log_interval_s=0,
-              speculative_config=speculative)
+              speculative_config=speculative, **extra)
     sched = llm.engine.scheduler
     if speculative:  # held on: every step checks what was proposed
         sched.spec_control.active, sched.spec_control.record = True, lambda *a, **kw: None
@@ -190,7 +198,7 @@ def main() -> None:
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(60)
             Path(f"{args.profile}.{name}.txt").write_text(out.getvalue())
-    report({"batch": args.batch, "sync": args.sync, "tokens": args.tokens, "model": args.model,
+    report({"batch": args.batch, "sync": args.sync, "tokens": args.tokens, "model": args.shape or args.model,
             "temperature": args.temperature, "seed": args.seed,
             "speculative": speculative, "steps": steps, "ms_per_step": 1e3 * wall / steps, "timeline": rows},
            args.json, echo=False)
