@@ -15,10 +15,10 @@ Per request it keeps the tokens its cache holds. Each call, for the requests ask
 
 Both parts replay CUDA graphs when the engine captures its own (`capture_graphs`). In steady state
 a request's catch-up is the tokens its last check kept and the one after them (at most k + 1):
-then, for argmaxes, pass 0 (as a verify step of StepGraphs: b sequences over b * (k + 1) rows),
-its choices and the chain are one graph per batch size, so a proposal is one replay and one read.
-Otherwise (a new request's prompt, draws) pass 0 replays the decode, verify or mixed graph that
-fits and the chain its own. A small draft is bound by its launches, so eagerly its proposals cost
+then pass 0 (as a verify step of StepGraphs: b sequences over b * (k + 1) rows), its choices and
+the chain are one graph per batch size (argmaxes, or draws with their distributions), so a
+proposal is one replay and one read. Otherwise (a new request's prompt) pass 0 replays the
+decode, verify or mixed graph that fits and the chain its own. A small draft is bound by its launches, so eagerly its proposals cost
 several of the target's steps.
 
 A choice is the draft model's argmax (`propose`, and requests with temperature 0), or for a
@@ -149,8 +149,8 @@ class DraftModelProposer:
         # chained passes a request makes; draft p (p >= 2) is fed at the position after its known tokens' p - 2
         counts, ends = np.array(wants, dtype=np.int32) - 1, inputs.seq_lens.astype(np.int64)
         q = None
-        if not sampled and self.chain.fused(inputs):
-            out = self.chain.run_fused(inputs, ends, counts)
+        if self.chain.fused(inputs):
+            out, q = self.chain.run_fused(inputs, ends, counts, temps if sampled else None, streams if sampled else None)
         else:
             temps_dev = self.staging.to_device(temps)
             logits = self._first(inputs)
@@ -193,10 +193,11 @@ class _Chain:
     """The draft's passes 1 .. P, one token per request each, chained on the device: pass p feeds
     the choice of pass p - 1 and derives its positions, KV slots and context lengths from static
     buffers, so no pass waits for the host and all P replay as one CUDA graph per batch size
-    (graph_sizes up to the speculating limit), in three variants: argmaxes; draws (each row's own
-    temperature, 0 for an argmax) with their distributions kept; and, fused, argmaxes after pass 0
-    itself (`first`: the StepGraphs whose verify step it runs over that one's static buffers; the
-    chain then reads that one's block tables), so that a whole proposal is one replay.
+    (graph_sizes up to the speculating limit), in four variants: argmaxes; draws (each row's own
+    temperature, 0 for an argmax) with their distributions kept; and each of those fused after pass
+    0 itself ("fused", "fused_draw": `first`, the StepGraphs whose verify step it runs over that
+    one's static buffers; the chain then reads that one's block tables), so that a whole proposal
+    is one replay.
 
     static buffer   rows 0 .. n - 1 (this call)                 rows n .. b - 1 (padding)
     ids             each request's first draft (pass 0's)      stale
@@ -205,8 +206,10 @@ class _Chain:
     last            (fused) its last row of pass 0's           0
     block_tables    its blocks                                 stale (never read through)
     temperatures    its temperature (draws)                    0
-    keys [P, .]     its drafts' random streams (draws)         0
-    probs [P, ., V] the distributions drawn from (draws)       ignored
+    keys [1 + P, .] its drafts' random streams (draws; row 0   0
+                    pass 0's, fused)
+    probs [1 + P, ., V] the distributions drawn from (draws;   ignored
+                    row 0 pass 0's, fused)
 
     A row past its count (and every padding row) writes no KV (slot -1), attends one key and is
     fed position 0: its choices are computed and ignored.
@@ -226,8 +229,8 @@ class _Chain:
         self.qsl = torch.arange(capacity + 1, dtype=i32, device=device)
         self.rows = torch.arange(capacity, dtype=i64, device=device)
         self.temperatures = torch.zeros(capacity, dtype=torch.float32, device=device)
-        self.keys = torch.zeros(passes, capacity, dtype=i64, device=device)
-        self.probs = torch.zeros(passes, capacity, vocab, dtype=torch.float32, device=device)
+        self.keys = torch.zeros(1 + passes, capacity, dtype=i64, device=device)
+        self.probs = torch.zeros(1 + passes, capacity, vocab, dtype=torch.float32, device=device)
         self.first: StepGraphs | None = None
         self.sizes: list[int] = []
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
@@ -235,11 +238,18 @@ class _Chain:
 
     def _forward(self, b: int, variant: str = "argmax") -> torch.Tensor:
         """All passes over the static buffers' first b rows: the choices, int64 [b, passes]
-        ("argmax"; "draw": draws, and their distributions in `probs`; "fused": pass 0's argmaxes
-        first, [b, 1 + passes])."""
-        if variant == "fused":
+        ("argmax"; "draw": draws, and their distributions in `probs[1:]`; "fused", "fused_draw":
+        pass 0's choices first, [b, 1 + passes], its distributions in `probs[0]`)."""
+        draw = variant in ("draw", "fused_draw")
+        temperatures = self.temperatures[:b]
+        if variant.startswith("fused"):
             hidden = self.first.forward("verify", b)
-            ids = self.model.compute_logits(hidden[self.last[:b]]).argmax(-1)
+            logits = self.model.compute_logits(hidden[self.last[:b]])
+            if draw:
+                self.probs[0, :b] = _distribution(logits, temperatures)
+                ids = self.backend.sample_rows(logits, temperatures, self.keys[0, :b])
+            else:
+                ids = logits.argmax(-1)
             out, tables = [ids], self.first.block_tables[:b]
         else:
             ids, out, tables = self.ids[:b], [], self.block_tables[:b]
@@ -255,10 +265,9 @@ class _Chain:
                                      seq_order=self.seq_order[:b])
             hidden = self.model(ids, torch.where(live, pos, 0), meta)
             logits = self.model.compute_logits(hidden)
-            if variant == "draw":
-                temperatures = self.temperatures[:b]
-                self.probs[p, :b] = _distribution(logits, temperatures)
-                ids = self.backend.sample_rows(logits, temperatures, self.keys[p, :b])
+            if draw:
+                self.probs[1 + p, :b] = _distribution(logits, temperatures)
+                ids = self.backend.sample_rows(logits, temperatures, self.keys[1 + p, :b])
             else:
                 ids = logits.argmax(-1)
             out.append(ids)
@@ -271,7 +280,7 @@ class _Chain:
         self.sizes, self.first = graph_sizes(max_batch), first
         variants = [(b, v) for b in reversed(self.sizes) for v in ("argmax", "draw") if self.passes]
         if first is not None:
-            variants += [(b, "fused") for b in reversed(first.verify_sizes)]
+            variants += [(b, v) for b in reversed(first.verify_sizes) for v in ("fused", "fused_draw")]
         if emulate or not variants:
             return
         stream = torch.cuda.Stream()
@@ -292,15 +301,23 @@ class _Chain:
         """Whether pass 0 over `inputs` and the chain can run as one (a verify step of `first`'s)."""
         return self.first is not None and self.first.fits_verify(inputs.num_reqs, inputs.max_query_len)
 
-    def run_fused(self, inputs: StepInputs, positions: np.ndarray, counts: np.ndarray) -> torch.Tensor:
-        """All drafts of n requests, argmaxes, in one replay: pass 0 over `inputs` (fused()), then
-        the chain from `positions` (where each one's first draft is fed: int64 [n]) for `counts`
-        passes (int32 [n]). Returns int64 [n, 1 + P] on the device (row i's first 1 + counts[i])."""
+    def run_fused(self, inputs: StepInputs, positions: np.ndarray, counts: np.ndarray,
+                  temperatures: np.ndarray | None = None, keys: np.ndarray | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All drafts of n requests in one replay: pass 0 over `inputs` (fused()), then the chain
+        from `positions` (where each one's first draft is fed: int64 [n]) for `counts` passes
+        (int32 [n]); with `temperatures` (float32 [n]) and `keys` (int64 [n, 1 + P]: each pass's
+        random stream, pass 0's first), draws. Returns int64 [n, 1 + P] on the device (row i's
+        first 1 + counts[i]) and, for draws, their distributions (float32 [n, 1 + P, V], a copy)."""
         n = inputs.num_reqs
         b = self.first.stage_verify(inputs)
         last = inputs.query_start_loc[1:] - 1
         self._stage(b, positions, counts, last)
-        return self._replay(b, "fused")[:n]
+        if temperatures is None:
+            return self._replay(b, "fused")[:n], None
+        self._stage_draws(b, temperatures, keys, 0)
+        out = self._replay(b, "fused_draw")[:n]
+        return out, self.probs[:, :n].transpose(0, 1).clone()
 
     def run(self, first: torch.Tensor, positions: np.ndarray, counts: np.ndarray, tables: np.ndarray,
             temperatures: np.ndarray | None = None, keys: np.ndarray | None = None,
@@ -315,17 +332,24 @@ class _Chain:
         b = next((s for s in self.sizes if s >= n), n)
         sampled = temperatures is not None
         if sampled:
-            temps, staged = self.staging.empty((b,), np.float32)
-            temps[:n], temps[n:] = temperatures, 0.0
-            self.temperatures[:b].copy_(staged, non_blocking=True)
-            streams, staged = self.staging.empty((self.passes, b), np.int64)
-            streams[:, :n], streams[:, n:] = keys.T, 0
-            self.keys[:, :b].copy_(staged, non_blocking=True)
+            self._stage_draws(b, temperatures, keys, 1)
         self._stage(b, positions, counts)
         self.block_tables[:n, :width].copy_(self.staging.stage(tables), non_blocking=True)
         self.ids[:n].copy_(first)
         out = self._replay(b, "draw" if sampled else "argmax")[:n]
-        return out, self.probs[:, :n].transpose(0, 1).clone() if sampled else None
+        return out, self.probs[1:, :n].transpose(0, 1).clone() if sampled else None
+
+    def _stage_draws(self, b: int, temperatures: np.ndarray, keys: np.ndarray, first_pass: int) -> None:
+        """Temperatures (float32 [n]) and random streams (int64 [n, passes], from pass
+        `first_pass` on) into the static buffers, padded to b."""
+        n = len(temperatures)
+        temps, staged = self.staging.empty((b,), np.float32)
+        temps[:n], temps[n:] = temperatures, 0.0
+        self.temperatures[:b].copy_(staged, non_blocking=True)
+        passes = keys.shape[1]
+        streams, staged = self.staging.empty((passes, b), np.int64)
+        streams[:, :n], streams[:, n:] = keys.T, 0
+        self.keys[first_pass:first_pass + passes, :b].copy_(staged, non_blocking=True)
 
     def _stage(self, b: int, positions: np.ndarray, counts: np.ndarray, last: np.ndarray | None = None) -> None:
         """positions (and the fused variant's last rows), counts and the order of the longest

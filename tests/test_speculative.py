@@ -886,6 +886,40 @@ def test_drawn_drafts_from_the_model_itself_are_all_kept(checkpoint, graphs):
     assert chained and all(sampled for _, sampled in chained)
 
 
+def test_drafts_drawn_in_one_replay_with_the_catch_up_pass_are_those_drawn_apart(checkpoint):
+    """A distinct draft model, emulated graphs, a catch-up of a few tokens a request: pass 0 fused
+    with the chain ("fused_draw") draws the same drafts from the same distributions, stream for
+    stream, as pass 0 and the chain run apart, rows at temperature 0 taking the argmax in both."""
+    ck, draft = checkpoint("llama"), checkpoint("llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                                 num_attention_heads=2, num_key_value_heads=1, seed=3)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with LLM(ck, **COMMON) as llm:
+        outs = [o[0] for o in run(llm, greedy)]
+    prompts, ids = [array("q", p) for p in PROMPTS], [f"r{i}" for i in range(len(PROMPTS))]
+    temps, limits = [0.8, 0.0, 1.3, 0.5], [4, 3, 4, 2]
+    rng = np.random.default_rng(0)
+    with LLM(ck, **COMMON, speculative_config={"method": "draft", "model": draft, "num_speculative_tokens": 4}) as llm:
+        proposer = llm.engine.runner.proposer
+        llm.engine.runner.capture_graphs(llm.config.scheduler.max_num_seqs, 64, emulate=True)
+        chained = record_calls(proposer.chain, "_forward")
+        keys = lambda: [rng.integers(0, 1 << 40, 4) if t > 0 else None for t in temps]  # noqa: E731
+        proposer.propose_sampled(ids, [(p, o[:2]) for p, o in zip(prompts, outs)], limits, temps, keys())  # prompts
+        for done in (4, 7):  # catch-ups of 2 and 3 tokens
+            seqs, streams = [(p, o[:done]) for p, o in zip(prompts, outs)], keys()
+            chained.clear()
+            fused, fused_q = proposer.propose_sampled(ids, seqs, limits, temps, streams)
+            assert [v for _, v in chained] == ["fused_draw"]
+            first, proposer.chain.first = proposer.chain.first, None  # pass 0 and the chain apart
+            apart, apart_q = proposer.propose_sampled(ids, seqs, limits, temps, streams)
+            proposer.chain.first = first
+            assert [v for _, v in chained][1:] == ["draw"]
+            assert fused == apart and [len(d) for d in fused] == limits
+            for t, a, b in zip(temps, fused_q, apart_q):
+                assert (a is None) == (b is None) == (t == 0)
+                if a is not None:
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 # ---- structured outputs ---------------------------------------------------------------------------
 
 STRUCTURED_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
