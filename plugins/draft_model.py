@@ -18,8 +18,8 @@ a request's catch-up is the tokens its last check kept and the one after them (a
 then pass 0 (as a verify step of StepGraphs: b sequences over b * (k + 1) rows), its choices and
 the chain are one graph per batch size (argmaxes, or draws with their distributions), so a
 proposal is one replay and one read. Otherwise (a new request's prompt) pass 0 replays the
-decode, verify or mixed graph that fits and the chain its own. A small draft is bound by its launches, so eagerly its proposals cost
-several of the target's steps.
+decode, verify or mixed graph that fits and the chain its own. A small draft is bound by its
+launches, so eagerly its proposals cost several of the target's steps.
 
 A choice is the draft model's argmax (`propose`, and requests with temperature 0), or for a
 request that samples freely a draw from q = softmax(logits / T) at the stream the engine gives it
@@ -150,7 +150,8 @@ class DraftModelProposer:
         counts, ends = np.array(wants, dtype=np.int32) - 1, inputs.seq_lens.astype(np.int64)
         q = None
         if self.chain.fused(inputs):
-            out, q = self.chain.run_fused(inputs, ends, counts, temps if sampled else None, streams if sampled else None)
+            draws = (temps, streams) if sampled else (None, None)
+            out, q = self.chain.run_fused(inputs, ends, counts, *draws)
         else:
             temps_dev = self.staging.to_device(temps)
             logits = self._first(inputs)

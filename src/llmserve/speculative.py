@@ -128,7 +128,7 @@ class SpecControl:
     (a request's first proposals are judged by the step that checks them). A spell is judged by
     its own steps, never by a prior (a draft model taking most of a fast step could not climb from
     one in time): once it has SETTLE steps it stops where even the mean plus one standard error
-    (of ~1 / ALPHA steps) is below the bar, so a spell whose drafts pay on average is not stopped
+    (of ~2 / ALPHA steps) is below the bar, so a spell whose drafts pay on average is not stopped
     by a run of rejections (each stop costs a synchronous restart and probes).
 
     The bar is what a speculating step costs over a plain one, in steps, less one: a request must
