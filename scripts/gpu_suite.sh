@@ -26,6 +26,11 @@
 #          w-prefix: W-prefix with prefix caching off, on, on + cascade attention, then
 #          scripts/cascade_bench.py (the kernel in FlashInfer's setting, the cost model's sweep);
 #          multi: several GPUs (tensor parallelism, replicas; MULTI_PARTS picks the parts);
+#          pair: speculative decoding's trained pair (needs `CORPUS=1 prepare`: .whl/corpus.txt):
+#          the target (--size target, 10% copy rows) and its draft distilled from it, trained on
+#          the box, then spec_bench's pair mode at each k of PAIR_K ("4 6"; PAIR_CASES: a subset of
+#          its cases); the logs and JSON also in $OUT/pair.tgz (a call returns only so many files);
+#          e.g. `CORPUS=1 bash scripts/gpu_suite.sh prepare`, then `TESTS_PART=spec ... run pair`;
 #          figures: decode-b1 bf16 and int8, W-small with an FP8 cache and W-large fp8 beside bf16,
 #          the server's start-up (BENCHMARKS.md's figures without a peer);
 #          peers: W-small and W-large (PEER_WORKLOADS) with vLLM 0.24.0 as the peer in the same
@@ -69,6 +74,12 @@ prepare)
         rm -rf "$base_src"
         git rev-parse --short "$BASE" > .whl/base/REVISION
     fi
+    if [ -n "${CORPUS:-}" ]; then  # for `run pair`: the training text (Debian's python3.11-doc, ~8 MB)
+        docs=$(mktemp -d)
+        (cd "$docs" && apt-get download -q python3.11-doc >/dev/null && dpkg -x python3.11-doc_*.deb root)
+        "$PY" scripts/train_builtin_model.py corpus "$docs/root/usr/share/doc/python3.11/html/_sources" .whl/corpus.txt
+        rm -rf "$docs"
+    fi
     ls -la .whl .whl/base 2>/dev/null
     ;;
 run)
@@ -82,12 +93,14 @@ run)
     set +e
     # The GPU tests take longer than one call allows: TESTS_PART=1 runs the engine's GPU tests but the
     # float32 equivalence of Gemma and the mixtures of experts, 2 those, the MoE kernel's and the
-    # sampling kernels' tests, 3 the attention and matmul kernels' and cascade's; unset: all.
+    # sampling kernels' tests, 3 the attention and matmul kernels' and cascade's, spec speculative
+    # decoding's; unset: all.
     part=()
     case "${TESTS_PART:-}" in
         1) part=(-k "test_gpu and not (float32 and (gemma or moe or mixtral))") ;;
         2) part=(-k "test_moe or test_sampling_kernels or (test_gpu and float32 and (gemma or moe or mixtral))") ;;
         3) part=(-k "test_kernels or test_cascade") ;;
+        spec) part=(-k "test_gpu and (specul or draft)") ;;  # speculative decoding's (with `run pair`)
     esac
     [ -n "${SKIP_TESTS:-}" ] || timeout ${TEST_TIMEOUT:-480} "$PY" -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 -rf "${part[@]}" tests/test_gpu.py tests/test_kernels.py tests/test_sampling_kernels.py tests/test_cascade.py tests/test_moe.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     # COLD=1: the benchmark starts on an empty Triton cache (a fresh machine's start-up: every kernel compiled)
@@ -284,6 +297,25 @@ run)
                 ${BENCH_ARGS:-} --json "$OUT/$w-$routing.json" > "$OUT/$w-$routing.log" 2>&1
             echo "$w $routing: exit $?"; "$PY" scripts/bench_summary.py "$OUT/$w-$routing.json"
         done
+    elif [ "$bench" = pair ]; then
+        # The pair as BENCHMARKS.md's speculative figures use it: a 139M target trained 500 steps
+        # with 10% of its sequences repeating a passage (so n-gram proposals have text to copy), a
+        # 5.8M draft distilled from it in 1,200; both ~1.5 minutes here, deterministic (seed 0).
+        tok=(--tokenizer src/llmserve/builtin_model)
+        timeout 200 "$PY" scripts/train_builtin_model.py train .whl/corpus.txt /tmp/pair-target "${tok[@]}" --size target \
+            --steps 500 --copies 0.1 > "$OUT/train-target.log" 2>&1
+        timeout 200 "$PY" scripts/train_builtin_model.py train .whl/corpus.txt /tmp/pair-draft "${tok[@]}" \
+            --teacher /tmp/pair-target --steps 1200 > "$OUT/train-draft.log" 2>&1
+        cp /tmp/pair-target/training.json "$OUT/target-training.json"
+        cp /tmp/pair-draft/training.json "$OUT/draft-training.json"
+        tail -n 1 "$OUT/train-target.log" "$OUT/train-draft.log"
+        for k in ${PAIR_K:-4 6}; do
+            (cd scripts && PYTHONPATH=/tmp/site:. timeout 240 "$PY" spec_bench.py --mode pair --target /tmp/pair-target \
+                --draft /tmp/pair-draft --k "$k" ${PAIR_CASES:+--cases "$PAIR_CASES"} --json "$OUT/pair-k$k.json") \
+                > "$OUT/pair-k$k.log" 2>&1
+            echo "k = $k: exit $?"; grep -E '^(draft|target)' "$OUT/pair-k$k.log" | cut -c1-160
+        done
+        (cd "$OUT" && tar czf pair.tgz ./*.log ./*.json)
     elif [ "$bench" = script ]; then
         script=$3; shift 3
         (cd scripts && PYTHONPATH=/tmp/site:. timeout 500 "$PY" "$script" "$@" --json "$OUT/${script%.py}.json") \
@@ -328,7 +360,7 @@ run)
     fi
     ;;
 *)
-    echo "usage: $0 prepare | run [w-small|w-large|w-serve|quant-1|quant-2|figures|none | ab WORKLOAD | ab-serve | peers | script SCRIPT ARGS... | ab-script SCRIPT ARGS...]" >&2
+    echo "usage: $0 prepare | run [w-small|w-large|w-serve|quant-1|quant-2|figures|pair|none | ab WORKLOAD | ab-serve | peers | script SCRIPT ARGS... | ab-script SCRIPT ARGS...]" >&2
     exit 2
     ;;
 esac
