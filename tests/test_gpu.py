@@ -287,6 +287,24 @@ def test_cuda_a_draft_model_that_is_the_model_itself_has_every_greedy_draft_kept
         assert any(variant == "fused" for _, variant in replays)  # pass 0 and the chain: one captured graph
 
 
+def test_cuda_drawn_drafts_from_the_model_itself_are_kept_through_one_replay(checkpoint):
+    """Unseeded requests sampling at T 1 draw their drafts from the draft's distribution; with the
+    model itself as the draft q is p, so (fp32) every drawn draft is kept, and in steady state a
+    proposal is the fused draws' one captured graph."""
+    from test_speculative import PROMPTS, sampled_runs
+
+    path = checkpoint("llama")
+    options = dict(dtype="float32", device="cuda", num_blocks=4096, log_interval_s=0)
+    with LLM(path, **options, speculative_config={"method": "draft", "model": path, "num_speculative_tokens": 3}) as llm:
+        hold_speculation_on(llm)
+        replays = record_calls(llm.engine.runner.proposer.chain, "_replay")
+        sampled_runs(llm, 4, PROMPTS, max_tokens=30)
+        spec = llm.engine.scheduler.spec
+        assert spec.drafts > 20 and spec.accepted_tokens >= 0.99 * spec.draft_tokens
+        chain = llm.engine.runner.proposer.chain
+        assert any(variant == "fused_draw" and (b, variant) in chain.graphs for b, variant in replays)
+
+
 def test_cuda_cascade_forced_on_gives_transformers_tokens_through_its_graphs(checkpoint):
     """Prompts sharing a 42-token prefix (float32): with cascade attention forced on, the decode
     steps replay cascade graphs, and the tokens are transformers' and the plain engine's."""
