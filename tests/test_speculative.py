@@ -226,12 +226,34 @@ def test_the_bar_is_what_speculating_steps_measure_against_plain_ones():
     anything is measured the bar is the model's: 0.4 plus the proposer's cost."""
     bursty = [4, 0, 0, 0, 0, 0, 0, 3, 2, 2]
     c, lasted = _spell(bursty, 0.0032)
-    assert c.active and lasted == 300 and c.bar == pytest.approx(0.6)
+    assert c.active and lasted == 300 and c.bar() == pytest.approx(0.6)
     c, lasted = _spell(bursty, 0.0045)
-    assert not c.active and c.bar == pytest.approx(1.25) and lasted < 30
+    assert not c.active and c.bar() == pytest.approx(1.25) and lasted < 30
     fresh = SpecControl(max_gain=4)
     fresh.record(1, 2, cost=0.5, interval=0.0032)
-    assert fresh.bar == pytest.approx(0.9)  # nothing plain measured yet
+    assert fresh.bar() == pytest.approx(0.9)  # nothing plain measured yet
+
+
+def test_plain_steps_of_another_size_are_no_measure_of_a_spell():
+    """Plain steps timed at 16 requests (5 ms) say nothing of speculating steps of one (2.5 ms,
+    for 0.2 drafts kept): the bar stays the model's (0.4 plus the proposer's cost), and the spell
+    stops; measured beside plain steps of one (2 ms) the bar is 0.25."""
+    c = SpecControl(max_gain=4)
+    for _ in range(SpecControl.SETTLE):
+        c.record(1, 0, cost=0.1, interval=0.0025)
+    while not c.probe_due:
+        c.planned()
+        c.plain(0.005, batch=16)
+    c.probe_sent(1)
+    c.probed(1, 1)
+    for i in range(40):
+        c.record(1, [0, 0, 0, 0, 1][i % 5], cost=0.1, interval=0.0025, batch=1)
+        if not c.active:
+            break
+    assert not c.active and c.bar(1) == pytest.approx(0.5) and c.bar(16) == pytest.approx(0.5)
+    for _ in range(SpecControl.SETTLE):
+        c.plain(0.002, batch=1)
+    assert c.bar(1) == pytest.approx(0.25) and c.bar(2) == pytest.approx(0.5)  # (2: another class)
 
 
 def test_a_steady_shortfall_stops_a_spell_whatever_its_spread():
@@ -248,7 +270,7 @@ def test_plain_steps_are_timed_while_speculation_is_stopped_and_probes_are_not()
     p = s.schedule()
     feedback(s, p)
     s.on_result(StepResult(p.step_id, ["a"], [5], drafts={"a": []}, interval=0.001))  # speculating: not plain
-    assert list(control.plain_intervals) == []
+    assert not any(control.plain_intervals.values())
     control.active, control.wait = False, 2
     for interval in (0.002, 0.003):
         p = s.schedule()
@@ -258,7 +280,7 @@ def test_plain_steps_are_timed_while_speculation_is_stopped_and_probes_are_not()
     assert control.probe_step == p.step_id
     feedback(s, p)
     s.on_result(StepResult(p.step_id, ["a"], [7], drafts={"a": []}, interval=0.009))
-    assert list(control.plain_intervals) == [0.002, 0.003]
+    assert {k: list(v) for k, v in control.plain_intervals.items()} == {1: [0.002, 0.003]}  # steps of one request
 
 
 def test_the_executor_times_each_step_from_the_result_before():
@@ -291,11 +313,11 @@ def test_the_controller_judges_proposals_by_the_step_that_checks_them():
         return e
 
     assert step(drafts=[6, 7, 8]).propose == 3 and records == []  # only proposed: not judged
-    assert step(accepted=[6, 7, 4], drafts=[]).drafts == 3 and records == [(1, 2, 0.1, 0.003)]  # two kept
+    assert step(accepted=[6, 7, 4], drafts=[]).drafts == 3 and records == [(1, 2, 0.1, 0.003, 1)]  # two kept
     step()  # checked nothing: its proposals did not come
-    assert records[-1] == (1, 0, 0.1, 0.003)
+    assert records[-1] == (1, 0, 0.1, 0.003, 1)
     step(drafts=[9])  # none came again
-    assert records[-1] == (1, 0, 0.1, 0.003) and len(records) == 3
+    assert records[-1] == (1, 0, 0.1, 0.003, 1) and len(records) == 3
 
 
 def test_drafts_from_before_a_pause_in_speculation_are_never_checked():

@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import statistics
 from array import array
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -135,7 +135,9 @@ class SpecControl:
     keep that many drafts a step to pay. Measured where it can be: the median interval between
     the spell's steps' results (proposals, the checked positions and the lost overlap of planning
     with the device all inside it) over the median of the last PLAIN_SAMPLES plain steps' (taken
-    while speculation was stopped). Before both are known, a model: a step that checks drafts costs
+    while speculation was stopped), both of steps of about the step's size (the same power of two
+    of requests: a plain step of 16 is no measure of a speculating step of 1). Before both are
+    known, a model: a step that checks drafts costs
     1.2-1.4 plain steps (measured on an H100 from a 6M to an 8B model: 1.19-1.25 for the lost
     overlap, the rest for the checked positions; BENCHMARKS.md), so MIN_GAIN = 0.4, plus what the
     proposer takes of a step (a running mean of the executor's measure, StepResult.propose_cost:
@@ -164,8 +166,9 @@ class SpecControl:
         self.active = True
         self.gain = 0.0
         self.spread = 0.0  # the running variance of the spell's steps' drafts kept per request
-        self.intervals: deque[float] = deque(maxlen=2 * self.PLAIN_SAMPLES)  # the spell's steps' (seconds)
-        self.plain_intervals: deque[float] = deque(maxlen=self.PLAIN_SAMPLES)
+        # seconds between results, by the steps' size class (_size_class): the spell's, and plain steps'
+        self.intervals: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=2 * self.PLAIN_SAMPLES))
+        self.plain_intervals: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=self.PLAIN_SAMPLES))
         self.gap = self.FIRST_GAP
         self.wait = 0  # planned steps before the next probe
         self.steps = 0  # steps of the current spell
@@ -198,22 +201,24 @@ class SpecControl:
         else:
             self._stop()
 
-    @property
-    def bar(self) -> float:
-        """Drafts a speculating request must keep a step for its steps to pay."""
-        if len(self.intervals) >= self.SETTLE and len(self.plain_intervals) >= self.SETTLE:
-            return statistics.median(self.intervals) / statistics.median(self.plain_intervals) - 1
+    def bar(self, batch: int = 1) -> float:
+        """Drafts a speculating request must keep a step, in steps of `batch` requests, to pay."""
+        size = _size_class(batch)
+        spell, plain = self.intervals.get(size, ()), self.plain_intervals.get(size, ())
+        if len(spell) >= self.SETTLE and len(plain) >= self.SETTLE:
+            return statistics.median(spell) / statistics.median(plain) - 1
         return self.MIN_GAIN + (self.cost or 0.0)
 
-    def plain(self, interval: float) -> None:
-        """A step without speculation took `interval` seconds from the result before (0: not known)."""
+    def plain(self, interval: float, batch: int = 1) -> None:
+        """A step of `batch` requests without speculation took `interval` seconds from the result
+        before (0: not known)."""
         if not self.active and interval > 0:
-            self.plain_intervals.append(interval)
+            self.plain_intervals[_size_class(batch)].append(interval)
 
-    def record(self, requests: int, kept: int, cost: float = 0.0, interval: float = 0.0) -> None:
+    def record(self, requests: int, kept: int, cost: float = 0.0, interval: float = 0.0, batch: int = 1) -> None:
         """A step's result: `requests` of it speculated (proposed or checked drafts), keeping `kept`
         drafts; the proposer took `cost` steps for its drafts, and the result came `interval`
-        seconds after the one before (0: not known)."""
+        seconds after the one before (0: not known), for a step of `batch` requests."""
         if not self.active or not requests:
             return
         self.steps += 1
@@ -222,11 +227,11 @@ class SpecControl:
         self.gain += weight * delta
         self.spread = (1 - weight) * (self.spread + weight * delta * delta)
         if interval > 0:
-            self.intervals.append(interval)
+            self.intervals[_size_class(batch)].append(interval)
         self.cost = cost if self.cost is None else self.cost + self.ALPHA * (cost - self.cost)
         hopeless = self.max_gain > 0 and self.MIN_GAIN + self.cost >= self.max_gain  # even every draft kept
         error = math.sqrt(self.spread / min(self.steps, (2 - self.ALPHA) / self.ALPHA))
-        if hopeless or (self.steps >= self.SETTLE and self.gain + error < self.bar):
+        if hopeless or (self.steps >= self.SETTLE and self.gain + error < self.bar(batch)):
             if self.steps > self.SHORT:
                 self.gap = self.FIRST_GAP
             self._stop()
@@ -234,6 +239,11 @@ class SpecControl:
     def _stop(self) -> None:
         self.active, self.wait = False, self.gap
         self.gap = min(2 * self.gap, self.MAX_GAP)
+
+
+def _size_class(batch: int) -> int:
+    """Steps of 1, 2-3, 4-7, 8-15, ... requests: classes whose plain steps take about as long."""
+    return max(batch, 1).bit_length()
 
 
 @dataclass(slots=True)

@@ -401,9 +401,9 @@ class Scheduler:
                     break
             updates.append(update)
         if speculated:
-            self.spec_control.record(speculated, kept, result.propose_cost, result.interval)
+            self.spec_control.record(speculated, kept, result.propose_cost, result.interval, len(result.req_ids))
         elif not probe:  # (a probe's step also proposed)
-            self.spec_control.plain(result.interval)
+            self.spec_control.plain(result.interval, len(result.req_ids))
         return EngineOutputs(updates)
 
     def _check_stop(self, req: Request, token: int, update: SequenceUpdate) -> bool:
