@@ -27,29 +27,51 @@ class NgramProposer:
                              "method 'draft')")
         self.n_min = config.prompt_lookup_min or 1
         self.n_max = config.prompt_lookup_max or max(4, self.n_min)
+        self._seen: dict[str, tuple[np.ndarray, int]] = {}  # request -> (its tokens' buffer, how many)
 
     def propose(self, req_ids: list[str], sequences: list[tuple[array, list[int]]],
                 limits: list[int]) -> list[list[int]]:
-        return [self.lookup(np.concatenate([np.frombuffer(prompt, dtype=np.int64), np.array(output, dtype=np.int64)]),
-                            limit) for (prompt, output), limit in zip(sequences, limits)]
+        return [self.lookup(self._tokens(req_id, prompt, output), limit)
+                for req_id, (prompt, output), limit in zip(req_ids, sequences, limits)]
+
+    def forget(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self._seen.pop(req_id, None)
+
+    def _tokens(self, req_id: str, prompt: array, output: list[int]) -> np.ndarray:
+        """prompt + output as int64: the request's buffer from its last call, extended by the tokens
+        output gained since. Between calls output only grows, but for its last token then, which a
+        jump-forward may rewrite: where the buffer's last token is no longer there, it is rebuilt."""
+        p, n = len(prompt), len(prompt) + len(output)
+        buf, have = self._seen.get(req_id, (None, 0))
+        if buf is not None and p < have <= n and buf[have - 1] == output[have - 1 - p]:
+            if n > len(buf):
+                buf = np.concatenate([buf[:have], np.empty(n, dtype=np.int64)])
+            buf[have:n] = output[have - p:]
+        else:
+            buf = np.empty(max(2 * n, 64), dtype=np.int64)
+            buf[:p] = np.frombuffer(prompt, dtype=np.int64)
+            buf[p:n] = output
+        self._seen[req_id] = (buf, n)
+        return buf[:n]
 
     def lookup(self, tokens: np.ndarray, limit: int) -> list[int]:
         """The drafts for the token ids `tokens` (int64), at most `limit` of them.
 
         One pass over the tokens finds where the last one occurred before (each such place is
         followed by a token); the candidates' runs of matching tokens are then extended backwards
-        together, one comparison per length up to n_max. The longest run wins, the latest of equals."""
+        together, up to n_max, as one [candidates, n_max - 1] comparison. The longest run wins, the
+        latest of equals."""
         total = len(tokens)
         ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # candidate runs end here
         if not ends.size:
             return []
         lengths = np.ones(len(ends), dtype=np.int64)
-        alive = np.ones(len(ends), dtype=bool)
-        for j in range(1, min(self.n_max, total - 1)):
-            alive &= (ends >= j) & (tokens[np.maximum(ends - j, 0)] == tokens[total - 1 - j])
-            if not alive.any():
-                break
-            lengths += alive
+        back = np.arange(1, min(self.n_max, total - 1))
+        if back.size:
+            before = ends[:, None] - back  # the positions a run of 1 + j would reach
+            same = (before >= 0) & (tokens[np.maximum(before, 0)] == tokens[total - 1 - back])
+            lengths += np.cumprod(same, axis=1).sum(axis=1)
         best = len(lengths) - 1 - int(np.argmax(lengths[::-1]))  # the latest of the longest
         if lengths[best] < self.n_min:
             return []

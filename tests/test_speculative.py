@@ -67,6 +67,27 @@ def test_ngram_lookup_equals_the_plain_search_over_every_length():
         assert got == plain(tokens, n_max, n_min, 3), (tokens, n_max, n_min)
 
 
+def test_ngram_proposals_from_a_growing_request_are_those_of_its_whole_sequence():
+    """A request's tokens are kept between calls and extended by what its output gained; a last
+    token rewritten since (jump-forward) rebuilds them, and forget() lets them go."""
+    rng = np.random.default_rng(1)
+    p, fresh = ngram(), ngram()
+    prompt = array("q", rng.integers(0, 6, 40).tolist())
+    output: list[int] = []
+    rebuilt = 0
+    for step in range(120):
+        if step % 17 == 5:
+            output[-1] = (output[-1] + 1) % 6  # the last token it saw, rewritten after the fact
+            rebuilt += 1
+        output += rng.integers(0, 6, int(rng.integers(1, 5))).tolist()
+        got = p.propose(["a"], [(prompt, output)], [4])
+        assert got == fresh.propose([f"x{step}"], [(prompt, output)], [4])  # (a request seen once)
+        assert p._seen["a"][0][:len(prompt) + len(output)].tolist() == list(prompt) + output
+    assert rebuilt == 7
+    p.forget(["a"])
+    assert p._seen == {}
+
+
 def test_kept_drafts_is_the_run_of_draws_that_confirm_them():
     assert kept_drafts([5, 6, 7], [5, 6]) == 2
     assert kept_drafts([5, 9, 7], [5, 6]) == 1
