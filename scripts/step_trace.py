@@ -6,11 +6,11 @@ actors, relative to the moment the step before's tokens reached the host, median
                                  [--shape decode-b1] [--profile PREFIX] [--json out.json]
 
 B requests of 64 random prompt tokens each generate --tokens tokens (ignore_eos; greedy unless
---temperature, each request seeded S + i with --seed) on the model (the built-in one by default). Each step's path is timed where it crosses a boundary: the executor's
-thread has the tokens (`ready`: their copy to the host waited for), the scheduler takes the result
-and plans, the KV manager fits the plan, the runner builds the inputs and launches (`replay`: the
-CUDA graph is started: the device works from here), the sampler is queued, the request actor
-publishes. With --sync (async scheduling off, as a speculating engine runs) the next step is
+--temperature, each request seeded S + i with --seed) on the model (the built-in one by default).
+Each step's path is timed where it crosses a boundary: the executor's thread has the tokens
+(`ready`: their copy to the host waited for), the scheduler takes the result and plans, the KV
+manager fits the plan, the runner builds the inputs and launches (`replay`: the CUDA graph is
+started: the device works from here), the sampler is queued, the request actor publishes. With --sync (async scheduling off, as a speculating engine runs) the next step is
 planned only once the tokens are back, so `ready` to `replay` is the host time the device idles;
 without it, the same moments show what overlaps the device.
 

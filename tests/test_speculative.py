@@ -220,21 +220,22 @@ def test_speculation_stops_while_it_keeps_too_few_drafts_and_probes_before_it_st
     assert c.probe_step is None and not c.active
 
 
-def _spell(kept_pattern, interval, steps=300, plain_interval=0.002):
-    """A controller stopped once (nothing kept), plain steps of `plain_interval` s while it waits,
-    then a spell of one request keeping `kept_pattern` in turn, a step every `interval` s, its
-    proposer taking half a step; returns the controller and the steps the spell lasted."""
+def _spell(kept_pattern, interval, steps=300, plain_interval=0.002, cost=0.5, plain_batch=1):
+    """A controller stopped once (nothing kept), plain steps of `plain_interval` s (of
+    `plain_batch` requests) while it waits, then a spell of one request keeping `kept_pattern` in
+    turn, a step every `interval` s, its proposer taking `cost` of a step; returns the controller
+    and the steps the spell lasted."""
     c = SpecControl(max_gain=4)
     for _ in range(SpecControl.SETTLE):
-        c.record(1, 0, cost=0.5, interval=interval)
+        c.record(1, 0, cost=cost, interval=interval)
     assert not c.active
     while not c.probe_due:
         c.planned()
-        c.plain(plain_interval)
+        c.plain(plain_interval, plain_batch)
     c.probe_sent(1)
     c.probed(1, 1)
     for i in range(steps):
-        c.record(1, kept_pattern[i % len(kept_pattern)], cost=0.5, interval=interval)
+        c.record(1, kept_pattern[i % len(kept_pattern)], cost=cost, interval=interval)
         if not c.active:
             return c, i + 1
     return c, steps
@@ -259,18 +260,7 @@ def test_plain_steps_of_another_size_are_no_measure_of_a_spell():
     """Plain steps timed at 16 requests (5 ms) say nothing of speculating steps of one (2.5 ms,
     for 0.2 drafts kept): the bar stays the model's (0.4 plus the proposer's cost), and the spell
     stops; measured beside plain steps of one (2 ms) the bar is 0.25."""
-    c = SpecControl(max_gain=4)
-    for _ in range(SpecControl.SETTLE):
-        c.record(1, 0, cost=0.1, interval=0.0025)
-    while not c.probe_due:
-        c.planned()
-        c.plain(0.005, batch=16)
-    c.probe_sent(1)
-    c.probed(1, 1)
-    for i in range(40):
-        c.record(1, [0, 0, 0, 0, 1][i % 5], cost=0.1, interval=0.0025, batch=1)
-        if not c.active:
-            break
+    c, _ = _spell([0, 0, 0, 0, 1], 0.0025, steps=40, plain_interval=0.005, cost=0.1, plain_batch=16)
     assert not c.active and c.bar(1) == pytest.approx(0.5) and c.bar(16) == pytest.approx(0.5)
     for _ in range(SpecControl.SETTLE):
         c.plain(0.002, batch=1)
