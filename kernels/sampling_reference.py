@@ -16,6 +16,8 @@ _M1, _M2 = 0x7FEB352D, 0x846CA68B
 _MASK = 0xFFFFFFFF
 _U_SALT = 0x5BD1E995  # a row's u hashes its key with this (the filtered sampler's rounds with _FILTER_SALT)
 _FILTER_SALT = 0x2545F491
+ACCEPT_SALT = 0x27D4EB2F  # a checked draft's acceptance u hashes the row key with this,
+RESIDUAL_SALT = 0x165667B1  # its redraw's key with this
 _LOG2E = 1.4426950408889634
 PIVOTS, MAX_ROUNDS = 4, 64  # the filtered sampler's pivots a round and rounds at most (kernels/sampling.py)
 
@@ -60,6 +62,35 @@ def sample_rows_reference(logits: torch.Tensor, temperature: torch.Tensor, key: 
     drawn = torch.minimum((cum <= target[:, None]).sum(-1), last)
     drawn = torch.where(cum[:, -1] > 0, drawn, 0)
     return torch.where(t > 0, drawn, x.argmax(-1))
+
+
+def check_drafts_reference(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, drafts: torch.Tensor,
+                           q: torch.Tensor, draw_fn=sample_rows_reference) -> torch.Tensor:
+    """The token each of R rows produces where it checks a draft drawn from a distribution q
+    (speculative decoding), by the rejection sampler of Leviathan et al. (arXiv 2211.17192): with
+    p = softmax(logits / T), the row keeps its draft d with probability min(1, p(d) / q(d)), else it
+    draws from max(p - q, 0) normalised. Either way the token is distributed as p. A rejected d
+    has p(d) < q(d), so the draw is never d: the row's token equals its draft exactly when the
+    draft is kept, and the engine counts the drafts kept as it does for a fixed proposal. A row
+    whose residual is all zero (p == q up to rounding) keeps its draft, as it would with
+    probability 1 in exact arithmetic.
+
+    p is computed as sample_rows weighs tokens: 2^(y - max y) / sum, y = logits * log2(e) / T, in
+    float32. The draft is kept where u * q(d) < p(d), u from the row key salted with ACCEPT_SALT;
+    the residual is drawn by `draw_fn` (the backend's sample_rows) from its logarithm at
+    temperature 1, with the key hash32(key ^ RESIDUAL_SALT).
+
+    logits [R, V] float32, processed (process_logits); temperature [R], all > 0; keys [R] the rows'
+    keys; drafts [R] int64; q [R, V] float32. Returns int64 [R]."""
+    y = logits.float() * (_LOG2E / temperature.float())[:, None]
+    w = torch.exp2(y - y.max(-1, keepdim=True).values)
+    p = w / w.sum(-1, keepdim=True)
+    index = drafts[:, None]
+    residual = (p - q).clamp_min_(0.0)
+    accepted = ((uniform_reference(keys, ACCEPT_SALT) * q.gather(1, index)[:, 0] < p.gather(1, index)[:, 0])
+                | (residual.sum(-1) == 0))
+    redrawn = draw_fn(residual.log(), torch.ones_like(temperature), hash32_reference(keys ^ RESIDUAL_SALT))
+    return torch.where(accepted, drafts, redrawn)
 
 
 def order_key_reference(x: torch.Tensor) -> torch.Tensor:

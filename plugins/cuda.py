@@ -17,6 +17,7 @@ class CUDABackend(AttentionBackend):
         # Imported here: Triton's CUDA driver is only needed when this backend is chosen.
         from llmserve.kernels import cascade, fused, moe
         from llmserve.kernels.cache_write import write_kv
+        from llmserve.kernels.rejection import check_drafts
         from llmserve.kernels.paged_attention import paged_attention
         from llmserve.kernels.sampling import sample_filtered_rows, sample_rows
         from llmserve.kernels.token_mask import apply_token_mask
@@ -28,6 +29,7 @@ class CUDABackend(AttentionBackend):
         self._fused = fused
         self._moe = moe
         self._apply_token_mask = apply_token_mask
+        self._check_drafts = check_drafts
 
     def write_kv(self, key, value, cache: KVCache, slot_mapping) -> None:
         self._write_kv(key, value, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale)
@@ -71,6 +73,9 @@ class CUDABackend(AttentionBackend):
 
     def sample_filtered_rows(self, logits, temperature, top_k, top_p, min_p, key, rows, out) -> torch.Tensor:
         return self._sample_filtered_rows(logits, temperature, top_k, top_p, min_p, key, rows, out)
+
+    def check_drafts(self, logits, temperature, keys, drafts, q) -> torch.Tensor:
+        return self._check_drafts(logits, temperature, keys, drafts, q)
 
     def apply_token_mask(self, logits, rows, masks) -> None:
         self._apply_token_mask(logits, rows, masks)

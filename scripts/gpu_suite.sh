@@ -100,7 +100,7 @@ run)
         1) part=(-k "test_gpu and not (float32 and (gemma or moe or mixtral))") ;;
         2) part=(-k "test_moe or test_sampling_kernels or (test_gpu and float32 and (gemma or moe or mixtral))") ;;
         3) part=(-k "test_kernels or test_cascade") ;;
-        spec) part=(-k "test_gpu and (specul or draft)") ;;  # speculative decoding's (with `run pair`)
+        spec) part=(-k "(test_gpu and (specul or draft)) or check_drafts") ;;  # speculative decoding's (with `run pair`)
     esac
     [ -n "${SKIP_TESTS:-}" ] || timeout ${TEST_TIMEOUT:-480} "$PY" -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 -rf "${part[@]}" tests/test_gpu.py tests/test_kernels.py tests/test_sampling_kernels.py tests/test_cascade.py tests/test_moe.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     # COLD=1: the benchmark starts on an empty Triton cache (a fresh machine's start-up: every kernel compiled)

@@ -224,3 +224,40 @@ def test_sample_rows_never_draws_a_token_of_zero_weight_past_a_block_whose_sums_
     logits[:, 65] = 0.0  # past the block boundary: token 64 has zero weight, token 65 weight 1
     out = sample_rows(logits.to(DEVICE), torch.ones(len(ks), device=DEVICE), keys, tiles=(128, 64))
     assert not torch.isinf(logits[torch.arange(len(ks)), out.cpu()]).any(), str(out.tolist())
+
+
+@pytest.mark.parametrize("tiles", [(64, 32), (SLICE, 4096)])
+def test_check_drafts_matches_reference(tiles):
+    """Speculative decoding's rejection sampler (kernels/rejection.py) against its torch reference:
+    rows whose q agrees with p and rows whose q does not, temperatures 0.5 to 2, several slices a
+    row; the same tokens, some drafts kept and some redrawn (a redraw never the rejected draft)."""
+    from llmserve.kernels.rejection import check_drafts
+    from llmserve.kernels.sampling_reference import check_drafts_reference
+    g = torch.Generator().manual_seed(5)
+    rows, vocab = 48, (200 if tiles[0] == 64 else SLICE + 300)
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    q_logits = torch.where(torch.arange(rows)[:, None] % 3 == 0, logits, torch.randn(rows, vocab, generator=g) * 2)
+    temperature = torch.tensor([0.5, 0.7, 1.0, 2.0] * 12)
+    q = torch.softmax(q_logits / temperature[:, None], -1)
+    drafts = torch.multinomial(q, 1, generator=g)[:, 0]
+    keys = row_keys(torch.arange(rows) * 31 + 7, torch.arange(rows))
+    args = [t.to(DEVICE) for t in (logits, temperature, keys, drafts, q)]
+    out = check_drafts(*args, tiles=tiles)
+    expected = check_drafts_reference(*args, lambda x, t, k: sample_rows_reference(x, t, k))
+    assert out.tolist() == expected.tolist()
+    kept = out.cpu() == drafts
+    assert kept.any() and not kept.all()
+
+
+def test_check_drafts_reference_keeps_a_draft_whose_residual_is_all_zero():
+    """q == p as computed: every draft is kept, as with probability 1 in exact arithmetic (the
+    residual max(p - q, 0) has nothing to draw from)."""
+    from llmserve.kernels.sampling_reference import _LOG2E, check_drafts_reference
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1))
+    temperature = torch.full((64,), 0.8)
+    y = logits * (_LOG2E / temperature)[:, None]
+    w = torch.exp2(y - y.max(-1, keepdim=True).values)
+    q = w / w.sum(-1, keepdim=True)
+    drafts = torch.multinomial(q, 1, generator=torch.Generator().manual_seed(2))[:, 0]
+    keys = row_keys(torch.arange(64), torch.zeros(64, dtype=torch.int64))
+    assert check_drafts_reference(logits, temperature, keys, drafts, q).tolist() == drafts.tolist()

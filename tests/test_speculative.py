@@ -834,12 +834,11 @@ def test_the_executor_reports_what_its_proposer_costs(checkpoint):
 # ---- drafts drawn from a distribution ------------------------------------------------------------
 
 def test_a_draft_drawn_from_q_is_kept_with_probability_min_1_p_over_q_and_tokens_follow_p():
-    """check_sampled_drafts on one position, 40,000 rows with their own streams: the tokens follow
+    """check_drafts_reference on one position, 40,000 rows with their own streams: the tokens follow
     p (goodness of fit), and a draft d is kept (the row's token is d: a rejected d has p(d) < q(d),
     so the redraw from max(p - q, 0) is never d) with probability min(1, p(d) / q(d)), in all
     sum(min(p, q))."""
-    from llmserve.kernels.sampling_reference import row_keys, sample_rows_reference
-    from llmserve.model.sampler import check_sampled_drafts
+    from llmserve.kernels.sampling_reference import check_drafts_reference, row_keys, sample_rows_reference
     from llmserve.speculative import draft_keys
 
     rows, temperature = 40_000, 0.7
@@ -852,7 +851,7 @@ def test_a_draft_drawn_from_q_is_kept_with_probability_min_1_p_over_q_and_tokens
     drafts = sample_rows_reference(q_logits.expand(rows, -1), temps,
                                    torch.from_numpy(np.concatenate([draft_keys(s, 3, 1) for s in seeds.tolist()])))
     keys = row_keys(seeds, torch.full((rows,), 3))
-    tokens = check_sampled_drafts(logits.expand(rows, -1), temps, keys, drafts, q.expand(rows, -1))
+    tokens = check_drafts_reference(logits.expand(rows, -1), temps, keys, drafts, q.expand(rows, -1))
     observed = torch.bincount(tokens, minlength=8).double()
     expected = p.double() * rows
     stat = float(((observed - expected) ** 2 / expected).sum())

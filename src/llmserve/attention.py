@@ -208,6 +208,16 @@ class AttentionBackend:
         the exact function."""
         raise NotImplementedError
 
+    def check_drafts(self, logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, drafts: torch.Tensor,
+                     q: torch.Tensor) -> torch.Tensor:
+        """Speculative decoding's rejection sampler: rows of logits [R, V] each checking a draft
+        [R] drawn from q [R, V] keep it with probability min(1, p / q), else draw from the residual;
+        see kernels/sampling_reference.py check_drafts_reference for the exact function. This torch
+        version (on the backend's sample_rows) serves every device; backends with a kernel
+        override it."""
+        from llmserve.kernels.sampling_reference import check_drafts_reference
+        return check_drafts_reference(logits, temperature, keys, drafts, q, self.sample_rows)
+
     def apply_token_mask(self, logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> None:
         """logits[rows[r], t] = -inf in place wherever bit t of packed mask row r is clear (float32
         logits; masks int32 [R, ceil(V / 32)], llmserve/decoding.py). This torch version unpacks the

@@ -5,8 +5,9 @@ for the drafts it drew until the step that checks them, and where a checking ste
 A request checking k drafts samples at its last k + 1 positions: the k drafts' positions and the
 one before them. Greedy rows and fixed proposals keep a draft while the target's own draw equals
 it (kept_drafts); drafts drawn from a distribution q are checked against it by rejection sampling
-(model/sampler.py check_sampled_drafts), which is exact in distribution. Under tensor parallelism
-only rank 0 proposes, and only fixed proposals: the other ranks could not check a q they never saw.
+(the backend's check_drafts: kernels/rejection.py on CUDA), which is exact in distribution. Under
+tensor parallelism only rank 0 proposes, and only fixed proposals: the other ranks could not check
+a q they never saw.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from llmserve.distributed.parallel_state import tp
 from llmserve.messages import StepResult
-from llmserve.model.sampler import SamplingBatch, check_sampled_drafts
+from llmserve.model.sampler import SamplingBatch
 from llmserve.model.sampling_state import SeqState
 from llmserve.model.step_inputs import Staging
 from llmserve.speculative import Proposer, draft_keys, draws_drafts
@@ -116,19 +117,20 @@ class Drafting:
 
 def check_drawn_drafts(processed: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor, offsets: list[int],
                        drafts: list[list[int]], draft_probs: list[torch.Tensor | None], staging: Staging,
-                       sample_rows) -> None:
-    """The rows that check drafts drawn from a distribution take the rejection sampler's token in
-    place of the plain draw (model/sampler.py check_sampled_drafts); the rows after a request's
-    drafts keep theirs, so kept drafts are counted as for any proposal."""
+                       check_drafts) -> None:
+    """The rows that check drafts drawn from a distribution take the rejection sampler's token
+    (the backend's check_drafts) in place of the plain draw; the rows after a request's drafts
+    keep theirs, so kept drafts are counted as for any proposal."""
     rows, flat, qs = [], [], []
     for offset, d, q in zip(offsets, drafts, draft_probs):
         if q is not None:
             rows += range(offset, offset + len(d))
             flat += d
             qs.append(q)
-    index = staging.to_device(np.array(rows, dtype=np.int64))
-    tokens[index] = check_sampled_drafts(processed[index], batch.temperature[index], batch.keys[index],
-                                         staging.to_device(np.array(flat, dtype=np.int64)), torch.cat(qs), sample_rows)
+    staged = staging.to_device(np.array(rows + flat, dtype=np.int64))  # one copy: the rows, then their drafts
+    index = staged[:len(rows)]
+    q = qs[0] if len(qs) == 1 else torch.cat(qs)
+    tokens[index] = check_drafts(processed[index], batch.temperature[index], batch.keys[index], staged[len(rows):], q)
 
 
 def _drawn_from(drafts: list[int], proposed: tuple[list[int], torch.Tensor] | None) -> torch.Tensor | None:

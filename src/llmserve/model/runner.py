@@ -481,7 +481,7 @@ class ModelRunner:
             np.concatenate([[0], np.cumsum([len(d) + 1 for d in sampling.drafts])[:-1]]).tolist()
         if sampling.draft_probs is not None and any(q is not None for q in sampling.draft_probs):
             check_drawn_drafts(processed, batch, tokens, offsets, sampling.drafts, sampling.draft_probs, self.staging,
-                               self.backend.sample_rows)
+                               self.backend.check_drafts)
         flight = InFlight(result, sampling.req_ids, states, tokens,
                           {r: i for i, r in enumerate(result.req_ids)} if offsets is None else dict(zip(result.req_ids, offsets)),
                           mask_errors=mask_errors, drafts=sampling.drafts, offsets=offsets, propose=sampling.propose)

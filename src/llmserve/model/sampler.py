@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmserve.kernels.sampling_reference import (hash32_reference, sample_filtered_rows_reference,
-                                                 sample_rows_reference, uniform_reference)
+from llmserve.kernels.sampling_reference import sample_filtered_rows_reference, sample_rows_reference
 from llmserve.kernels.token_mask import apply_token_mask_reference
 from llmserve.messages import StepPlan, TokenLogprobs
 
@@ -112,32 +111,6 @@ def draw(logits: torch.Tensor, batch: SamplingBatch, draw_fn: DrawFn = sample_ro
         filter_fn(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.keys, batch.filtered_rows,
                   tokens)
     return tokens
-
-
-_ACCEPT_SALT = 0x27D4EB2F
-_RESIDUAL_SALT = 0x165667B1
-
-
-def check_sampled_drafts(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, drafts: torch.Tensor,
-                         q: torch.Tensor, draw_fn: DrawFn = sample_rows_reference) -> torch.Tensor:
-    """The token each of R rows produces where it checks a draft drawn from a distribution q
-    (speculative decoding), by the rejection sampler of Leviathan et al. (arXiv 2211.17192): with
-    p = softmax(logits / T), the row keeps its draft d with probability min(1, p(d) / q(d)), else it
-    draws from max(p - q, 0) normalised. Either way the token is distributed as p. A rejected d
-    has p(d) < q(d), so the draw is never d: the row's token equals its draft exactly when the
-    draft is kept, and the engine counts the drafts kept as it does for a fixed proposal.
-
-    logits [R, V] float32, processed (process_logits); temperature [R], all > 0; keys [R] the rows'
-    random streams (SamplingBatch.keys: the acceptance and the residual draw take streams of their
-    own from them); drafts [R] int64; q [R, V] float32, the distribution each draft was drawn from.
-    `draw_fn` is the backend's sample_rows. Returns int64 [R]."""
-    p = torch.softmax(logits.float() / temperature[:, None], dim=-1)
-    index = drafts[:, None]
-    accepted = uniform_reference(keys, _ACCEPT_SALT) * q.gather(1, index)[:, 0] < p.gather(1, index)[:, 0]
-    residual = (p - q).clamp_min_(0.0)
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # (p == q: every draft is kept)
-    redrawn = draw_fn(residual.log(), torch.ones_like(temperature), hash32_reference(keys ^ _RESIDUAL_SALT))
-    return torch.where(accepted, drafts, redrawn)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
