@@ -15,8 +15,8 @@ S combined from per-slice maxima and sums (kernels/sampling.py's slices of SLICE
 4. the settle kernel, grid (R,): p(d) from the stats; the row keeps d where u * q(d) < p(d)
    (u from the key salted with ACCEPT_SALT) or its residual sums to zero, else takes the redraw.
 
-A dozen launches in all where the same function in torch takes some fifty: the host's time per
-verify step is what a sampled batch of one waits on.
+Six launches (with the caller's gathers and copies, about a dozen) where the same function in
+torch takes some fifty: the host's time per verify step is what a sampled batch of one waits on.
 """
 
 from __future__ import annotations
@@ -87,6 +87,9 @@ def check_drafts(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Te
     temperature float32 [R] (all > 0), keys int64 [R], drafts int64 [R], q float32 [R, V] (unit
     column stride) -> int64 [R]. `tiles` (slice, block) only for tests, as in sample_rows."""
     R, V = logits.shape
+    if q.shape != logits.shape or q.dtype != torch.float32 or q.stride(1) != 1 or logits.stride(1) != 1:
+        raise ValueError(f"check_drafts: q must be float32 {tuple(logits.shape)} with unit column strides "
+                         f"(got {q.dtype} {tuple(q.shape)}, strides {q.stride()} and logits' {logits.stride()})")
     out = torch.empty(R, dtype=torch.int64, device=logits.device)
     if not R:
         return out

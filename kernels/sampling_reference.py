@@ -70,7 +70,7 @@ def check_drafts_reference(logits: torch.Tensor, temperature: torch.Tensor, keys
     (speculative decoding), by the rejection sampler of Leviathan et al. (arXiv 2211.17192): with
     p = softmax(logits / T), the row keeps its draft d with probability min(1, p(d) / q(d)), else it
     draws from max(p - q, 0) normalised. Either way the token is distributed as p. A rejected d
-    has p(d) < q(d), so the draw is never d: the row's token equals its draft exactly when the
+    has p(d) <= q(d), so the draw is never d: the row's token equals its draft exactly when the
     draft is kept, and the engine counts the drafts kept as it does for a fixed proposal. A row
     whose residual is all zero (p == q up to rounding) keeps its draft, as it would with
     probability 1 in exact arithmetic.
@@ -82,14 +82,15 @@ def check_drafts_reference(logits: torch.Tensor, temperature: torch.Tensor, keys
 
     logits [R, V] float32, processed (process_logits); temperature [R], all > 0; keys [R] the rows'
     keys; drafts [R] int64; q [R, V] float32. Returns int64 [R]."""
-    y = logits.float() * (_LOG2E / temperature.float())[:, None]
+    c = torch.tensor(_LOG2E, dtype=torch.float32, device=logits.device) / temperature.float()  # as the kernels round it
+    y = logits.float() * c[:, None]
     w = torch.exp2(y - y.max(-1, keepdim=True).values)
     p = w / w.sum(-1, keepdim=True)
     index = drafts[:, None]
     residual = (p - q).clamp_min_(0.0)
     accepted = ((uniform_reference(keys, ACCEPT_SALT) * q.gather(1, index)[:, 0] < p.gather(1, index)[:, 0])
                 | (residual.sum(-1) == 0))
-    redrawn = draw_fn(residual.log(), torch.ones_like(temperature), hash32_reference(keys ^ RESIDUAL_SALT))
+    redrawn = draw_fn(residual.log(), torch.ones_like(temperature), hash32_reference((keys & _MASK) ^ RESIDUAL_SALT))
     return torch.where(accepted, drafts, redrawn)
 
 

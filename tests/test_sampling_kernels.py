@@ -147,13 +147,22 @@ for fn in (sampling._filter_top_kernel, sampling._filter_setup_kernel, sampling.
                  for n in names}
     source = ASTSource(fn, signature, {(names.index(k),): v for k, v in consts.items() if k in names}, {})
     assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["cubin"]
+from llmserve.kernels import rejection  # speculative decoding's rejection sampler
+types = {"logits_ptr": "*fp32", "key_ptr": "*i64", "draft_ptr": "*i64", "rkey_ptr": "*i64", "redrawn_ptr": "*i64",
+         "out_ptr": "*i64"}
+for fn in (rejection._residual_kernel, rejection._settle_kernel):
+    names = list(fn.arg_names)
+    signature = {n: "constexpr" if n in consts else types.get(n, "*fp32" if n.endswith("_ptr") else "i32")
+                 for n in names}
+    source = ASTSource(fn, signature, {(names.index(k),): v for k, v in consts.items() if k in names}, {})
+    assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
 """
 
 
 def test_filtered_sampler_kernels_compile_for_an_h100():
     """The interpreter runs the kernels as Python, not through Triton's compiler: a kernel it runs
     may still not compile (a loop-carried variable that started as a literal did not). Each kernel
-    of the filtered sampler, compiled for sm_90 with the launch's constants; no GPU needed (a fresh
+    of the filtered sampler and of the rejection sampler, compiled for sm_90 with the launch's constants; no GPU needed (a fresh
     interpreter: this one's kernels are the interpreter's)."""
     import os
     import subprocess
@@ -230,9 +239,10 @@ def test_sample_rows_never_draws_a_token_of_zero_weight_past_a_block_whose_sums_
 def test_check_drafts_matches_reference(tiles):
     """Speculative decoding's rejection sampler (kernels/rejection.py) against its torch reference:
     rows whose q agrees with p and rows whose q does not, temperatures 0.5 to 2, several slices a
-    row; the same tokens, some drafts kept and some redrawn (a redraw never the rejected draft)."""
+    row, q's rows apart in memory; the same tokens, some drafts kept and some redrawn. And a q of
+    twice p leaves no residual: every draft is kept, whatever u says."""
     from llmserve.kernels.rejection import check_drafts
-    from llmserve.kernels.sampling_reference import check_drafts_reference
+    from llmserve.kernels.sampling_reference import ACCEPT_SALT, check_drafts_reference, uniform_reference
     g = torch.Generator().manual_seed(5)
     rows, vocab = 48, (200 if tiles[0] == 64 else SLICE + 300)
     logits = torch.randn(rows, vocab, generator=g) * 2
@@ -241,12 +251,19 @@ def test_check_drafts_matches_reference(tiles):
     q = torch.softmax(q_logits / temperature[:, None], -1)
     drafts = torch.multinomial(q, 1, generator=g)[:, 0]
     keys = row_keys(torch.arange(rows) * 31 + 7, torch.arange(rows))
-    args = [t.to(DEVICE) for t in (logits, temperature, keys, drafts, q)]
+    spaced = torch.zeros(2 * rows, vocab)  # q's rows apart in memory, as a proposer's buffer holds them
+    spaced[::2] = q
+    args = [t.to(DEVICE) for t in (logits, temperature, keys, drafts, spaced[::2])]
     out = check_drafts(*args, tiles=tiles)
-    expected = check_drafts_reference(*args, lambda x, t, k: sample_rows_reference(x, t, k))
+    expected = check_drafts_reference(*args, sample_rows_reference)
     assert out.tolist() == expected.tolist()
     kept = out.cpu() == drafts
     assert kept.any() and not kept.all()
+    # q = 2p: no residual anywhere, so every draft stays, also where u * q(d) >= p(d)
+    args[4] = 2 * torch.softmax(logits / temperature[:, None], -1).to(DEVICE)
+    assert (uniform_reference(keys, ACCEPT_SALT) >= 0.5).any()
+    assert check_drafts(*args, tiles=tiles).tolist() == drafts.tolist()
+    assert check_drafts_reference(*args).tolist() == drafts.tolist()
 
 
 def test_check_drafts_reference_keeps_a_draft_whose_residual_is_all_zero():
