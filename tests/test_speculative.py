@@ -701,6 +701,74 @@ def test_a_failing_or_out_of_vocabulary_proposer_costs_no_request(checkpoint):
         pm.unregister(plugin)
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_proposer_that_reads_hidden_states_gets_the_models_own_at_every_position(checkpoint, graphs):
+    """Proposer.observe: with chunked prompts and drafts checked, kept and rejected, the rows a
+    proposer was handed for each position, the last time a step computed it, are transformers'
+    final hidden states (after the last norm) of the finished sequence there. graphs: the steps
+    through their CUDA graphs' padded buffers (emulated)."""
+    from conftest import OracleProposer
+    from transformers import AutoModelForCausalLM
+
+    ck = checkpoint("llama")
+    prompts = [list(range(20, 60)), [5, 6, 7, 8, 9, 10, 5, 6, 7]]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with LLM(ck, **COMMON) as llm:
+        plain = run(llm, params, prompts)
+    seen: dict[tuple[str, int], torch.Tensor] = {}
+
+    class Watcher(OracleProposer):
+        def observe(self, req_ids, starts, query_start_loc, hidden):
+            for i, req_id in enumerate(req_ids):
+                for j, row in enumerate(range(query_start_loc[i], query_start_loc[i + 1])):
+                    seen[req_id, int(starts[i]) + j] = hidden[row].clone()
+
+    pm = get_plugin_manager()
+    plugin = Register("watcher", lambda config, context: Watcher(reference_of(prompts, plain)))
+    pm.register(plugin, name="watcher")
+    try:
+        with LLM(ck, **COMMON, max_num_batched_tokens=16,  # the 40-token prompt in chunks
+                 speculative_config={"method": "watcher", "num_speculative_tokens": 3}) as llm:
+            hold_speculation_on(llm)
+            if graphs:
+                llm.engine.runner.capture_graphs(llm.config.scheduler.max_num_seqs, 16, emulate=True)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            spec = llm.engine.scheduler.spec
+    finally:
+        pm.unregister(plugin)
+    assert [[o.token_ids for o in r.outputs] for r in outs] == plain
+    assert 0 < spec.accepted_tokens < spec.draft_tokens  # drafts kept, and rejected
+    model = AutoModelForCausalLM.from_pretrained(ck, dtype=torch.float32).eval()
+    for r, prompt in zip(outs, prompts):
+        sequence = prompt + list(r.outputs[0].token_ids)
+        with torch.no_grad():  # every position but the last token's, which no step computed
+            expected = model.model(torch.tensor([sequence[:-1]])).last_hidden_state[0]
+        got = torch.stack([seen[r.request_id, p] for p in range(len(sequence) - 1)])
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_proposer_that_fails_to_observe_leaves_the_outputs_alone(checkpoint):
+    ck = checkpoint("llama")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with LLM(ck, **COMMON) as llm:
+        plain = run(llm, params)
+
+    class Broken:
+        def propose(self, req_ids, sequences, limits):
+            return [[] for _ in req_ids]
+
+        def observe(self, req_ids, starts, query_start_loc, hidden):
+            raise RuntimeError("a head that cannot read them")
+
+    pm, plugin = get_plugin_manager(), Register("broken", lambda config, context: Broken())
+    pm.register(plugin, name="broken")
+    try:
+        with LLM(ck, **COMMON, speculative_config={"method": "broken"}) as llm:
+            assert run(llm, params) == plain
+    finally:
+        pm.unregister(plugin)
+
+
 # ---- the draft-model proposer ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("graphs", [False, True])

@@ -77,8 +77,18 @@ class Proposer(Protocol):
     # called when those requests end; one that runs a model on the device defines
     #   capture_graphs(emulate: bool) -> None
     # called once the engine's KV cache exists, where the engine captures CUDA graphs of its own
-    # steps (not under enforce_eager; emulate: tests without CUDA). (A proposer that reads the model's hidden states, as
-    # EAGLE-style heads do, needs a way to receive them that this protocol does not have yet.)
+    # steps (not under enforce_eager; emulate: tests without CUDA). A proposer that reads the
+    # model's hidden states (EAGLE-style heads) defines
+    #   observe(req_ids: list[str], starts: np.ndarray, query_start_loc: np.ndarray,
+    #           hidden: torch.Tensor) -> None
+    # called on the executor's thread once each step's forward pass is queued (every step, whether
+    # or not it speculates; one rank only), before the step samples: request i's rows
+    # query_start_loc[i]:query_start_loc[i + 1] of hidden ([num_tokens, hidden_size], the final
+    # hidden states after the model's last norm, on the device) are its positions starts[i]
+    # onward. They are valid only during the call (a CUDA graph's buffers are replayed over by
+    # the next step): queue device work on them on the current stream, or copy what it keeps.
+    # Rows of drafts a step checks come whether or not the drafts are kept; the request's next
+    # propose call shows which were (its output), and a later step computes the others again.
 
 
 @dataclass(slots=True, frozen=True)

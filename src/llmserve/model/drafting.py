@@ -52,6 +52,19 @@ class Drafting:
         if freed and hasattr(self.proposer, "forget"):
             self.proposer.forget(freed)
 
+    def observe(self, req_ids: list[str], starts: np.ndarray, query_start_loc: np.ndarray,
+                hidden: torch.Tensor) -> None:
+        """Hand a step's final hidden states to a proposer that reads them (Proposer.observe), as
+        soon as its forward pass is queued. A proposer that fails here is logged and goes on: its
+        proposals are only ever proposals."""
+        observe = getattr(self.proposer, "observe", None)
+        if observe is None:
+            return
+        try:
+            observe(req_ids, starts, query_start_loc, hidden[:int(query_start_loc[-1])])
+        except Exception:
+            log.exception("proposer failed to observe a step's hidden states", request_ids=req_ids[:8])
+
     def checked_against(self, req_ids: list[str], drafts: list[list[int]] | None) -> list[torch.Tensor | None] | None:
         """Per request of a step (in order), the q rows its drafts were drawn from, or None for a
         fixed proposal; None if none was drawn. Each request's kept distribution is used up here."""

@@ -389,6 +389,7 @@ class ModelRunner:
             if from_device is not None:
                 input_ids[from_device[0]] = from_device[1]
             hidden = self.model(input_ids, positions, meta)
+        self.drafting.observe(plan.req_ids, plan.context_lens, qsl, hidden)
 
         rows = np.flatnonzero(plan.sample)
         result.req_ids = [plan.req_ids[i] for i in rows]
