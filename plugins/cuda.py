@@ -17,8 +17,8 @@ class CUDABackend(AttentionBackend):
         # Imported here: Triton's CUDA driver is only needed when this backend is chosen.
         from llmserve.kernels import cascade, fused, moe
         from llmserve.kernels.cache_write import write_kv
-        from llmserve.kernels.rejection import check_drafts
         from llmserve.kernels.paged_attention import paged_attention
+        from llmserve.kernels.rejection import check_drafts
         from llmserve.kernels.sampling import sample_filtered_rows, sample_rows
         from llmserve.kernels.token_mask import apply_token_mask
         self._write_kv = write_kv
