@@ -83,13 +83,15 @@ def _settle_kernel(logits_ptr, stride, q_ptr, q_stride, temp_ptr, key_ptr, draft
 
 def check_drafts(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, drafts: torch.Tensor,
                  q: torch.Tensor, tiles: tuple[int, int] = (SLICE, _BLOCK)) -> torch.Tensor:
-    """check_drafts_reference on the device: logits [R, V] (any float dtype, unit column stride),
-    temperature float32 [R] (all > 0), keys int64 [R], drafts int64 [R], q float32 [R, V] (unit
-    column stride) -> int64 [R]. `tiles` (slice, block) only for tests, as in sample_rows."""
+    """check_drafts_reference on the device: logits [R, V] (any float dtype), temperature float32
+    [R] (all > 0), keys int64 [R], drafts int64 [R], q [R, V] (float32 with unit column stride, as
+    a proposer's rows are; else copied so) -> int64 [R]. `tiles` (slice, block) only for tests, as
+    in sample_rows."""
     R, V = logits.shape
-    if q.shape != logits.shape or q.dtype != torch.float32 or q.stride(1) != 1 or logits.stride(1) != 1:
-        raise ValueError(f"check_drafts: q must be float32 {tuple(logits.shape)} with unit column strides "
-                         f"(got {q.dtype} {tuple(q.shape)}, strides {q.stride()} and logits' {logits.stride()})")
+    if q.shape != logits.shape:
+        raise ValueError(f"check_drafts: q {tuple(q.shape)} for logits {tuple(logits.shape)}")
+    q = q.float()  # (a proposer's q in another layout: copied once, not misread)
+    q, logits = (t if t.stride(1) == 1 else t.contiguous() for t in (q, logits))
     out = torch.empty(R, dtype=torch.int64, device=logits.device)
     if not R:
         return out

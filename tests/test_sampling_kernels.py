@@ -259,6 +259,8 @@ def test_check_drafts_matches_reference(tiles):
     assert out.tolist() == expected.tolist()
     kept = out.cpu() == drafts
     assert kept.any() and not kept.all()
+    transposed = q.t().contiguous().t()  # another layout (column stride R): copied, not misread
+    assert check_drafts(*args[:4], transposed.to(DEVICE), tiles=tiles).tolist() == expected.tolist()
     # q = 2p: no residual anywhere, so every draft stays, also where u * q(d) >= p(d)
     args[4] = 2 * torch.softmax(logits / temperature[:, None], -1).to(DEVICE)
     assert (uniform_reference(keys, ACCEPT_SALT) >= 0.5).any()
