@@ -20,6 +20,9 @@ from llmserve.hookspecs import hookimpl
 from llmserve.speculative import ProposerContext
 
 
+_FEW = 16  # candidates (earlier places of the last token) compared one by one, not as one array
+
+
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
         if config.model is not None:
@@ -59,24 +62,45 @@ class NgramProposer:
         """The drafts for the token ids `tokens` (int64), at most `limit` of them.
 
         One pass over the tokens finds where the last one occurred before (each such place is
-        followed by a token); the candidates' runs of matching tokens are then extended backwards
-        together, up to n_max, as one [candidates, n_max - 1] comparison. The longest run wins, the
-        latest of equals."""
+        followed by a token); the candidates' runs of matching tokens are then extended backwards,
+        up to n_max: as one [candidates, n_max - 1] comparison, or one by one where there are at
+        most _FEW. The longest run wins, the latest of equals."""
         total = len(tokens)
         ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # candidate runs end here
         if not ends.size:
             return []
-        lengths = np.ones(len(ends), dtype=np.int64)
-        back = np.arange(1, min(self.n_max, total - 1))
-        if back.size:
-            before = ends[:, None] - back  # the positions a run of 1 + j would reach
-            same = (before >= 0) & (tokens[np.maximum(before, 0)] == tokens[total - 1 - back])
-            lengths += np.cumprod(same, axis=1).sum(axis=1)
-        best = len(lengths) - 1 - int(np.argmax(lengths[::-1]))  # the latest of the longest
-        if lengths[best] < self.n_min:
+        longest = min(self.n_max, total - 1)  # a run's length at most
+        if len(ends) <= _FEW:
+            end, length = self._walk(tokens, ends, longest)
+        else:
+            lengths = np.ones(len(ends), dtype=np.int64)
+            back = np.arange(1, longest)
+            if back.size:
+                before = ends[:, None] - back  # the positions a run of 1 + j would reach
+                same = (before >= 0) & (tokens[np.maximum(before, 0)] == tokens[total - 1 - back])
+                lengths += np.cumprod(same, axis=1).sum(axis=1)
+            best = len(lengths) - 1 - int(np.argmax(lengths[::-1]))  # the latest of the longest
+            end, length = int(ends[best]), int(lengths[best])
+        if length < self.n_min:
             return []
-        start = int(ends[best]) + 1
-        return tokens[start:start + limit].tolist()
+        return tokens[end + 1:end + 1 + limit].tolist()
+
+    @staticmethod
+    def _walk(tokens: np.ndarray, ends: np.ndarray, longest: int) -> tuple[int, int]:
+        """lookup's longest run for a few candidates, one at a time in Python (a dozen array
+        operations on tiny arrays cost more): (where it ends, its length), the latest of equals."""
+        tail = tokens[len(tokens) - longest:-1].tolist()  # the tokens a run extends back over
+        best, best_length = -1, 0
+        for end in reversed(ends.tolist()):
+            before = tokens[max(end - longest + 1, 0):end].tolist()
+            length = 1
+            while length <= len(before) and before[-length] == tail[-length]:
+                length += 1
+            if length > best_length:
+                best, best_length = end, length
+                if length == longest:
+                    break
+        return best, best_length
 
 
 @hookimpl

@@ -59,8 +59,8 @@ def test_ngram_lookup_equals_the_plain_search_over_every_length():
         return []
 
     rng = np.random.default_rng(0)
-    for _ in range(2000):
-        tokens = rng.integers(0, 4, int(rng.integers(1, 30))).tolist()
+    for i in range(3000):  # few candidates (compared one by one) and many (as one array)
+        tokens = rng.integers(0, 4 if i % 3 else 40, int(rng.integers(1, 30 if i % 3 else 120))).tolist()
         n_max = int(rng.integers(1, 6))
         n_min = int(rng.integers(1, n_max + 1))
         got = ngram(n_max, n_min).lookup(np.array(tokens, dtype=np.int64), 3)
