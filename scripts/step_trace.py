@@ -10,9 +10,10 @@ B requests of 64 random prompt tokens each generate --tokens tokens (ignore_eos;
 Each step's path is timed where it crosses a boundary: the executor's thread has the tokens
 (`ready`: their copy to the host waited for), the scheduler takes the result and plans, the KV
 manager fits the plan, the runner builds the inputs and launches (`replay`: the CUDA graph is
-started: the device works from here), the sampler is queued, the request actor publishes. With --sync (async scheduling off, as a speculating engine runs) the next step is
-planned only once the tokens are back, so `ready` to `replay` is the host time the device idles;
-without it, the same moments show what overlaps the device.
+started: the device works from here), the sampler is queued, the request actor publishes. With
+--sync (async scheduling off, as a speculating engine runs) the next step is planned only once the
+tokens are back, so `ready` to `replay` is the host time the device idles; without it, the same
+moments show what overlaps the device.
 
 --speculative '{"method": "draft", "model": "builtin", "num_speculative_tokens": 4}': the engine
 speculates (held on, whatever it keeps; "builtin" names the built-in model), so each step is a

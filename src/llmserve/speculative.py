@@ -21,10 +21,10 @@ the same tokens with and without speculation, and greedy rows keep a draft while
 A proposer that can draw its drafts from a distribution (`propose_sampled`: the draft model)
 does so for the requests that sample freely: temperature > 0, no top-k/top-p/min-p, and no seed
 of their own (a seeded request must give the plain engine's tokens, whatever the engine's
-speculation decisions). Their rows check with min(1, p / q) itself (the backend's check_drafts,
-kernels/sampling_reference.py check_drafts_reference), which keeps a draft sampled from a draft model close to the target far
-more often than p(d) keeps its greedy choice; the tokens are still distributed as the plain
-engine's, and a row's token equals its draft exactly when the draft is kept, so the engine counts
+speculation decisions). Their rows check with min(1, p / q) itself (the backend's
+check_drafts, kernels/sampling_reference.py check_drafts_reference), which keeps a draft sampled
+from a draft model close to the target far more often than p(d) keeps its greedy choice; the
+tokens are still distributed as the plain engine's, and a row's token equals its draft exactly when the draft is kept, so the engine counts
 and takes back drafts as it does for fixed proposals.
 
 When it pays: a step that checks k drafts reads the weights once for up to k + 1 tokens, a gain

@@ -23,7 +23,7 @@ from llmserve.messages import StepResult
 from llmserve.model.sampler import SamplingBatch
 from llmserve.model.sampling_state import SeqState
 from llmserve.model.step_inputs import Staging
-from llmserve.speculative import Proposer, draft_keys, draws_drafts
+from llmserve.speculative import Proposer, draft_keys, draws_drafts, kept_drafts
 
 log = structlog.get_logger("llmserve.runner")
 
@@ -144,6 +144,20 @@ def check_drawn_drafts(processed: torch.Tensor, batch: SamplingBatch, tokens: to
     index = staged[:len(rows)]
     q = qs[0] if len(qs) == 1 else torch.cat(qs)
     tokens[index] = check_drafts(processed[index], batch.temperature[index], batch.keys[index], staged[len(rows):], q)
+
+
+def keep_confirmed(result: StepResult, drawn: list[int], offsets: list[int], drafts: list[list[int]]) -> None:
+    """A checking step's tokens: each request keeps the drafts its draws confirm, then the draw
+    after them (result.accepted: all of them; result.token_ids: the first), from its rows at
+    offsets[i] onward of `drawn`."""
+    result.token_ids = []
+    for req_id, offset, checked in zip(result.req_ids, offsets, drafts):
+        if checked:
+            tokens = drawn[offset:offset + kept_drafts(drawn[offset:], checked) + 1]
+            result.accepted[req_id] = tokens
+            result.token_ids.append(tokens[0])
+        else:
+            result.token_ids.append(drawn[offset])
 
 
 def _drawn_from(drafts: list[int], proposed: tuple[list[int], torch.Tensor] | None) -> torch.Tensor | None:

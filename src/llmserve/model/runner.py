@@ -23,7 +23,7 @@ from llmserve.core.kv_cache_manager import MAX_PREFIX_GROUPS
 from llmserve.distributed.parallel_state import tp
 from llmserve.messages import PLACEHOLDER, PrefixGroups, StepPlan, StepResult
 from llmserve.model.cuda_graphs import StepGraphs, eager_cascade_layouts
-from llmserve.model.drafting import Drafting, check_drawn_drafts, spread
+from llmserve.model.drafting import Drafting, check_drawn_drafts, keep_confirmed, spread
 from llmserve.model.kv_cache import KVCacheLayout
 from llmserve.model.loader import load_model
 from llmserve.model.sampler import draw, gather_logprobs, process_logits, prompt_logprobs, to_token_logprobs
@@ -32,7 +32,7 @@ from llmserve.model.spec import ModelSpec
 from llmserve.model.step_inputs import Staging, StepInputs
 from llmserve.model.step_timing import StepTiming
 from llmserve.quantization import QuantizationMethod
-from llmserve.speculative import Proposer, kept_drafts
+from llmserve.speculative import Proposer
 
 log = structlog.get_logger("llmserve.runner")
 
@@ -526,15 +526,8 @@ class ModelRunner:
         drawn = flight.tokens_host.tolist()
         if flight.drafts is None:
             result.token_ids = drawn
-        else:  # each request keeps the drafts its draws confirm, then the draw after them
-            result.token_ids = []
-            for req_id, offset, drafts in zip(result.req_ids, flight.offsets, flight.drafts):
-                if drafts:
-                    tokens = drawn[offset:offset + kept_drafts(drawn[offset:], drafts) + 1]
-                    result.accepted[req_id] = tokens
-                    result.token_ids.append(tokens[0])
-                else:
-                    result.token_ids.append(drawn[offset])
+        else:
+            keep_confirmed(result, drawn, flight.offsets, flight.drafts)
         if flight.logprob_parts is not None:  # one entry per token produced (drafts kept: several)
             want = [i for i, s in enumerate(flight.states) if s.params.logprobs is not None]
             produced = [result.accepted.get(result.req_ids[i], [result.token_ids[i]]) for i in want]
