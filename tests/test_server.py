@@ -675,7 +675,8 @@ def test_unknown_fields_are_refused_and_openais_advisory_ones_accepted(server):
 def test_metrics_under_vllms_names_for_its_dashboards():
     """server.metrics_prefix = "vllm:": the same series under vLLM's own names, with model_name."""
     with running_server(metrics_prefix="vllm:", served_model_name="m") as s:
-        s.client().completions.create(model="m", prompt="Metrics", max_tokens=2)
+        # (ignore_eos: a sampled end of sequence within two tokens would finish it as "stop")
+        s.client().completions.create(model="m", prompt="Metrics", max_tokens=2, extra_body={"ignore_eos": True})
         text = httpx.get(f"{s.url}/metrics").text
     for name in ('vllm:num_requests_waiting{model_name="m"}', 'vllm:kv_cache_usage_perc{model_name="m"}',
                  'vllm:generation_tokens_total{model_name="m"}', 'vllm:request_success_total{finished_reason="length",model_name="m"}',
