@@ -250,17 +250,37 @@ _TOKEN_CALLS = frozenset({"accept_token", "accept_string", "find_jump_forward_st
                           "is_completed", "fill_next_token_bitmask"})
 
 
+def _batch_accept() -> Any:
+    """xgrammar's batch accept as f(constraints, tokens), its results unread: the tvm-ffi call
+    itself, where this xgrammar has it (its Python wrapper reads each row's result back, ~1 µs a
+    row through tvm-ffi: as long as the row's accept), keeping the interpreter lock (256 rows take
+    ~0.25 ms: releasing the lock there, the executor waits for a busy event loop to give it back,
+    up to the 5 ms switch interval); else the wrapper."""
+    import xgrammar
+
+    core = getattr(getattr(xgrammar, "base", None), "_core", None)
+    native = getattr(getattr(core, "BatchGrammarMatcher", None), "batch_accept_token", None)
+    if native is not None:
+        if hasattr(native, "release_gil"):
+            native.release_gil = False
+        return lambda constraints, tokens: native([c.handle for c in constraints], tokens, False)
+    return lambda constraints, tokens: xgrammar.BatchGrammarMatcher.batch_accept_token(
+        [c.matcher for c in constraints], tokens)
+
+
 class GrammarConstraint:
     def __init__(self, compiled: Any) -> None:
         import xgrammar
 
         self.matcher = xgrammar.GrammarMatcher(compiled)
-        _keep_the_interpreter_for_token_calls(type(getattr(self.matcher, "_handle", None)))
+        self.handle = getattr(self.matcher, "_handle", self.matcher)  # its tvm-ffi object: calls skip the wrapper
+        _keep_the_interpreter_for_token_calls(type(self.handle))
+        self.terminated = self.handle.is_terminated
 
     # Past the end (the end-of-sequence token accepted), the request is finished: a token planned
     # meanwhile (steps are planned ahead) is computed and discarded, so any token will do.
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        if self.matcher.is_terminated():
+        if self.terminated():
             bitmask[row] = -1
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
@@ -283,12 +303,13 @@ class JumpingGrammarConstraint(GrammarConstraint):
     def __init__(self, compiled: Any, tokenizer: Any) -> None:
         super().__init__(compiled)
         self.tokenizer = tokenizer
+        self._forced = self.handle.find_jump_forward_string
 
     def jump(self, token: int, limit: int) -> list[int] | None:
         """After `token` was accepted (not an end of sequence): at most `limit` tokens that replace
         it, its text and the text the grammar forces next, encoded by the tokenizer (the module's
         docstring says which); the matcher is left after them. None: nothing to jump."""
-        forced = self.matcher.find_jump_forward_string()  # first: it is "" almost always
+        forced = self._forced()  # first: it is "" almost always
         if not forced or limit < 2:
             return None
         tokenizer = self.tokenizer
@@ -317,6 +338,7 @@ class StructuredOutputs:
         self._files = _Files()
         self._loaded = _Loaded()
         self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made on first use (executor side)
+        self._accept: Any = None  # _batch_accept(), on first use (executor side)
         self._tokenizers: dict[str, Any] = {}  # directory -> tokenizer, for jump-forward (executor side)
         self._prefix_space: dict[int, bool] = {}  # id(tokenizer) -> _prefix_space(it); compilers keep them alive
 
@@ -375,7 +397,7 @@ class StructuredOutputs:
         otherwise: at batch 256, longer than the forward pass it hides behind)."""
         live = []
         for c, row in zip(constraints, rows):
-            if c.matcher.is_terminated():
+            if c.terminated():
                 bitmask[row] = -1
             else:
                 live.append((c.matcher, row))
@@ -388,6 +410,14 @@ class StructuredOutputs:
                 self._batch = xgrammar.BatchGrammarMatcher()
             matchers, indices = zip(*live)
             self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask, list(indices))
+
+    def accept_tokens(self, constraints: list[GrammarConstraint], tokens: list[int]) -> None:
+        """Each matcher past its token in one xgrammar call (not a Python call a row). The engine checked each token against the mask it was drawn under, so a
+        matcher refuses one only past its end (a request already finished: nothing to advance);
+        the call's results are not read."""
+        if self._accept is None:
+            self._accept = _batch_accept()
+        self._accept(constraints, tokens)
 
     def start(self, prepared: PreparedGrammar) -> GrammarConstraint:
         compiled = prepared.compiled if prepared.compiled is not None else self._loaded.get(prepared.paths)

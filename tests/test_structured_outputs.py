@@ -484,7 +484,8 @@ def test_a_constraint_that_cannot_fill_its_mask_fails_its_request_alone(checkpoi
 def test_a_matchers_token_calls_keep_the_interpreter_beside_a_busy_thread(checkpoint):
     """xgrammar's calls release the interpreter lock; for a matcher's microsecond calls that hands
     it to any busy thread (the event loop) at every row. The strategy keeps it there: a step's
-    worth of accepts, jump checks and rollbacks takes about as long beside a busy thread as alone."""
+    worth of accepts (one by one, and in one batch call), jump checks and rollbacks takes about as
+    long beside a busy thread as alone."""
     import threading
 
     from transformers import AutoTokenizer
@@ -493,10 +494,11 @@ def test_a_matchers_token_calls_keep_the_interpreter_beside_a_busy_thread(checkp
 
     strategy, tokenizer = StructuredOutputs(), AutoTokenizer.from_pretrained(checkpoint("llama"))
     prepared = strategy.prepare(structured(0.0, regex="[a-z]*"), tokenizer, 384, (2,))
-    matchers = [strategy.start(prepared).matcher for _ in range(256)]
+    constraints = [strategy.start(prepared) for _ in range(256)]
+    matchers = [c.matcher for c in constraints]
     letter = tokenizer.convert_tokens_to_ids("a")
 
-    def step_calls() -> float:
+    def row_calls() -> float:
         start = time.perf_counter()
         for _ in range(4):
             for m in matchers:
@@ -505,13 +507,105 @@ def test_a_matchers_token_calls_keep_the_interpreter_beside_a_busy_thread(checkp
                 m.rollback(1)
         return time.perf_counter() - start
 
-    alone = min(step_calls() for _ in range(3))
-    stop = threading.Event()
-    busy = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])
-    busy.start()
-    try:
-        beside = min(step_calls() for _ in range(3))
-    finally:
-        stop.set()
-        busy.join()
-    assert beside < 5 * alone + 0.005, (alone, beside)
+    def batch_calls() -> float:
+        start = time.perf_counter()
+        for _ in range(16):
+            strategy.accept_tokens(constraints, [letter] * len(constraints))
+            for m in matchers:
+                m.rollback(1)
+        return time.perf_counter() - start
+
+    for calls in (row_calls, batch_calls):
+        alone = min(calls() for _ in range(3))
+        stop = threading.Event()
+        busy = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])
+        busy.start()
+        try:
+            beside = min(calls() for _ in range(3))
+        finally:
+            stop.set()
+            busy.join()
+        assert beside < 5 * alone + 0.005, (calls.__name__, alone, beside)
+
+
+def test_a_token_its_mask_did_not_allow_fails_its_request_alone(checkpoint, monkeypatch):
+    """Each token a masked request draws is checked against the mask it was drawn under before any
+    constraint advances: a backend that fails to apply masks ends the constrained requests with an
+    error naming the token, and the unconstrained ones beside them get their usual tokens."""
+    from test_engine_failures import run_together
+
+    from llmserve.attention import AttentionBackend
+
+    prompts = [[5, 17, 33], [6, 17, 2]]
+    params = [SamplingParams(temperature=1.0, seed=3, max_tokens=12), structured(1.0, 4, regex="[b]{3,9}")]
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0) as llm:
+        expected = run_together(llm, prompts[:1], params[:1])
+        monkeypatch.setattr(AttentionBackend, "apply_token_mask", lambda self, logits, rows, masks: None)
+        got = run_together(llm, prompts, params)
+        assert got[0] == expected[0]
+        assert isinstance(got[1], Exception) and "is not allowed by its constraints' mask" in str(got[1])
+        assert llm.engine.kv.pool.usage() == 0 and not llm.engine.kv.requests
+
+
+def test_a_failing_batch_accept_fails_the_requests_it_held_alone(checkpoint, monkeypatch):
+    """A strategy's accept_tokens that raises ends the requests whose tokens it was given; an
+    unconstrained request of the same steps is untouched."""
+    from test_engine_failures import run_together
+
+    from llmserve.plugins.structured_outputs import StructuredOutputs
+
+    prompts = [[5, 17, 33], [6, 17, 2]]
+    params = [SamplingParams(temperature=1.0, seed=3, max_tokens=12), structured(1.0, 4, regex="[a-z]{4,12}")]
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0) as llm:
+        expected = run_together(llm, prompts[:1], params[:1])
+
+        def broken(self, constraints, tokens):
+            raise RuntimeError("the grammar engine is gone")
+
+        monkeypatch.setattr(StructuredOutputs, "accept_tokens", broken)
+        got = run_together(llm, prompts, params)
+        assert got[0] == expected[0]
+        assert isinstance(got[1], Exception) and "the grammar engine is gone" in str(got[1])
+        assert llm.engine.kv.pool.usage() == 0 and not llm.engine.kv.requests
+
+
+def test_the_batch_accept_advances_each_matcher_as_its_own_accept_does(checkpoint, monkeypatch):
+    """accept_tokens (one xgrammar call for all rows, its results unread) leaves every matcher where
+    one accept a row leaves it: their masks agree step after step, along random tokens each mask
+    allows, through a JSON schema's keys, values and end. It goes around xgrammar's Python wrapper
+    (whose reading of the results back costs as much as the accepts): the wrapper is never called."""
+    import random
+
+    import torch
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    from llmserve.decoding import mask_width
+    from llmserve.kernels.token_mask import unpack_mask
+    from llmserve.plugins.structured_outputs import StructuredOutputs
+
+    def wrapper(*args, **kwargs):
+        raise AssertionError("the wrapper reads every result back")
+
+    monkeypatch.setattr(xgrammar.BatchGrammarMatcher, "batch_accept_token", wrapper)
+    strategy, tokenizer = StructuredOutputs(), AutoTokenizer.from_pretrained(checkpoint("llama"))
+    vocab = 384
+    prepared = strategy.prepare(structured(0.0, json=SCHEMAS[1]), tokenizer, vocab, (2,))
+    one_by_one = [strategy.start(prepared) for _ in range(8)]
+    batched = [strategy.start(prepared) for _ in range(8)]
+    rng = random.Random(0)
+    for _ in range(300):
+        live = [i for i, c in enumerate(one_by_one) if not c.terminated()]
+        assert live == [i for i, c in enumerate(batched) if not c.terminated()]
+        if not live:
+            break
+        masks = [torch.empty(len(live), mask_width(vocab), dtype=torch.int32) for _ in range(2)]
+        strategy.fill_masks([one_by_one[i] for i in live], masks[0], list(range(len(live))))
+        strategy.fill_masks([batched[i] for i in live], masks[1], list(range(len(live))))
+        assert torch.equal(masks[0], masks[1])
+        allowed = unpack_mask(masks[0], vocab)
+        tokens = [rng.choice(row.nonzero().flatten().tolist()) for row in allowed]
+        for i, t in zip(live, tokens):
+            one_by_one[i].accept(t)
+        strategy.accept_tokens([batched[i] for i in live], tokens)
+    assert not live  # every walk reached the schema's end

@@ -14,7 +14,8 @@ sides of the engine:
                                                         (on the mask thread, after its last token
                                                         was accepted, while the device runs the
                                                         step's forward pass)
-                                                      each token it produced:
+                                                      each token it produced (checked against
+                                                      the mask it was drawn under):
                                                         constraint.accept(token)
                                                         constraint.jump(token, limit): tokens
                                                         that replace it, appended unsampled
@@ -77,6 +78,10 @@ class DecodingStrategy(Protocol):
     # Optional: a strategy that can fill many rows in one call (threads, one native call) defines
     #   fill_masks(constraints: list[Constraint], bitmask: torch.Tensor, rows: list[int]) -> None
     # which writes constraints[i]'s mask into row rows[i]; without it, each row's fill_mask is called.
+    # Optional: a strategy that can advance many constraints in one call defines
+    #   accept_tokens(constraints: list[Constraint], tokens: list[int]) -> None
+    # which advances constraints[i] past tokens[i], a token its mask allowed (the engine checked);
+    # used in steps without drafts, for each constraint's one token; without it, each accept().
 
 
 def mask_width(vocab_size: int) -> int:

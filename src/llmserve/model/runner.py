@@ -64,6 +64,7 @@ class InFlight:
     ready: torch.cuda.Event | None = None
     logprob_parts: tuple[torch.Tensor, ...] | None = None
     mask_errors: dict[int, str] = field(default_factory=dict)  # row -> why its constraint filled no mask
+    masks: MaskFill | None = None  # without drafts: the masks its tokens were drawn under
     drafts: list[list[int]] | None = None  # per sampling request, the drafts it checks (speculative decoding)
     offsets: list[int] | None = None  # with drafts: each sampling request's first row of `tokens`
     propose: dict[str, int] = field(default_factory=dict)  # StepPlan.propose
@@ -485,7 +486,8 @@ class ModelRunner:
                                self.backend.check_drafts)
         flight = InFlight(result, sampling.req_ids, states, tokens,
                           {r: i for i, r in enumerate(result.req_ids)} if offsets is None else dict(zip(result.req_ids, offsets)),
-                          mask_errors=mask_errors, drafts=sampling.drafts, offsets=offsets, propose=sampling.propose)
+                          mask_errors=mask_errors, drafts=sampling.drafts, offsets=offsets, propose=sampling.propose,
+                          masks=sampling.masks if sampling.drafts is None else None)
         if batch.max_logprobs >= 0:
             flight.logprob_parts = gather_logprobs(torch.log_softmax(logits, -1, dtype=torch.float32), tokens,
                                                    batch.max_logprobs)
@@ -540,14 +542,22 @@ class ModelRunner:
             for i, tokens in zip(want, produced):
                 result.logprobs[result.req_ids[i]] = [next(lps) for _ in tokens]
         eos = frozenset(self.sampling.eos_token_ids) if self.sampling.host_sampled else ()
+        # a step without drafts: its masked requests' tokens checked and accepted at once
+        masked = flight.masks is not None
+        refused = self.sampling.accept_masked(flight.states, result.token_ids, flight.masks) if masked else {}
         for i, (req_id, state, token) in enumerate(zip(result.req_ids, flight.states, result.token_ids)):
             if i in flight.mask_errors:  # its constraint filled no mask: sampled from all, it fails alone
                 log.error("constraint failed to fill its mask", request_id=req_id, error=flight.mask_errors[i])
                 self._fail(result, req_id, flight.mask_errors[i])
                 continue
+            if i in refused:
+                log.error("constraint failed", request_id=req_id, error=refused[i])
+                self._fail(result, req_id, refused[i])
+                continue
             try:  # harmless for a request freed meanwhile: its state is gone
-                produced = result.accepted.get(req_id) if result.accepted else None
-                state.accept(produced or [token])
+                if not (masked and state.constraints):
+                    produced = result.accepted.get(req_id) if result.accepted else None
+                    state.accept(produced or [token])
                 if not state.constraints:
                     continue
                 token = state.output_ids[-1]  # (with drafts kept: what a jump would follow)

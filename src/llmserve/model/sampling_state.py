@@ -110,6 +110,7 @@ class SamplingState:
         """Requests whose sampling may read their tokens on the host (penalties, min_tokens, constraints)."""
         self._mask_thread: ThreadPoolExecutor | None = None
         self._rows: _Rows | None = None  # the last batch's per-request part
+        self._layout: _MaskLayout | None = None  # the last masked step's rows and constraints
 
     def add(self, req_id: str, new: NewSequence) -> None:
         """A request that (re)enters the running set: its state is built anew from the plan."""
@@ -126,6 +127,7 @@ class SamplingState:
         self.seqs.clear()
         self.host_sampled.clear()
         self._rows = None
+        self._layout = None
 
     def needs_host_tokens(self, req_ids: list[str], in_flight: dict[str, int]) -> bool:
         """Whether a request of `req_ids` with a token in flight (`in_flight`: its row) samples
@@ -175,6 +177,50 @@ class SamplingState:
                 batch.banned = (to_device(np.array(index, dtype=np.int64)), to_device(np.array(toks, dtype=np.int64)))
         return batch
 
+    def accept_masked(self, states: list[SeqState], tokens: list[int], fill: MaskFill) -> dict[int, str]:
+        """A step's tokens (one a state: no drafts), for the states `fill` masked: each token
+        checked against the mask it was drawn under, appended to its state's output, and accepted
+        by each strategy's constraints in one accept_tokens call where the strategy has one (else
+        one accept a constraint). Returns index -> error for each request that fails alone: its
+        token was not allowed by its mask, or its constraint failed. Rows whose mask was not
+        filled (`fill.failed`) are left to the caller."""
+        owners = fill.layout.owners
+        drawn = np.array(tokens, dtype=np.int64)[owners]
+        host = fill.host.numpy()
+        allowed = (host[np.arange(len(owners)), drawn >> 5] >> (drawn & 31)) & 1
+        errors: dict[int, str] = {}
+        skip = set(fill.failed)
+        if not allowed.all():
+            for row in np.flatnonzero(allowed == 0).tolist():
+                if row not in skip:
+                    skip.add(row)
+                    errors[owners[row]] = f"RuntimeError: token {drawn[row]} is not allowed by its constraints' mask"
+        drawn = drawn.tolist()
+        for row, (i, token) in enumerate(zip(owners, drawn)):
+            if not skip or row not in skip:
+                state = states[i]
+                state.output_ids.append(token)
+                state.in_flight -= 1
+        for strategy, constraints, rows in fill.layout.work:
+            if skip:
+                kept = [k for k, row in enumerate(rows) if row not in skip]
+                constraints, rows = [constraints[k] for k in kept], [rows[k] for k in kept]
+            toks = [drawn[row] for row in rows]
+            accept_tokens = getattr(strategy, "accept_tokens", None)
+            if accept_tokens is not None:
+                try:
+                    accept_tokens(constraints, toks)
+                except Exception as exc:  # which of them moved is unknown: they all fail
+                    log.exception("a strategy's accept_tokens failed")
+                    errors.update((owners[row], f"{type(exc).__name__}: {exc}") for row in rows)
+                continue
+            for constraint, token, row in zip(constraints, toks, rows):
+                try:
+                    constraint.accept(token)
+                except Exception as exc:
+                    errors[owners[row]] = f"{type(exc).__name__}: {exc}"
+        return errors
+
     def masks(self, states: list[SeqState], vocab: int, *, background: bool = False,
               drafts: list[list[int]] | None = None) -> MaskFill | None:
         """The packed masks of the rows of `states` that have constraints (None: no such row),
@@ -188,29 +234,18 @@ class SamplingState:
         constrained state's row j is masked as its constraint stands after the first j drafts
         (advanced tentatively, then rolled back, here); a draft it rejects leaves the rows after it
         allowing every token: the row before masks that draft out, so the drafts kept end there."""
-        counts = [len(d) + 1 for d in drafts] if drafts else [1] * len(states)
-        firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
-        owners = [i for i, s in enumerate(states) if s.constraints for _ in range(counts[i])]
-        if not owners:
+        layout = self._layout
+        if drafts or layout is None or len(layout.states) != len(states) or \
+                any(a is not b for a, b in zip(layout.states, states)):
+            layout = _MaskLayout.of(states, drafts, self.strategies, self.staging)
+            if not drafts:  # decode steps mostly sample the requests of the step before, in order
+                self._layout = layout
+        if not layout.owners:
             return None
-        batch_rows = [firsts[i] + j for i, s in enumerate(states) if s.constraints for j in range(counts[i])]
-        host = torch.empty((len(owners), mask_width(vocab)), dtype=torch.int32,
+        host = torch.empty((len(layout.owners), mask_width(vocab)), dtype=torch.int32,
                            pin_memory=self.staging.device.type == "cuda")
-        groups: dict[str, tuple[list[Constraint], list[int]]] = {}
-        ahead: list[tuple[Constraint, int, list[int]]] = []  # (constraint, its first row, its drafts)
-        row = 0
-        for i, state in enumerate(states):
-            if not state.constraints:
-                continue
-            for name, constraint in state.constraints.items():
-                constraints, rows = groups.setdefault(name, ([], []))
-                constraints.append(constraint)
-                rows.append(row)
-            if counts[i] > 1:  # (Speculation.serves: one constraint, which can check drafts)
-                ahead.append((next(iter(state.constraints.values())), row, drafts[i]))
-            row += counts[i]
-        fill = MaskFill(self.staging.to_device(np.array(batch_rows, dtype=np.int64)), host, owners, self.staging)
-        work = [(self.strategies[name], constraints, rows) for name, (constraints, rows) in groups.items()]
+        fill = MaskFill(layout, host, self.staging)
+        work, ahead = layout.work, layout.ahead
         if background and not ahead:
             if self._mask_thread is None:
                 self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="llmserve-masks")
@@ -281,14 +316,48 @@ class _Rows:
             bias=bias, penalties=penalties, min_tokens=any(p.min_tokens > 0 for p in params))
 
 
+@dataclass(slots=True, eq=False)
+class _MaskLayout:
+    """Where a step's masks go, for `states` (with drafts: len + 1 rows each): per masked row, its
+    state's index (`owners`) and its row of the batch (`rows`, on the device); per strategy, its
+    constraints and their masked rows (`work`); per state checking drafts, (its constraint, its
+    first masked row, its drafts) (`ahead`)."""
+    states: list[SeqState]
+    owners: list[int]
+    rows: torch.Tensor
+    work: list[tuple[Any, list[Constraint], list[int]]]
+    ahead: list[tuple[Constraint, int, list[int]]]
+
+    @classmethod
+    def of(cls, states: list[SeqState], drafts: list[list[int]] | None, strategies: dict[str, Any],
+           staging: Staging) -> _MaskLayout:
+        counts = [len(d) + 1 for d in drafts] if drafts else [1] * len(states)
+        firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        owners = [i for i, s in enumerate(states) if s.constraints for _ in range(counts[i])]
+        batch_rows = [firsts[i] + j for i, s in enumerate(states) if s.constraints for j in range(counts[i])]
+        groups: dict[str, tuple[list[Constraint], list[int]]] = {}
+        ahead: list[tuple[Constraint, int, list[int]]] = []
+        row = 0
+        for i, state in enumerate(states):
+            if not state.constraints:
+                continue
+            for name, constraint in state.constraints.items():
+                constraints, rows = groups.setdefault(name, ([], []))
+                constraints.append(constraint)
+                rows.append(row)
+            if counts[i] > 1:  # (Speculation.serves: one constraint, which can check drafts)
+                ahead.append((next(iter(state.constraints.values())), row, drafts[i]))
+            row += counts[i]
+        work = [(strategies[name], constraints, rows) for name, (constraints, rows) in groups.items()]
+        return cls(list(states), owners, staging.to_device(np.array(batch_rows, dtype=np.int64)), work, ahead)
+
+
 @dataclass(slots=True)
 class MaskFill:
     """A step's packed masks (int32 [rows, ceil(V / 32)], pinned host memory): one row per masked
-    batch row (on the device as `rows`), of the request `owners` gives (its index in the step's
-    sampling requests), being filled unless `job` is done."""
-    rows: torch.Tensor
+    batch row, as `layout` places them, being filled unless `job` is done."""
+    layout: _MaskLayout
     host: torch.Tensor
-    owners: list[int]
     staging: Staging
     job: Future | None = None
     failed: dict[int, str] = field(default_factory=dict)
@@ -300,11 +369,11 @@ class MaskFill:
         if self.job is not None:
             self.job.result()
             self.job = None
-        return self.rows, self.staging.send(self.host)
+        return self.layout.rows, self.staging.send(self.host)
 
     def errors(self) -> dict[int, str]:
         """Sampling request -> the error its constraint raised filling a mask (after send())."""
-        return {self.owners[row]: error for row, error in self.failed.items()}
+        return {self.layout.owners[row]: error for row, error in self.failed.items()}
 
 
 @torch.inference_mode()  # on the mask thread too: `host` was made in inference mode
