@@ -574,6 +574,53 @@ def test_llm_chat_renders_each_conversation_with_the_chat_template(checkpoint):
             llm.chat(first, params, continue_final_message=True)
 
 
+async def test_a_step_waiting_for_its_masks_has_its_sampler_queued_before_the_next_plan_comes():
+    """A launched step whose sampler waits for masks (filled on the mask thread) gets it queued as
+    soon as step() has returned and its results are sent, on a worker thread, not when the next
+    plan comes: the device would wait for the scheduler meanwhile."""
+    import threading
+
+    from llmserve.actors.executor_actor import ExecutorActor
+    from llmserve.messages import StepResult
+
+    calls = []
+
+    class Runner:
+        busy, masks_pending = False, False
+
+        def step(self, plan):
+            calls.append(("step", plan))
+            self.busy = self.masks_pending = True
+            return [StepResult(plan, ["a"], [plan])]
+
+        def queue_sampler(self):
+            calls.append(("queue_sampler", threading.current_thread()))
+            self.masks_pending = False
+            return []
+
+        def landed(self):
+            return True
+
+        def flush(self):
+            calls.append(("flush", None))
+            self.busy = False
+            return []
+
+    to_exec, inbox = anyio.create_memory_object_stream(8)
+    to_sched, results = anyio.create_memory_object_stream(8)
+    actor = ExecutorActor(Runner(), inbox=inbox, to_scheduler=to_sched, launch_here=True)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(actor.run)
+        await to_exec.send(7)
+        assert (await results.receive()).token_ids == [7]
+        with anyio.fail_after(5):
+            while len(calls) < 2:
+                await anyio.sleep(0.001)
+        await to_exec.aclose()
+    assert [c[0] for c in calls] == ["step", "queue_sampler", "flush"]
+    assert calls[1][1] is not threading.current_thread()  # waiting for masks never holds the loop
+
+
 async def test_the_executor_finishes_a_landed_step_on_the_loop_and_a_slow_one_on_a_worker_thread():
     """On FinishInFlight the executor polls the step in flight: one that lands within POLL_S is
     finished on the loop's thread; one that does not, or one waiting for its masks, on a worker
@@ -593,8 +640,8 @@ async def test_the_executor_finishes_a_landed_step_on_the_loop_and_a_slow_one_on
             self.polls += 1
             return self.polls > self.to_land
 
-        def flush(self):
-            self.busy, self.flushed_on = False, threading.current_thread()
+        def flush(self):  # (queues a sampler waiting for its masks first)
+            self.busy, self.masks_pending, self.flushed_on = False, False, threading.current_thread()
             return [StepResult(1, ["a"], [5])]
 
     async def finish(runner):

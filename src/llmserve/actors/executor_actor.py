@@ -3,8 +3,9 @@ wait for the device (so the event loop keeps serving meanwhile), and sends the S
 scheduler. A launch with no step in flight waits for nothing: it runs on the loop's own thread.
 
 The runner keeps one step in flight (model/runner.py): each call launches the next step on the
-device before it waits for the previous one's tokens. So after a launch the actor waits for the
-next message: a plan (launch it, finish the one before) or FinishInFlight, the scheduler's word
+device before it waits for the previous one's tokens. A step whose sampler waits for masks (a
+constrained request's) has it queued as soon as they are filled, before the next message. After a
+launch the actor waits for the next message: a plan (launch it, finish the one before) or FinishInFlight, the scheduler's word
 that no plan comes before a result (finish the step in flight). That finish first polls the
 device from the loop for up to POLL_S (a step that waits for the one before, as under speculation,
 goes on as soon as its tokens land, without the hops to a worker thread and back), then waits on
@@ -58,14 +59,27 @@ class ExecutorActor:
                     results = self.runner.step(plan)
                 else:
                     results = await anyio.to_thread.run_sync(self.runner.step, plan, limiter=self._thread)
-                # The scheduler's inbox is unbounded: this never blocks and, unlike `await send`,
-                # never yields, so the next plan (already queued under async scheduling) starts
-                # on the device before the scheduler digests these results.
-                for result in results:
-                    try:
-                        self.to_scheduler.send_nowait(result)
-                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                        return  # the engine is shutting down: nobody is left to read the result
+                if not self._send(results):
+                    return  # the engine is shutting down: nobody is left to read the result
+                if self.launch_here and self.runner.masks_pending:
+                    # The step just launched samples once its masks are filled: its sampler is
+                    # queued then, while the scheduler plans the next step (which would otherwise
+                    # queue it, leaving the device idle from the forward pass's end until then).
+                    results = await anyio.to_thread.run_sync(self.runner.queue_sampler, limiter=self._thread)
+                    if not self._send(results):
+                        return
+
+    def _send(self, results: list) -> bool:
+        """Send results to the scheduler; False once it is gone (the engine shutting down).
+        The scheduler's inbox is unbounded: this never blocks and, unlike `await send`, never
+        yields, so the next plan (already queued under async scheduling) starts on the device
+        before the scheduler digests these results."""
+        for result in results:
+            try:
+                self.to_scheduler.send_nowait(result)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                return False
+        return True
 
     async def _landed(self) -> bool:
         """Whether the step in flight landed within POLL_S, polled between the loop's other work."""

@@ -226,10 +226,11 @@ class ModelRunner:
     # token tensor. A request whose sampling needs N's token on the host (penalties, min_tokens, a
     # constraint's mask) splits the launch: N+1's forward pass is queued, N is finished while it
     # runs, then N+1's sampling is built. Its masks are filled on the mask thread while N's result
-    # goes back and N+2 is planned; the next call queues N+1's sampler first:
+    # goes back and N+2 is planned; queue_sampler() (the executor calls it as soon as step() has
+    # returned) or else the next call queues N+1's sampler once they are:
     #
-    #     host:    forward N+1 | finish N (wait) | (masks on their thread) | sample N+1, forward N+2 | finish N+1 ...
-    #     device:  ... N ..........| N+1 forward ..................................| sample | N+2 ...
+    #     host:    forward N+1 | finish N (wait) | (masks on their thread) | sample N+1 | forward N+2 | finish N+1 ...
+    #     device:  ... N ..........| N+1 forward ...............................| sample | N+2 ...
 
     @property
     def busy(self) -> bool:
@@ -336,6 +337,13 @@ class ModelRunner:
         done = self._queue_waiting()
         previous, self.in_flight = self.in_flight, None
         return done if previous is None else done + [self._finish_or_fail(previous)]
+
+    def queue_sampler(self) -> list[StepResult]:
+        """Queue the sampler of the launched step waiting for its masks, once the mask thread has
+        filled them, rather than when the next step is launched: the device would wait from the
+        forward pass's end until the next plan came. Returns the step's result if that fails."""
+        self._make_current()
+        return self._queue_waiting()
 
     def _queue_waiting(self) -> list[StepResult]:
         """Queue the sampler of the step waiting for its masks, now in flight; if that fails, the
