@@ -169,14 +169,30 @@ def structured_rows(figs) -> list[str]:
             parts.append(f"TPOT at batch ≥ 240: plain {plain[0]:.2f} / {plain[1]:.2f} ms, constrained "
                          f"{r['json_string']['tpot_ms']:.2f} ms: **{d['tpot']['tpot_ratio']:.2f}×** (target ≤ 1.10); "
                          f"host time in step() {r['plain']['step_call_ms']:.1f} vs {r['json_string']['step_call_ms']:.1f} ms")
+            if rounds := tpot_rounds(d):
+                parts.append(f"each round in the same process: {rounds}")
             base = fig.get("baseline_data", {}).get("tpot")
             if base:  # the same call's run of the commit before
                 b = base["runs"]
                 parts.append(f"beside {fig.get('baseline_commit', 'the base')} in the same call: constrained "
                              f"{b['json_string']['tpot_ms']:.2f} ms, **{base['tpot_ratio']:.2f}×**; json_object's own decode steps "
                              f"{r['json_object']['tpot_ms']:.2f} ms against {b['json_object']['tpot_ms']:.2f} ms")
+                if rounds := tpot_rounds(fig["baseline_data"]):
+                    parts.append(f"its rounds: {rounds}")
         rows.append(f"| {fig['name']} | {'<br>'.join(parts)} | {link(run)} |")
     return rows
+
+
+def tpot_rounds(d: dict) -> str:
+    """The ratios of a structured_bench run's tpot rounds (`--switch-intervals`: each measured again
+    under a sys.setswitchinterval), with their mean at the default 5 ms; "" for a single round."""
+    rounds = [(k, v["tpot_ratio"]) for k, v in d.items() if k.startswith("tpot_switch_")]
+    if not rounds:
+        return ""
+    default = [d["tpot"]["tpot_ratio"]] + [ratio for k, ratio in rounds if abs(float(k[12:]) - 0.005) < 1e-6]
+    labelled = [f"{d['tpot']['tpot_ratio']:.2f}×"] + [f"{ratio:.2f}× ({float(k[12:]) * 1e3:.0f} ms interval)"
+                                                       for k, ratio in rounds]
+    return f"{', '.join(labelled)}; mean at 5 ms {sum(default) / len(default):.2f}×"
 
 
 def speculative_rows(figs) -> list[str]:
