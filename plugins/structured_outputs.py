@@ -412,9 +412,9 @@ class StructuredOutputs:
             self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask, list(indices))
 
     def accept_tokens(self, constraints: list[GrammarConstraint], tokens: list[int]) -> None:
-        """Each matcher past its token in one xgrammar call (not a Python call a row). The engine checked each token against the mask it was drawn under, so a
-        matcher refuses one only past its end (a request already finished: nothing to advance);
-        the call's results are not read."""
+        """Each matcher past its token in one xgrammar call (not a Python call a row). The engine
+        checked each token against the mask it was drawn under, so a matcher refuses one only past
+        its end (a request already finished: nothing to advance); the call's results are not read."""
         if self._accept is None:
             self._accept = _batch_accept()
         self._accept(constraints, tokens)

@@ -148,6 +148,8 @@ PHASES = {  # where each runs: the executor's thread, the mask thread, the event
         ("llmserve.model.runner", "ModelRunner", "_finish_or_fail"),
     "executor: wait for the device": ("torch.cuda", "Event", "synchronize"),
     "executor: accept a token (a row)": ("llmserve.model.sampling_state", "SeqState", "accept"),
+    "executor: accept the masked rows' tokens (one call)": ("llmserve.model.sampling_state", "SamplingState",
+                                                            "accept_masked"),
     "executor: jump check (a row)": ("llmserve.model.sampling_state", "SeqState", "jump"),
     "executor: build the sampling batch, start the masks": ("llmserve.model.runner", "ModelRunner", "_sample"),
     "executor: the batch's parameters": ("llmserve.model.sampling_state", "SamplingState", "batch"),

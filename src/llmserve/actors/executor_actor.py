@@ -5,11 +5,11 @@ scheduler. A launch with no step in flight waits for nothing: it runs on the loo
 The runner keeps one step in flight (model/runner.py): each call launches the next step on the
 device before it waits for the previous one's tokens. A step whose sampler waits for masks (a
 constrained request's) has it queued as soon as they are filled, before the next message. After a
-launch the actor waits for the next message: a plan (launch it, finish the one before) or FinishInFlight, the scheduler's word
-that no plan comes before a result (finish the step in flight). That finish first polls the
-device from the loop for up to POLL_S (a step that waits for the one before, as under speculation,
-goes on as soon as its tokens land, without the hops to a worker thread and back), then waits on
-the worker thread.
+launch the actor waits for the next message: a plan (launch it, finish the one before) or
+FinishInFlight, the scheduler's word that no plan comes before a result (finish the step in
+flight). That finish first polls the device from the loop for up to POLL_S (a step that waits for
+the one before, as under speculation, goes on as soon as its tokens land, without the hops to a
+worker thread and back), then waits on the worker thread.
 """
 
 from __future__ import annotations
