@@ -245,3 +245,40 @@ def test_a_steps_sampling_batch_reuses_its_requests_parameters_and_recomputes_th
     drafted = state.batch(seqs[1:], 16, drafts=[[1], [], [2, 3]])
     assert drafted.temperature.tolist() == [0.0, 0.0, 1.0, 0.5, 0.5, 0.5]
     assert np.unique(drafted.keys.numpy()).size == 6  # every checked position its own stream
+
+
+def test_a_steps_mask_layout_is_kept_for_the_same_requests_and_rebuilt_for_drafts_or_others():
+    """SamplingState.masks keeps where each masked row goes while a step samples the requests of
+    the step before, in order; a step with drafts (len + 1 rows a request), another set of
+    requests, or one with no constraint at all gets its own."""
+    from array import array
+
+    from llmserve.model.sampling_state import SamplingState, SeqState
+    from llmserve.model.step_inputs import Staging
+    from llmserve.sampling_params import SamplingParams
+
+    class AllowAll:  # a constraint that checks drafts and rejects none
+        def fill_mask(self, bitmask, row):
+            bitmask[row] = -1
+
+        def advance(self, token):
+            return True
+
+        def rollback(self, num_tokens):
+            pass
+
+    def seq(constrained: bool) -> SeqState:
+        return SeqState(SamplingParams(), array("q", [5]), [], 0, constraints={"allow": AllowAll()} if constrained else {})
+
+    state = SamplingState([2], Staging(torch.device("cpu")), {"allow": object()})
+    seqs = [seq(True), seq(False), seq(True)]
+    plain = state.masks(seqs, 64).layout
+    assert plain.owners == [0, 2] and plain.rows.tolist() == [0, 2] and not plain.ahead
+    assert state.masks(list(seqs), 64).layout is plain
+    drafted = state.masks(seqs, 64, drafts=[[7, 8], [9], [3, 4, 5]]).layout
+    assert drafted.owners == [0, 0, 0, 2, 2, 2, 2] and drafted.rows.tolist() == [0, 1, 2, 5, 6, 7, 8]
+    assert [(first, drafts) for _, first, drafts in drafted.ahead] == [(0, [7, 8]), (3, [3, 4, 5])]
+    assert state.masks(seqs, 64).layout is plain  # (a draft step's layout is its own)
+    others = [seqs[2], seqs[0]]
+    assert state.masks(others, 64).layout.rows.tolist() == [0, 1]
+    assert state.masks([seq(False)], 64) is None

@@ -94,7 +94,11 @@ def test_a_json_object_output_is_an_object(llm):
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_unconstrained_requests_beside_constrained_ones_are_unchanged(checkpoint, async_scheduling):
-    free = [SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True) for i in range(3)]
+    """Including requests whose draws read their own outputs (penalties, min_tokens): the masked
+    rows' tokens are accepted apart from theirs, which must still be booked."""
+    free = [SamplingParams(temperature=1.0, seed=0, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=1.0, seed=1, max_tokens=24, repetition_penalty=1.8, presence_penalty=1.5),
+            SamplingParams(temperature=1.0, seed=2, max_tokens=24, min_tokens=20, frequency_penalty=1.0)]
     prompts = ["one two", "three four five", "six"]
     with LLM(checkpoint("llama"), dtype="float32", device="cpu", log_interval_s=0,
              async_scheduling=async_scheduling) as llm:

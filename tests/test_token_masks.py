@@ -63,6 +63,19 @@ def test_an_allowed_id_past_the_vocabulary_fails_its_request_alone(llm):
     assert llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_allowed_ids_that_all_end_the_request_under_min_tokens_are_refused(llm):
+    """min_tokens holds back the tokens that end a request; if those are all allowed_token_ids
+    allows, nothing could be drawn: the request is refused, naming the field."""
+    eos = llm.engine.spec.eos_token_ids[0]
+    with pytest.raises(ValueError, match=r"allowed_token_ids: with min_tokens 3, allow a token that does not end"):
+        llm.generate(["x"], SamplingParams(allowed_token_ids=[eos], min_tokens=3), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"allowed_token_ids: with min_tokens 2"):
+        llm.generate(["x"], SamplingParams(allowed_token_ids=[9], stop_token_ids=[9], min_tokens=2), use_tqdm=False)
+    out = llm.generate(["x"], SamplingParams(allowed_token_ids=[eos, 9], min_tokens=3, max_tokens=5, seed=0),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert out[:3] == [9, 9, 9] and set(out) <= {eos, 9}
+
+
 def test_over_http_the_fields_constrain_and_bad_values_are_400s(checkpoint):
     from servers import running_server
     with running_server(model=checkpoint("llama")) as s:

@@ -14,9 +14,12 @@ sides of the engine:
                                                         (on the mask thread, after its last token
                                                         was accepted, while the device runs the
                                                         step's forward pass)
-                                                      each token it produced (checked against
-                                                      the mask it was drawn under):
-                                                        constraint.accept(token)
+                                                      each token it produced (in a step
+                                                      without drafts, first checked against the
+                                                      mask it was drawn under):
+                                                        constraint.accept(token), or for all
+                                                        of a strategy's rows at once
+                                                        strategy.accept_tokens(...)
                                                         constraint.jump(token, limit): tokens
                                                         that replace it, appended unsampled
 
@@ -24,8 +27,8 @@ The mask is packed: int32 words, bit t % 32 of word t // 32 set where token t ma
 backend's apply_token_mask sets every other token's logit to -inf on the device. A request with a
 constraint reads its own last token on the host: the executor launches the next step's forward
 pass first (that token goes in on the device), then waits for the token and advances the
-constraint; the mask is filled on the mask thread while the step's result goes back, and the next
-launch queues the sampler first. fill_mask is never called beside the same constraint's accept,
+constraint; the mask is filled on the mask thread while the step's result goes back, and the
+sampler is queued once it is (runner.queue_sampler). fill_mask is never called beside the same constraint's accept,
 but beside the engine's other threads: a call of a few microseconds should keep the interpreter
 lock (handing it to a busy thread costs far more than the call).
 """

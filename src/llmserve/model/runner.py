@@ -29,7 +29,7 @@ from llmserve.model.loader import load_model
 from llmserve.model.sampler import draw, gather_logprobs, process_logits, prompt_logprobs, to_token_logprobs
 from llmserve.model.sampling_state import MaskFill, SamplingState, SeqState
 from llmserve.model.spec import ModelSpec
-from llmserve.model.step_inputs import Staging, StepInputs
+from llmserve.model.step_inputs import Staging, StepInputs, fill_placeholders
 from llmserve.model.step_timing import StepTiming
 from llmserve.quantization import QuantizationMethod
 from llmserve.speculative import Proposer
@@ -343,7 +343,8 @@ class ModelRunner:
         filled them, rather than when the next step is launched: the device would wait from the
         forward pass's end until the next plan came. Returns the step's result if that fails."""
         self._make_current()
-        return self._queue_waiting()
+        with self.timing.tail():
+            return self._queue_waiting()
 
     def _queue_waiting(self) -> list[StepResult]:
         """Queue the sampler of the step waiting for its masks, now in flight; if that fails, the
@@ -379,7 +380,8 @@ class ModelRunner:
         inputs = StepInputs.build(plan.token_ids, plan.query_lens, plan.context_lens, plan.block_tables,
                                   self.block_size)
         qsl = inputs.query_start_loc
-        from_device = self._fill_placeholders(plan, qsl, previous, holes)
+        from_device = fill_placeholders(plan, qsl, holes, None if previous is None else (previous.rows, previous.tokens),
+                                        self.sampling.seqs, self.staging)
         decode = plan.num_tokens == len(plan.req_ids)
         graphed = self.graphs is not None and self.graphs.fits(len(plan.req_ids)) and decode
         mixed_graphed = (self.graphs is not None and not decode
@@ -587,26 +589,4 @@ class ModelRunner:
         """`req_id` fails alone in this step: its constraint failed."""
         result.failed[req_id] = error
         self.failed.add(req_id)
-
-    def _fill_placeholders(self, plan: StepPlan, qsl: np.ndarray, previous: InFlight | None,
-                           holes: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A PLACEHOLDER input (at `holes`) is the token its request sampled in the step before
-        (planned before that step had finished). Tokens already on the host go into plan.token_ids;
-        those of the step still in flight come back as (positions, device tokens) to copy on the
-        device."""
-        if not holes.size:
-            return None
-        owners = [plan.req_ids[r] for r in np.searchsorted(qsl[1:], holes, side="right")]
-        dst, src = [], []
-        for hole, req_id in zip(holes.tolist(), owners):
-            if previous is not None and req_id in previous.rows:
-                dst.append(hole)
-                src.append(previous.rows[req_id])
-                plan.token_ids[hole] = 0  # overwritten on the device
-            else:
-                plan.token_ids[hole] = self.sampling.seqs[req_id].output_ids[-1]
-        if not dst:
-            return None
-        to_dev = lambda xs: self.staging.to_device(np.array(xs, dtype=np.int64))  # noqa: E731
-        return to_dev(dst), previous.tokens[to_dev(src)]
 

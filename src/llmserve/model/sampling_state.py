@@ -181,9 +181,10 @@ class SamplingState:
         """A step's tokens (one a state: no drafts), for the states `fill` masked: each token
         checked against the mask it was drawn under, appended to its state's output, and accepted
         by each strategy's constraints in one accept_tokens call where the strategy has one (else
-        one accept a constraint). Returns index -> error for each request that fails alone: its
-        token was not allowed by its mask, or its constraint failed. Rows whose mask was not
-        filled (`fill.failed`) are left to the caller."""
+        one accept a constraint). Returns index -> error for each request that fails: its token
+        was not allowed by its mask, or its constraint failed (alone; where a strategy's
+        accept_tokens raises, every request it was given). Rows whose mask was not filled
+        (`fill.failed`) are left to the caller."""
         owners = fill.layout.owners
         drawn = np.array(tokens, dtype=np.int64)[owners]
         host = fill.host.numpy()
@@ -234,14 +235,14 @@ class SamplingState:
         constrained state's row j is masked as its constraint stands after the first j drafts
         (advanced tentatively, then rolled back, here); a draft it rejects leaves the rows after it
         allowing every token: the row before masks that draft out, so the drafts kept end there."""
+        if not any(s.constraints for s in states):
+            return None
         layout = self._layout
         if drafts or layout is None or len(layout.states) != len(states) or \
                 any(a is not b for a, b in zip(layout.states, states)):
             layout = _MaskLayout.of(states, drafts, self.strategies, self.staging)
             if not drafts:  # decode steps mostly sample the requests of the step before, in order
                 self._layout = layout
-        if not layout.owners:
-            return None
         host = torch.empty((len(layout.owners), mask_width(vocab)), dtype=torch.int32,
                            pin_memory=self.staging.device.type == "cuda")
         fill = MaskFill(layout, host, self.staging)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from llmserve.attention import AttentionMetadata, CascadeMetadata
-from llmserve.messages import PrefixGroups
+from llmserve.messages import PrefixGroups, StepPlan
 from llmserve.model.pinned import PinnedRing
 
 
@@ -115,3 +115,28 @@ class Staging:
                 meta.cascade.num_part_rows = CascadeMetadata.pack_part_rows(host[-inputs.num_tokens:], part_rows)
                 meta.cascade.part_rows = self.send(staged)  # (levels: the layout's last part)
         return to_dev(inputs.token_ids), to_dev(inputs.positions), meta
+
+
+def fill_placeholders(plan: StepPlan, qsl: np.ndarray, holes: np.ndarray,
+                      in_flight: tuple[dict[str, int], torch.Tensor] | None, seqs: dict,
+                      staging: Staging) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A PLACEHOLDER input (at `holes`) is the token its request sampled in the step before
+    (planned before that step had finished). Tokens already on the host (`seqs`: request id ->
+    its SeqState) go into plan.token_ids; those of the step still in flight (`in_flight`: its
+    rows by request id, its device tokens) come back as (positions, device tokens) to copy on the
+    device."""
+    if not holes.size:
+        return None
+    owners = [plan.req_ids[r] for r in np.searchsorted(qsl[1:], holes, side="right")]
+    dst, src = [], []
+    for hole, req_id in zip(holes.tolist(), owners):
+        if in_flight is not None and req_id in in_flight[0]:
+            dst.append(hole)
+            src.append(in_flight[0][req_id])
+            plan.token_ids[hole] = 0  # overwritten on the device
+        else:
+            plan.token_ids[hole] = seqs[req_id].output_ids[-1]
+    if not dst:
+        return None
+    to_dev = lambda xs: staging.to_device(np.array(xs, dtype=np.int64))  # noqa: E731
+    return to_dev(dst), in_flight[1][to_dev(src)]
