@@ -53,8 +53,7 @@ class TokenMaskStrategy:
         if params.allowed_token_ids is not None:
             if bad := [t for t in params.allowed_token_ids if t >= vocab_size]:
                 raise ValueError(f"allowed_token_ids must be < vocab size {vocab_size}, got {bad}")
-            banned = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(eos_token_ids))
-            if params.min_tokens and set(params.allowed_token_ids) <= banned:
+            if params.min_tokens and set(params.allowed_token_ids) <= set(params.held_back(eos_token_ids)):
                 raise ValueError(f"allowed_token_ids: with min_tokens {params.min_tokens}, allow a token that does "
                                  f"not end the request (all of {sorted(params.allowed_token_ids)} do, and min_tokens "
                                  f"holds them back)")

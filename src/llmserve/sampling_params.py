@@ -210,3 +210,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def held_back(self, eos_token_ids) -> list[int]:
+        """The tokens min_tokens holds back until it is reached: the request's stop tokens, and
+        `eos_token_ids` (the model's and tokenizer's ends) unless ignore_eos."""
+        return self.stop_token_ids + ([] if self.ignore_eos else list(eos_token_ids))

@@ -24,8 +24,8 @@ of their own (a seeded request must give the plain engine's tokens, whatever the
 speculation decisions). Their rows check with min(1, p / q) itself (the backend's
 check_drafts, kernels/sampling_reference.py check_drafts_reference), which keeps a draft sampled
 from a draft model close to the target far more often than p(d) keeps its greedy choice; the
-tokens are still distributed as the plain engine's, and a row's token equals its draft exactly when the draft is kept, so the engine counts
-and takes back drafts as it does for fixed proposals.
+tokens are still distributed as the plain engine's, and a row's token equals its draft exactly
+when the draft is kept, so the engine counts and takes back drafts as it does for fixed proposals.
 
 When it pays: a step that checks k drafts reads the weights once for up to k + 1 tokens, a gain
 while the batch is small enough for the step to be bound by memory. Two costs are paid for it:

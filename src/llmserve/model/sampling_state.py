@@ -171,7 +171,7 @@ class SamplingState:
                 **rows.penalties)
         if rows.min_tokens:
             banned = [(i, tok) for i, (s, n) in enumerate(zip(states, produced.tolist())) if n < s.params.min_tokens
-                      for tok in (s.params.stop_token_ids + ([] if s.params.ignore_eos else self.eos_token_ids))]
+                      for tok in s.params.held_back(self.eos_token_ids)]
             if banned:
                 index, toks = zip(*banned)
                 batch.banned = (to_device(np.array(index, dtype=np.int64)), to_device(np.array(toks, dtype=np.int64)))
