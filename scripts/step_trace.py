@@ -20,7 +20,15 @@ speculates (held on, whatever it keeps; "builtin" names the built-in model), so 
 verify step and its stretch also shows the proposal (`propose`) and the verify graph's replay; ms
 a step counts steps, not tokens.
 
---shape decode-b1: the model of that workload (the Llama-3.1-8B shape, dummy weights) instead of --model.
+--shape decode-b1 | w-small: the model of that workload (dummy weights) instead of --model; w-small's
+with a tokenizer of its whole vocabulary (structured_bench.py's).
+
+--constrained: every request held inside a JSON string (structured_bench.py's tpot constraint, jump-
+forward as the engine's default), so the stretch also shows the mask thread's fill (`fill`), the
+sampler waiting for it (`send`) and its queueing after step() returned (`tail`). With async
+scheduling the forward pass queued by `replay` runs from the `ready` before it: a `queued` later than
+that pass's device time, or a `replay` later than the step's whole device time, is what the device
+waits for.
 
 --profile PREFIX: cProfile of the runner's calls (PREFIX.runner.txt) and of the actors' handlers
 on the event loop (PREFIX.loop.txt), by cumulative time.
@@ -43,9 +51,10 @@ import llmserve
 from llmserve import LLM, SamplingParams
 from llmserve.actors import request_actor
 from llmserve.bench.report import report
-from llmserve.bench.workloads import decode_b1
+from llmserve.bench.workloads import JSON_STRING_REGEX, decode_b1, w_small
 from llmserve.core import kv_cache_manager, scheduler
-from llmserve.model import cuda_graphs, drafting, runner, step_inputs
+from llmserve.model import cuda_graphs, drafting, runner, sampling_state, step_inputs
+from llmserve.sampling_params import StructuredOutputsParams
 
 EVENTS: list[tuple[str, float]] = []
 PROFILES = {"runner": cProfile.Profile(), "loop": cProfile.Profile()}
@@ -114,6 +123,9 @@ def instrument() -> None:
     mark(scheduler.Scheduler, "on_feedback", "feedback", "loop")
     mark(kv_cache_manager.KVCacheManager, "process", "kv", "loop")
     mark(request_actor.RequestActor, "_on_outputs", "outputs")
+    mark(runner.ModelRunner, "queue_sampler", "tail")
+    mark(sampling_state, "_fill_masks", "fill")
+    mark(sampling_state.MaskFill, "send", "send")
     queue = runner.ModelRunner._queue
 
     def timed_queue(self, sampling):
@@ -156,7 +168,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--shape", choices=["decode-b1"], help="a workload's model, dummy weights")
+    ap.add_argument("--shape", choices=["decode-b1", "w-small"], help="a workload's model, dummy weights")
+    ap.add_argument("--constrained", action="store_true", help="every request inside a JSON string")
     ap.add_argument("--profile")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -167,7 +180,10 @@ def main() -> None:
         speculative["model"] = builtin
     model, extra = args.model, {}
     if args.shape:
-        model, extra = decode_b1().write_model_dir(tempfile.mkdtemp()), {"load_format": "dummy"}
+        workload = {"decode-b1": decode_b1, "w-small": w_small}[args.shape]()
+        model, extra = workload.write_model_dir(tempfile.mkdtemp()), {"load_format": "dummy"}
+        if args.shape == "w-small":
+            workload.write_tokenizer(model)
     llm = LLM(model, dtype=args.dtype, max_model_len=args.tokens + 64, max_num_seqs=max(args.batch, 8),
               enable_prefix_caching=False, async_scheduling=not args.sync, log_interval_s=0,
               speculative_config=speculative, **extra)
@@ -177,8 +193,10 @@ def main() -> None:
     vocab = llm.engine.spec.vocab_size
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(64)]} for _ in range(args.batch)]
-    params = [SamplingParams(max_tokens=args.tokens, temperature=args.temperature, ignore_eos=True,
-                             seed=None if args.seed is None else args.seed + i) for i in range(args.batch)]
+    params = [SamplingParams(max_tokens=args.tokens, temperature=args.temperature, ignore_eos=not args.constrained,
+                             seed=None if args.seed is None else args.seed + i,
+                             structured_outputs=StructuredOutputsParams(regex=JSON_STRING_REGEX) if args.constrained else None)
+              for i in range(args.batch)]
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     EVENTS.clear()
     PROFILING = args.profile is not None
@@ -193,13 +211,13 @@ def main() -> None:
     for r in rows:
         print(f"{r['mark']:16s} {r['median_us']:9.1f} us  ({r['steps']} steps)")
     print(f"{1e3 * wall / steps:.3f} ms a step ({steps} steps), batch {args.batch}, sync {args.sync}, "
-          f"temperature {args.temperature}, seed {args.seed}, speculative {speculative}")
+          f"temperature {args.temperature}, seed {args.seed}, speculative {speculative}, constrained {args.constrained}")
     if args.profile:
         for name, prof in PROFILES.items():
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(60)
             Path(f"{args.profile}.{name}.txt").write_text(out.getvalue())
-    report({"batch": args.batch, "sync": args.sync, "tokens": args.tokens, "model": args.shape or args.model,
+    report({"batch": args.batch, "sync": args.sync, "constrained": args.constrained, "tokens": args.tokens, "model": args.shape or args.model,
             "temperature": args.temperature, "seed": args.seed,
             "speculative": speculative, "steps": steps, "ms_per_step": 1e3 * wall / steps, "timeline": rows},
            args.json, echo=False)
