@@ -171,6 +171,9 @@ def structured_rows(figs) -> list[str]:
                          f"host time in step() {r['plain']['step_call_ms']:.1f} vs {r['json_string']['step_call_ms']:.1f} ms")
             if rounds := tpot_rounds(d):
                 parts.append(f"each round in the same process: {rounds}")
+            if "tpot_ratio_no_jump" in d["tpot"]:  # the same string with jump-forward's checks off
+                parts.append(f"jump-forward off: {r['json_string_no_jump']['tpot_ms']:.2f} ms, "
+                             f"{d['tpot']['tpot_ratio_no_jump']:.2f}×; its rounds: {tpot_rounds(d, 'tpot_ratio_no_jump')}")
             base = fig.get("baseline_data", {}).get("tpot")
             if base:  # the same call's run of the commit before
                 b = base["runs"]
@@ -183,15 +186,16 @@ def structured_rows(figs) -> list[str]:
     return rows
 
 
-def tpot_rounds(d: dict) -> str:
-    """The ratios of a structured_bench run's tpot rounds (`--switch-intervals`: each measured again
-    under a sys.setswitchinterval), with their mean at the default 5 ms; "" for a single round."""
-    rounds = [(k, v["tpot_ratio"]) for k, v in d.items() if k.startswith("tpot_switch_")]
+def tpot_rounds(d: dict, ratio: str = "tpot_ratio") -> str:
+    """The ratios (`ratio`) of a structured_bench run's tpot rounds (`--switch-intervals`: each
+    measured again under a sys.setswitchinterval), with their mean at the default 5 ms; "" for a
+    single round."""
+    rounds = [(k, v[ratio]) for k, v in d.items() if k.startswith("tpot_switch_") and ratio in v]
     if not rounds:
         return ""
-    default = [d["tpot"]["tpot_ratio"]] + [ratio for k, ratio in rounds if abs(float(k[12:]) - 0.005) < 1e-6]
-    labelled = [f"{d['tpot']['tpot_ratio']:.2f}×"] + [f"{ratio:.2f}× ({float(k[12:]) * 1e3:.0f} ms interval)"
-                                                       for k, ratio in rounds]
+    default = [d["tpot"][ratio]] + [r for k, r in rounds if abs(float(k[12:]) - 0.005) < 1e-6]
+    labelled = [f"{d['tpot'][ratio]:.2f}×"] + [f"{r:.2f}× ({float(k[12:]) * 1e3:.0f} ms interval)"
+                                               for k, r in rounds]
     return f"{', '.join(labelled)}; mean at 5 ms {sum(default) / len(default):.2f}×"
 
 
