@@ -142,15 +142,23 @@ def _store(out_ptrs, acc, acc_up, scale_ptr, bias_ptr, rn, n_ok, mask, GATED: tl
 
 DECODE_MAX_M = 128  # above this cuBLAS is as fast or faster (scripts/decode_gemm_bench.py, BENCHMARKS.md)
 DECODE_MAX_WEIGHT_BYTES = 16 << 20  # larger matrices stream long enough for cuBLAS's tiles to win
+GATED_MAX_M, GATED_MAX_WEIGHT_BYTES = 16, 128 << 20
+"""The gated form also saves the SiLU·mul kernel and the product's round trip: at batch 1 it beats
+cuBLAS + SiLU·mul on the 8B shape's gate_up at TP = 2 (117 MB, 31.1 against 36.2 µs) and 4 (59 MB,
+19.0 against 22.5), not whole (235 MB, 67.4 against 64.8): 2026-11-27-gemm-shapes."""
 
 
-def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether dense_matmul is the faster GEMM for x [M, K] @ w^T: a half-precision decode batch
-    and a weight matrix of a few microseconds' reading (a small model's few MB; an 8B model's
-    hundreds of MB stream long enough for cuBLAS's tiles to win), on a GPU that launches with PDL (Hopper;
-    the choice does not follow LLMSERVE_PDL, so that PDL on and off compute the same numbers)."""
-    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.shape[0] <= DECODE_MAX_M
-            and w.numel() * w.element_size() <= DECODE_MAX_WEIGHT_BYTES and hopper(x.device))
+def takes(x: torch.Tensor, w: torch.Tensor, gated: bool = False) -> bool:
+    """Whether dense_matmul is the faster GEMM for x [M, K] @ w^T (gated: its gated form): a
+    half-precision decode batch and a weight matrix of a few microseconds' reading (a small model's
+    few MB; an 8B model's hundreds of MB stream long enough for cuBLAS's tiles to win), on a GPU
+    that launches with PDL (Hopper; the choice does not follow LLMSERVE_PDL, so that PDL on and off
+    compute the same numbers)."""
+    if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and hopper(x.device)):
+        return False
+    M, size = x.shape[0], w.numel() * w.element_size()
+    return (M <= DECODE_MAX_M and size <= DECODE_MAX_WEIGHT_BYTES) or \
+        (gated and M <= GATED_MAX_M and size <= GATED_MAX_WEIGHT_BYTES)
 
 
 def dense_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,

@@ -128,7 +128,7 @@ class Unquantized(QuantizationMethod):
         return F.linear(x, layer.weight, layer.bias)
 
     def apply_gated(self, layer: Linear, x: torch.Tensor, silu_and_mul) -> torch.Tensor:
-        if layer.bias is None and decode_matmul_takes(x, layer.weight):
+        if layer.bias is None and decode_matmul_takes(x, layer.weight, gated=True):
             return dense_matmul(x, layer.weight, gated=True)
         if layer.bias is None and gated_takes(x, layer.weight):
             return gated_matmul(x, layer.weight)
