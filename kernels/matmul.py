@@ -13,7 +13,8 @@ placed while the kernel before it (RMSNorm, attention) drains instead of after, 
 after it is placed while it drains; the gated form also saves the SiLU·mul kernel and the round
 trip of the [M, 2N] gate_up output through memory. `takes(x, w)` says when it is the faster choice:
 up to DECODE_MAX_M rows and weights of up to 16 MB, on Hopper (`scripts/decode_gemm_bench.py` on a
-small model's layers, graphed after an RMSNorm: ahead of cuBLAS up to 128 rows, behind above).
+small model's layers, graphed after an RMSNorm: ahead of cuBLAS up to 128 rows, behind above);
+larger weights only at the few rows of a batch-1 or small-batch decode (SMALL_M, GATED_MAX_M).
 
 Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K): program (n, m, k) owns a BLOCK_M x BLOCK_N
 output tile and the k-th slice of K. Gated, it multiplies the tile's gate rows and up rows (N
@@ -141,11 +142,17 @@ def _store(out_ptrs, acc, acc_up, scale_ptr, bias_ptr, rn, n_ok, mask, GATED: tl
 
 
 DECODE_MAX_M = 128  # above this cuBLAS is as fast or faster (scripts/decode_gemm_bench.py, BENCHMARKS.md)
-DECODE_MAX_WEIGHT_BYTES = 16 << 20  # larger matrices stream long enough for cuBLAS's tiles to win
+DECODE_MAX_WEIGHT_BYTES = 16 << 20  # larger matrices stream long enough for cuBLAS's tiles to win...
+SMALL_M, SMALL_M_MAX_WEIGHT_BYTES = 8, 64 << 20
+"""...but at batches of up to SMALL_M rows: matrices of up to 64 MB (the 8B shape's qkv and o whole,
+qkv, o and down at TP = 2, down at 4) stream faster cut into SMALL_M_TILES with K in four slices
+(2-8 waves of programs) than through cuBLAS: by 0.3-2.1 µs of 9-21 at 1-4 rows, 0.1-1.5 at 8,
+and no longer at 16 (2026-11-28-decode-gemm-split)."""
+SMALL_M_TILES, SMALL_M_SPLIT = (16, 64, 128, 4, 4), 4
 GATED_MAX_M, GATED_MAX_WEIGHT_BYTES = 16, 128 << 20
-"""The gated form also saves the SiLU·mul kernel and the product's round trip: at batch 1 it beats
-cuBLAS + SiLU·mul on the 8B shape's gate_up at TP = 2 (117 MB, 31.1 against 36.2 µs) and 4 (59 MB,
-19.0 against 22.5), not whole (235 MB, 67.4 against 64.8): 2026-11-27-gemm-shapes."""
+"""The gated form also saves the SiLU·mul kernel and the product's round trip: it beats cuBLAS +
+SiLU·mul on the 8B shape's gate_up at TP = 2 (117 MB; 31.1-32.4 against 34.1-34.6 µs at 1-16 rows)
+and 4, not whole (235 MB)."""
 
 
 def takes(x: torch.Tensor, w: torch.Tensor, gated: bool = False) -> bool:
@@ -158,6 +165,7 @@ def takes(x: torch.Tensor, w: torch.Tensor, gated: bool = False) -> bool:
         return False
     M, size = x.shape[0], w.numel() * w.element_size()
     return (M <= DECODE_MAX_M and size <= DECODE_MAX_WEIGHT_BYTES) or \
+        (M <= SMALL_M and size <= SMALL_M_MAX_WEIGHT_BYTES) or \
         (gated and M <= GATED_MAX_M and size <= GATED_MAX_WEIGHT_BYTES)
 
 
@@ -169,6 +177,8 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     assert not (gated and bias is not None)
 
     def choose(M: int, N: int, K: int) -> tuple[tuple[int, int, int, int, int], int]:
+        if config is None and not gated and w.numel() * w.element_size() > DECODE_MAX_WEIGHT_BYTES:
+            return SMALL_M_TILES, split_k or SMALL_M_SPLIT  # (takes() allows these at small batches only)
         cfg = config or _config(M)
         tiles = triton.cdiv(N, cfg[1]) * triton.cdiv(M, cfg[0])
         return cfg, split_k or _split_k(tiles, K, sm_count(x.device))

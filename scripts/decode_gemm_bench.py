@@ -3,7 +3,8 @@ activations -> GEMM with W_layer] in one CUDA graph (28 distinct weights: they c
 GEMM being cuBLAS (F.linear) or kernels/matmul.py's PDL kernel with its default tiles; gate_up as
 cuBLAS + SiLU·mul against the gated kernel. --sweep also times every tile configuration. GPU only.
 
-    python scripts/decode_gemm_bench.py [--model w-small|w-large] [--ms 8,16,...] [--tp P] [--sweep] [--json out.json]
+    python scripts/decode_gemm_bench.py [--model w-small|w-large] [--ms 8,16,...] [--tp P] [--sweep]
+                                        [--layers qkv,o,gate_up,down] [--json out.json]
 
 Per (M, layer): µs per norm + GEMM (+ SiLU·mul) for each, the norm alone, and the weights' read
 rate (GB/s) each GEMM reached. --tp P: the shapes one rank of P holds (qkv's and gate_up's rows,
@@ -43,11 +44,14 @@ def main() -> None:
     ap.add_argument("--ms", default="8,16,32,64,96,128,160,192,224,256")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--layers", help="comma-separated: only these of qkv, o, gate_up, down")
     args = ap.parse_args()
     rows = []
     F = torch.nn.functional
     layers = LAYERS[args.model]
     for layer, (N, K) in SHAPES[args.model].items():
+        if args.layers and layer not in args.layers.split(","):
+            continue
         if layer in ("qkv", "gate_up"):  # column-parallel: each rank holds N / P rows
             N //= args.tp
         else:  # row-parallel: K / P columns, the partial sums all-reduced after

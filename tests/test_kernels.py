@@ -401,7 +401,7 @@ def test_decode_matmul_takes_hopper_decode_batches_and_matches_cublas():
     """W-small's layer shapes at the decode batches the kernel takes, bf16: within bf16 rounding of
     F.linear (+ SiLU·mul), with the default tiles and split-K (the o and down projections)."""
     from llmserve.kernels.fused import silu_and_mul
-    from llmserve.kernels.matmul import DECODE_MAX_M, GATED_MAX_M, dense_matmul, takes
+    from llmserve.kernels.matmul import DECODE_MAX_M, GATED_MAX_M, SMALL_M, dense_matmul, takes
     g = torch.Generator(device="cuda").manual_seed(8)
     for (N, K), gated in [((4096, 1024), False), ((1024, 2048), False), ((6144, 1024), True), ((1024, 3072), False)]:
         w = torch.randn(N, K, device="cuda", generator=g).bfloat16() * 0.02
@@ -416,16 +416,24 @@ def test_decode_matmul_takes_hopper_decode_batches_and_matches_cublas():
     x = torch.zeros(4, 4096, device="cuda", dtype=torch.bfloat16)
     assert not takes(torch.zeros(DECODE_MAX_M + 1, 1024, device="cuda", dtype=torch.bfloat16), w)
     assert not takes(x.float(), w.float())  # float32: cuBLAS
-    assert not takes(x, torch.zeros(4096, 4096, device="cuda", dtype=torch.bfloat16))  # 32 MB: an 8B model's
-    # the gated form, to an 8B model's gate_up at TP = 2 (117 MB) and batch GATED_MAX_M; not whole (235 MB)
+    # 32 MB (an 8B model's o): cuBLAS past SMALL_M rows
+    assert not takes(torch.zeros(SMALL_M + 1, 4096, device="cuda", dtype=torch.bfloat16),
+                     torch.zeros(4096, 4096, device="cuda", dtype=torch.bfloat16))
+    # at small batches, an 8B model's larger matrices: qkv at TP = 2 (25 MB) and down (59 MB), split
+    # in K; gate_up at TP = 2 (117 MB) gated; not down whole (117 MB) nor gate_up whole (235 MB)
     hopper = torch.cuda.get_device_capability() >= (9, 0)
-    w = torch.randn(2 * 7168, 4096, device="cuda", generator=g).bfloat16() * 0.02
-    for M in (1, GATED_MAX_M):
-        x = torch.randn(M, 4096, device="cuda", generator=g).bfloat16()
-        assert takes(x, w, gated=True) == hopper and not takes(x, w)
-        torch.testing.assert_close(dense_matmul(x, w, gated=True), silu_and_mul(torch.nn.functional.linear(x, w)),
-                                   rtol=1.6e-2, atol=1e-2)
-    assert not takes(torch.zeros(GATED_MAX_M + 1, 4096, device="cuda", dtype=torch.bfloat16), w, gated=True)
+    for (N, K), gated in [((3072, 4096), False), ((4096, 7168), False), ((2 * 7168, 4096), True)]:
+        w = torch.randn(N, K, device="cuda", generator=g).bfloat16() * 0.02
+        most = GATED_MAX_M if gated else SMALL_M
+        for M in (1, most):
+            x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+            assert takes(x, w, gated=gated) == hopper
+            ref = torch.nn.functional.linear(x, w)
+            for _ in range(2):  # split-K counters reset
+                torch.testing.assert_close(dense_matmul(x, w, gated=gated), silu_and_mul(ref) if gated else ref,
+                                           rtol=1.6e-2, atol=1e-2)
+        assert not takes(torch.zeros(most + 1, K, device="cuda", dtype=torch.bfloat16), w, gated=gated)
+    assert not takes(x, torch.zeros(4096, 14336, device="cuda", dtype=torch.bfloat16))
     assert not takes(x, torch.zeros(2 * 14336, 4096, device="cuda", dtype=torch.bfloat16), gated=True)
 
 
