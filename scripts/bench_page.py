@@ -168,7 +168,8 @@ def structured_rows(figs) -> list[str]:
             plain = [r[k]["tpot_ms"] for k in ("plain", "plain_again")]
             parts.append(f"TPOT at batch ≥ 240: plain {plain[0]:.2f} / {plain[1]:.2f} ms, constrained "
                          f"{r['json_string']['tpot_ms']:.2f} ms: **{d['tpot']['tpot_ratio']:.2f}×** (target ≤ 1.10); "
-                         f"host time in step() {r['plain']['step_call_ms']:.1f} vs {r['json_string']['step_call_ms']:.1f} ms")
+                         f"step() call {r['plain']['step_call_ms']:.1f} vs {r['json_string']['step_call_ms']:.1f} ms "
+                         f"(the constrained one waits there for the step before's tokens)")
             if rounds := tpot_rounds(d):
                 parts.append(f"each round in the same process: {rounds}")
             if "tpot_ratio_no_jump" in d["tpot"]:  # the same string with jump-forward's checks off
