@@ -143,11 +143,13 @@ def _store(out_ptrs, acc, acc_up, scale_ptr, bias_ptr, rn, n_ok, mask, GATED: tl
 
 DECODE_MAX_M = 128  # above this cuBLAS is as fast or faster (scripts/decode_gemm_bench.py, BENCHMARKS.md)
 DECODE_MAX_WEIGHT_BYTES = 16 << 20  # larger matrices stream long enough for cuBLAS's tiles to win...
-SMALL_M, SMALL_M_MAX_WEIGHT_BYTES = 8, 64 << 20
-"""...but at batches of up to SMALL_M rows: matrices of up to 64 MB (the 8B shape's qkv and o whole,
-qkv, o and down at TP = 2, down at 4) stream faster cut into SMALL_M_TILES with K in four slices
-(2-8 waves of programs) than through cuBLAS: by 0.3-2.1 µs of 9-21 at 1-4 rows, 0.1-1.5 at 8,
-and no longer at 16 (2026-11-28-decode-gemm-split)."""
+SMALL_M, SMALL_M_MAX_WEIGHT_BYTES, SMALL_M_MIN_N = 8, 64 << 20, 3072
+"""...but at batches of up to SMALL_M rows: matrices of up to 64 MB with at least SMALL_M_MIN_N
+outputs (the 8B shape's qkv and o whole, qkv, o and down at TP = 2, down at 4) stream faster cut
+into SMALL_M_TILES with K in four slices (1.5-3 waves of programs) than through cuBLAS: by
+0.3-2.1 µs of 9-21 at 1-4 rows, 0.1-1.5 at 8, and no longer at 16 (2026-11-28-decode-gemm-split).
+Narrower matrices (a 2-4B model's o and down) would give fewer programs than a wave and a half,
+which was not measured: they stay with cuBLAS."""
 SMALL_M_TILES, SMALL_M_SPLIT = (16, 64, 128, 4, 4), 4
 GATED_MAX_M, GATED_MAX_WEIGHT_BYTES = 16, 128 << 20
 """The gated form also saves the SiLU·mul kernel and the product's round trip: it beats cuBLAS +
@@ -165,8 +167,8 @@ def takes(x: torch.Tensor, w: torch.Tensor, gated: bool = False) -> bool:
         return False
     M, size = x.shape[0], w.numel() * w.element_size()
     return (M <= DECODE_MAX_M and size <= DECODE_MAX_WEIGHT_BYTES) or \
-        (M <= SMALL_M and size <= SMALL_M_MAX_WEIGHT_BYTES) or \
-        (gated and M <= GATED_MAX_M and size <= GATED_MAX_WEIGHT_BYTES)
+        (gated and M <= GATED_MAX_M and size <= GATED_MAX_WEIGHT_BYTES) or \
+        (not gated and M <= SMALL_M and size <= SMALL_M_MAX_WEIGHT_BYTES and w.shape[0] >= SMALL_M_MIN_N)
 
 
 def dense_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,

@@ -434,6 +434,8 @@ def test_decode_matmul_takes_hopper_decode_batches_and_matches_cublas():
                                            rtol=1.6e-2, atol=1e-2)
         assert not takes(torch.zeros(most + 1, K, device="cuda", dtype=torch.bfloat16), w, gated=gated)
     assert not takes(x, torch.zeros(4096, 14336, device="cuda", dtype=torch.bfloat16))
+    one_row = torch.zeros(1, 9728, device="cuda", dtype=torch.bfloat16)  # a 4B model's down (50 MB, 2560 outputs)
+    assert not takes(one_row, torch.zeros(2560, 9728, device="cuda", dtype=torch.bfloat16))
     assert not takes(x, torch.zeros(2 * 14336, 4096, device="cuda", dtype=torch.bfloat16), gated=True)
 
 
