@@ -177,10 +177,11 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     and the result silu(x @ gate^T) * (x @ up^T) (no bias). `config` = (BLOCK_M, BLOCK_N, BLOCK_K,
     num_warps, num_stages) and `split_k` override the choice for the batch."""
     assert not (gated and bias is not None)
+    small_m_only = not gated and w.numel() * w.element_size() > DECODE_MAX_WEIGHT_BYTES  # (as takes() allows)
 
     def choose(M: int, N: int, K: int) -> tuple[tuple[int, int, int, int, int], int]:
-        if config is None and not gated and w.numel() * w.element_size() > DECODE_MAX_WEIGHT_BYTES:
-            return SMALL_M_TILES, split_k or SMALL_M_SPLIT  # (takes() allows these at small batches only)
+        if config is None and small_m_only:
+            return SMALL_M_TILES, split_k or SMALL_M_SPLIT
         cfg = config or _config(M)
         tiles = triton.cdiv(N, cfg[1]) * triton.cdiv(M, cfg[0])
         return cfg, split_k or _split_k(tiles, K, sm_count(x.device))

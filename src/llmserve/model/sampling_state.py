@@ -71,11 +71,16 @@ class SeqState:
 
     def accept(self, tokens: list[int]) -> None:
         """The tokens a step produced for it (one, or drafts kept and the one after), now on the host."""
-        self.output_ids += tokens
-        self.in_flight -= 1
+        self.landed(tokens)
         for constraint in self.constraints.values():
             for token in tokens:
                 constraint.accept(token)
+
+    def landed(self, tokens) -> None:
+        """The tokens of a step that sampled for it (accept() less its constraints' advance) are
+        its output now."""
+        self.output_ids += tokens
+        self.in_flight -= 1
 
     def jump(self, token: int, max_model_len: int) -> list[int] | None:
         """After accept(token), `token` not an end of sequence: the tokens its jumper forces in
@@ -199,9 +204,7 @@ class SamplingState:
         drawn = drawn.tolist()
         for row, (i, token) in enumerate(zip(owners, drawn)):
             if not skip or row not in skip:
-                state = states[i]
-                state.output_ids.append(token)
-                state.in_flight -= 1
+                states[i].landed((token,))  # (its constraints advance below, a strategy at a time)
         for strategy, constraints, rows in fill.layout.work:
             if skip:
                 kept = [k for k, row in enumerate(rows) if row not in skip]
