@@ -3,7 +3,7 @@ actors, relative to the moment the step before's tokens reached the host, median
 
     python scripts/step_trace.py [--model DIR] [--batch 1] [--tokens 512] [--sync]
                                  [--speculative JSON] [--temperature T --seed S] [--dtype bfloat16]
-                                 [--shape decode-b1] [--profile PREFIX] [--json out.json]
+                                 [--shape decode-b1] [--profile PREFIX] [--kernels PATH] [--json out.json]
 
 B requests of 64 random prompt tokens each generate --tokens tokens (ignore_eos; greedy unless
 --temperature, each request seeded S + i with --seed) on the model (the built-in one by default).
@@ -24,18 +24,27 @@ a step counts steps, not tokens.
 with a tokenizer of its whole vocabulary (structured_bench.py's).
 
 --constrained: every request held inside a JSON string (structured_bench.py's tpot constraint, jump-
-forward as the engine's default), so the stretch also shows the mask thread's fill (`fill`), the
-sampler waiting for it (`send`) and its queueing after step() returned (`tail`). With async
+forward as the engine's default; --no-jump: off, so no step checks for a jump), so the stretch also shows the mask thread's fill (`fill`) and the
+sampler waiting for it (`send`, at the next step's launch). With async
 scheduling the forward pass queued by `replay` runs from the `ready` before it: a `queued` later than
 that pass's device time, or a `replay` later than the step's whole device time, is what the device
 waits for.
 
---profile PREFIX: cProfile of the runner's calls (PREFIX.runner.txt) and of the actors' handlers
-on the event loop (PREFIX.loop.txt), by cumulative time.
+--profile PREFIX: cProfile of the runner's forward passes, samplings and finishes
+(PREFIX.runner.txt) and of the actors' handlers on the event loop (PREFIX.loop.txt), by
+cumulative time.
+
+--kernels PATH: the device's own timeline of the measured run (torch.profiler; its host-side
+recording slows the host a little), each step's stretch starting where the copy of the step
+before's tokens to the host ended: its busy stretches (gaps over 20 us split them), medians over
+the run, with their kernels' names, as JSON (what keeps the device idle, and how long the sampler
+itself takes there); and three steps from the middle whole, the host's marked calls and CUDA
+runtime calls beside the device's work.
 """
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import functools
 import inspect
@@ -59,6 +68,7 @@ from llmserve.sampling_params import StructuredOutputsParams
 EVENTS: list[tuple[str, float]] = []
 PROFILES = {"runner": cProfile.Profile(), "loop": cProfile.Profile()}
 PROFILING = False
+ANNOTATE = False  # --kernels: each marked call also a range on the profiler's timeline
 
 
 def mark(cls, name: str, tag: str, profile: str | None = None) -> None:
@@ -66,7 +76,14 @@ def mark(cls, name: str, tag: str, profile: str | None = None) -> None:
     fn = getattr(cls, name)
     prof = PROFILES[profile] if profile else None
 
-    if inspect.iscoroutinefunction(fn):
+    if inspect.isgeneratorfunction(fn):  # a runner call the executor drives (its waits inside)
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            EVENTS.append((tag + ">", time.perf_counter()))
+            result = yield from fn(*args, **kwargs)
+            EVENTS.append((tag + "<", time.perf_counter()))
+            return result
+    elif inspect.iscoroutinefunction(fn):
         @functools.wraps(fn)
         async def wrapped(*args, **kwargs):
             EVENTS.append((tag + ">", time.perf_counter()))
@@ -77,7 +94,11 @@ def mark(cls, name: str, tag: str, profile: str | None = None) -> None:
         @functools.wraps(fn)
         def wrapped(*args, **kwargs):
             EVENTS.append((tag + ">", time.perf_counter()))
-            if PROFILING and prof is not None:
+            if ANNOTATE:
+                import torch
+                with torch.profiler.record_function(tag):
+                    result = fn(*args, **kwargs)
+            elif PROFILING and prof is not None:
                 result = prof.runcall(fn, *args, **kwargs)
             else:
                 result = fn(*args, **kwargs)
@@ -109,10 +130,11 @@ class _Ready:
 
 
 def instrument() -> None:
-    mark(runner.ModelRunner, "step", "step", "runner")
-    mark(runner.ModelRunner, "flush", "flush", "runner")
-    mark(runner.ModelRunner, "_finish", "finish")
-    mark(runner.ModelRunner, "_sample", "sample")
+    mark(runner.ModelRunner, "stepping", "step")
+    mark(runner.ModelRunner, "flushing", "flush")
+    mark(runner.ModelRunner, "_finish", "finish", "runner")
+    mark(runner.ModelRunner, "_forward", "forward", "runner")
+    mark(runner.ModelRunner, "_sample", "sample", "runner")
     mark(step_inputs.StepInputs, "build", "inputs")
     mark(cuda_graphs.StepGraphs, "run", "replay")
     mark(cuda_graphs.StepGraphs, "run_mixed", "replay_mixed")
@@ -123,9 +145,9 @@ def instrument() -> None:
     mark(scheduler.Scheduler, "on_feedback", "feedback", "loop")
     mark(kv_cache_manager.KVCacheManager, "process", "kv", "loop")
     mark(request_actor.RequestActor, "_on_outputs", "outputs")
-    mark(runner.ModelRunner, "queue_sampler", "tail")
     mark(sampling_state, "_fill_masks", "fill")
     mark(sampling_state.MaskFill, "send", "send")
+    mark(sampling_state.SamplingState, "accept_masked", "accept")
     queue = runner.ModelRunner._queue
 
     def timed_queue(self, sampling):
@@ -157,6 +179,87 @@ def timeline(events: list[tuple[str, float]]) -> list[dict]:
     return sorted(rows, key=lambda r: r["median_us"])
 
 
+def device_profiler():
+    import torch
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+
+
+def device_activities(prof) -> tuple[list[tuple[float, float, str]], list[tuple[float, float, str]]]:
+    """(the device's activities, the host's marked calls and CUDA runtime calls), each as
+    (start us, end us, name) in order, on the profiler's one clock."""
+    device, host = [], []
+    for e in prof.profiler.kineto_results.events():
+        start = e.start_ns() / 1e3
+        act = (start, start + e.duration_ns() / 1e3, e.name())
+        if e.device_type().name == "CUDA":
+            device.append(act)
+        elif e.is_user_annotation() or e.name().startswith("cuda"):
+            host.append(act)
+    return sorted(device), sorted(host)
+
+
+def some_cycles(device: list, host: list, count: int = 3, gap_us: float = 5.0) -> list[list]:
+    """`count` steps from the middle of the run, each from the end of a copy to pinned host memory
+    to the next: the host's events and the device's activities as (start, end, name) relative to
+    that end, the device's runs of kernels without gaps over gap_us as one ("N kernels: first ..
+    last")."""
+    anchors = [end for start, end, name in device if "DtoH" in name]
+    middle = len(anchors) // 2
+    cycles = []
+    for a, b in zip(anchors[middle:middle + count], anchors[middle + 1:middle + count + 1]):
+        runs = []
+        for s0, s1, name in device:
+            if not a <= s0 < b:
+                continue
+            if runs and s0 - runs[-1][1] <= gap_us and "Memcpy" not in name and "Memcpy" not in runs[-1][3]:
+                runs[-1][1], runs[-1][2] = max(runs[-1][1], s1), runs[-1][2] + 1
+                runs[-1][4] = name
+            else:
+                runs.append([s0, s1, 1, name, name])
+        rows = [[round(r[0] - a, 1), round(r[1] - a, 1),
+                 "device: " + (r[3][:50] if r[2] == 1 else f"{r[2]} kernels: {r[3][:40]} .. {r[4][:40]}")]
+                for r in runs]
+        rows += [[round(s0 - a, 1), round(s1 - a, 1), "host: " + name[:60]] for s0, s1, name in host
+                 if a - 2000 <= s0 < b and not name.startswith(("cudaGetDevice", "cudaPeekAtLastError"))]
+        cycles.append(sorted(rows))
+    return cycles
+
+
+def device_stretches(acts: list[tuple[float, float, str]], gap_us: float = 20.0) -> dict:
+    """The device's activities per step, from the end of each copy to pinned host memory (the
+    step's tokens) to the next: busy stretches split at gaps over gap_us, the n-th stretch's median
+    start, end and activity count, and the names it held."""
+    anchors = [end for start, end, name in acts if "DtoH" in name]
+    stretches = collections.defaultdict(list)
+    names = collections.defaultdict(collections.Counter)
+    busy = []
+    i = 0
+    for a, b in zip(anchors, anchors[1:]):
+        while i < len(acts) and acts[i][0] < a:
+            i += 1
+        cycle, j = [], i
+        while j < len(acts) and acts[j][0] < b:
+            cycle.append(acts[j])
+            j += 1
+        runs = []
+        for s0, s1, name in cycle:
+            if runs and s0 - runs[-1][1] <= gap_us:
+                runs[-1][1] = max(runs[-1][1], s1)
+                runs[-1][2].append(name)
+            else:
+                runs.append([s0, s1, [name]])
+        busy.append(sum(r[1] - r[0] for r in runs))
+        for n, (s0, s1, ns) in enumerate(runs):
+            stretches[n].append((s0 - a, s1 - a, len(ns)))
+            names[n].update(x[:60] for x in ns)
+    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else 0.0
+    rows = [{"stretch": n, "cycles": len(v), "start_us": med([x[0] for x in v]), "end_us": med([x[1] for x in v]),
+             "activities": med([x[2] for x in v]), "names": dict(names[n].most_common(12))}
+            for n, v in sorted(stretches.items())]
+    return {"cycles": len(busy), "cycle_us": med([b - a for a, b in zip(anchors, anchors[1:])]),
+            "busy_us": med(busy), "stretches": rows}
+
+
 def main() -> None:
     global PROFILING
     ap = argparse.ArgumentParser()
@@ -170,7 +273,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shape", choices=["decode-b1", "w-small"], help="a workload's model, dummy weights")
     ap.add_argument("--constrained", action="store_true", help="every request inside a JSON string")
+    ap.add_argument("--no-jump", action="store_true", help="--constrained with jump-forward off")
     ap.add_argument("--profile")
+    ap.add_argument("--kernels")
     ap.add_argument("--json")
     args = ap.parse_args()
     instrument()
@@ -195,15 +300,20 @@ def main() -> None:
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(64)]} for _ in range(args.batch)]
     params = [SamplingParams(max_tokens=args.tokens, temperature=args.temperature, ignore_eos=not args.constrained,
                              seed=None if args.seed is None else args.seed + i,
-                             structured_outputs=StructuredOutputsParams(regex=JSON_STRING_REGEX) if args.constrained else None)
+                             structured_outputs=StructuredOutputsParams(regex=JSON_STRING_REGEX, jump_forward=not args.no_jump)
+                             if args.constrained else None)
               for i in range(args.batch)]
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     EVENTS.clear()
     PROFILING = args.profile is not None
     steps = sum(sched.iteration_tokens)
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    global ANNOTATE
+    ANNOTATE = bool(args.kernels)
+    device_trace = device_profiler() if args.kernels else contextlib.nullcontext()
+    with device_trace as prof:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
     steps = sum(sched.iteration_tokens) - steps
     PROFILING = False
     llm.shutdown()
@@ -217,7 +327,11 @@ def main() -> None:
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(60)
             Path(f"{args.profile}.{name}.txt").write_text(out.getvalue())
-    report({"batch": args.batch, "sync": args.sync, "constrained": args.constrained, "tokens": args.tokens, "model": args.shape or args.model,
+    if args.kernels:
+        device, host = device_activities(prof)
+        Path(args.kernels).write_text(json.dumps({**device_stretches(device), "some_steps": some_cycles(device, host)},
+                                                 indent=1))
+    report({"batch": args.batch, "sync": args.sync, "constrained": args.constrained, "jump": not args.no_jump, "tokens": args.tokens, "model": args.shape or args.model,
             "temperature": args.temperature, "seed": args.seed,
             "speculative": speculative, "steps": steps, "ms_per_step": 1e3 * wall / steps, "timeline": rows},
            args.json, echo=False)

@@ -65,30 +65,40 @@ TPOT_MIN_BATCH = 240
 
 def timed(llm, prompts, params, profile: list | None = None) -> tuple[float, list, list, float]:
     """(wall seconds, outputs, the runner's step records of the call, each with the CPU seconds
-    the executor's thread spent in that step() (less than its wall time by what it waited for:
-    the device, the interpreter lock), the CPU seconds of the whole process). profile: a list to
-    append the functions the runner's step() spent most time in to (cProfile, the executor's thread)."""
+    the executor spent in that step's call (its generator's turns between waits: less than its
+    wall time by what it waited for), the CPU seconds of the whole process). profile: a list to
+    append the functions the runner's step spent most time in to (cProfile, those turns)."""
     timing = llm.engine.runner.timing
     timing.clear()
-    runner, step, prof, cpu = llm.engine.runner, llm.engine.runner.step, cProfile.Profile(), []
+    runner, stepping, prof, cpu = llm.engine.runner, llm.engine.runner.stepping, cProfile.Profile(), []
 
-    def measured(plan):
+    def turn(steps, value):
         start = time.thread_time()
         if profile is not None:
             prof.enable()
         try:
-            return step(plan)
+            return steps.send(value)
         finally:
             if profile is not None:
                 prof.disable()
-            cpu.append(time.thread_time() - start)
-    runner.step = measured
+            cpu[-1] += time.thread_time() - start
+
+    def measured(plan):
+        cpu.append(0.0)
+        steps = stepping(plan)
+        try:
+            wait = turn(steps, None)
+            while True:
+                wait = turn(steps, (yield wait))
+        except StopIteration as stop:
+            return stop.value
+    runner.stepping = measured
     torch.cuda.synchronize()
     start, process_cpu = time.perf_counter(), time.process_time()
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
-        runner.step = step
+        runner.stepping = stepping
     wall, process_cpu = time.perf_counter() - start, time.process_time() - process_cpu
     if profile is not None:
         stats = pstats.Stats(prof).stats

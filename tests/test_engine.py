@@ -444,14 +444,14 @@ def test_the_runner_launches_the_next_step_before_finishing_the_last(checkpoint)
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     with LLM(checkpoint("qwen3"), device="cpu", log_interval_s=0) as llm:
         runner, overlapped = llm.engine.runner, []
-        step = runner.step
+        stepping = runner.stepping  # (how the executor runs a local runner's steps)
 
         def recording(plan):
-            results = step(plan)
+            results = yield from stepping(plan)
             overlapped.extend(r.step_id < plan.step_id for r in results)
             return results
 
-        runner.step = recording
+        runner.stepping = recording
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     assert sum(overlapped) >= 3  # decode steps finished only after their successor launched
@@ -574,74 +574,40 @@ def test_llm_chat_renders_each_conversation_with_the_chat_template(checkpoint):
             llm.chat(first, params, continue_final_message=True)
 
 
-async def test_a_step_waiting_for_its_masks_has_its_sampler_queued_before_the_next_plan_comes():
-    """A launched step whose sampler waits for masks (filled on the mask thread) gets it queued as
-    soon as step() has returned and its results are sent, on a worker thread, not when the next
-    plan comes: the device would wait for the scheduler meanwhile."""
+async def test_the_executor_waits_for_what_a_step_yields_on_the_loop_and_for_a_slow_device_on_a_worker():
+    """A local runner's call runs on the loop's thread as a generator; the executor waits for what
+    it yields: masks filling on another thread (the call goes on once they are filled), the device
+    by polling (a step that lands within POLL_S), or else on a worker thread (a long wait must not
+    hold the loop)."""
     import threading
-
-    from llmserve.actors.executor_actor import ExecutorActor
-    from llmserve.messages import StepResult
-
-    calls = []
-
-    class Runner:
-        busy, masks_pending = False, False
-
-        def step(self, plan):
-            calls.append(("step", plan))
-            self.busy = self.masks_pending = True
-            return [StepResult(plan, ["a"], [plan])]
-
-        def queue_sampler(self):
-            calls.append(("queue_sampler", threading.current_thread()))
-            self.masks_pending = False
-            return []
-
-        def landed(self):
-            return True
-
-        def flush(self):
-            calls.append(("flush", None))
-            self.busy = False
-            return []
-
-    to_exec, inbox = anyio.create_memory_object_stream(8)
-    to_sched, results = anyio.create_memory_object_stream(8)
-    actor = ExecutorActor(Runner(), inbox=inbox, to_scheduler=to_sched, launch_here=True)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(actor.run)
-        await to_exec.send(7)
-        assert (await results.receive()).token_ids == [7]
-        with anyio.fail_after(5):
-            while len(calls) < 2:
-                await anyio.sleep(0.001)
-        await to_exec.aclose()
-    assert [c[0] for c in calls] == ["step", "queue_sampler", "flush"]
-    assert calls[1][1] is not threading.current_thread()  # waiting for masks never holds the loop
-
-
-async def test_the_executor_finishes_a_landed_step_on_the_loop_and_a_slow_one_on_a_worker_thread():
-    """On FinishInFlight the executor polls the step in flight: one that lands within POLL_S is
-    finished on the loop's thread; one that does not, or one waiting for its masks, on a worker
-    thread (a long wait must not hold the loop)."""
-    import threading
+    from concurrent.futures import Future
 
     from llmserve.actors import executor_actor
     from llmserve.actors.executor_actor import ExecutorActor
     from llmserve.messages import FinishInFlight, StepResult
 
-    class Runner:
-        def __init__(self, polls_to_land, masks_pending=False):
-            self.polls, self.to_land, self.masks_pending = 0, polls_to_land, masks_pending
-            self.busy, self.flushed_on = True, None
+    class Event:  # a launched step's tokens on their way to the host
+        def __init__(self, polls_to_land):
+            self.polls, self.to_land, self.blocked_on = 0, polls_to_land, None
 
-        def landed(self):
+        def query(self):
             self.polls += 1
             return self.polls > self.to_land
 
-        def flush(self):  # (queues a sampler waiting for its masks first)
-            self.busy, self.masks_pending, self.flushed_on = False, False, threading.current_thread()
+        def synchronize(self):
+            self.blocked_on = threading.current_thread()
+
+    class Runner:
+        def __init__(self, *waits):
+            self.waits, self.busy, self.ran_on, self.resumed = waits, True, None, []
+
+        def flushing(self):
+            self.ran_on = threading.current_thread()
+            for wait in self.waits:
+                yield wait
+                self.resumed.append(wait.done() if isinstance(wait, Future) else wait.polls > wait.to_land or
+                                    wait.blocked_on is not None)
+            self.busy = False
             return [StepResult(1, ["a"], [5])]
 
     async def finish(runner):
@@ -651,15 +617,20 @@ async def test_the_executor_finishes_a_landed_step_on_the_loop_and_a_slow_one_on
         async with anyio.create_task_group() as tg:
             tg.start_soon(actor.run)
             await to_exec.send(FinishInFlight())
-            assert (await results.receive()).token_ids == [5]
+            with anyio.fail_after(5):
+                assert (await results.receive()).token_ids == [5]
             await to_exec.aclose()
-        return runner.flushed_on
+        assert runner.ran_on is threading.current_thread() and all(runner.resumed)
 
-    loop_thread = threading.current_thread()
-    lands = Runner(polls_to_land=3)
-    assert await finish(lands) is loop_thread and lands.polls == 4
-    assert await finish(Runner(polls_to_land=3, masks_pending=True)) is not loop_thread
-    slow = Runner(polls_to_land=10 ** 9)
+    lands = Event(polls_to_land=3)
+    await finish(Runner(lands))
+    assert lands.polls == 4 and lands.blocked_on is None
+    masks, filled = Future(), Future()
+    filled.set_result(None)
+    threading.Timer(0.05, masks.set_result, (None,)).start()
+    await finish(Runner(masks, filled, Event(polls_to_land=0)))
+    slow = Event(polls_to_land=10 ** 9)
     start = anyio.current_time()
-    assert await finish(slow) is not loop_thread
+    await finish(Runner(slow))
     assert anyio.current_time() - start >= executor_actor.POLL_S and slow.polls > 1
+    assert slow.blocked_on not in (None, threading.current_thread())

@@ -28,7 +28,7 @@ backend's apply_token_mask sets every other token's logit to -inf on the device.
 constraint reads its own last token on the host: the executor launches the next step's forward
 pass first (that token goes in on the device), then waits for the token and advances the
 constraint; the mask is filled on the mask thread while the step's result goes back, and the
-sampler is queued once it is (runner.queue_sampler). fill_mask is never called beside the same
+next step's launch queues the sampler once it is. fill_mask is never called beside the same
 constraint's accept, but beside the engine's other threads: a call of a few microseconds should
 keep the interpreter lock (handing it to a busy thread costs far more than the call).
 """

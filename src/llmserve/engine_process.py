@@ -257,7 +257,7 @@ async def serve_core(path: str) -> None:
         out_send, out_recv = anyio.create_memory_object_stream(64)
         async with anyio.create_task_group() as tg:
             to_scheduler = await tg.start(engine.run_core, out_send)
-            tg.start_soon(_send_outputs, engine, out_recv, wire)
+            tg.start_soon(_send_outputs, engine, out_recv, wire, tg.cancel_scope)
             async with to_scheduler:
                 while True:
                     try:
@@ -269,8 +269,9 @@ async def serve_core(path: str) -> None:
             tg.cancel_scope.cancel()
 
 
-async def _send_outputs(engine: Engine, outputs: ObjectReceiveStream, wire: Wire) -> None:
-    """Each step's outputs with the counters after it; between steps, the counters when they change."""
+async def _send_outputs(engine: Engine, outputs: ObjectReceiveStream, wire: Wire, core: anyio.CancelScope) -> None:
+    """Each step's outputs with the counters after it; between steps, the counters when they change.
+    A server gone meanwhile (the socket closed under a send) ends the core: nobody reads on."""
     sent = None
     async with outputs:
         while True:
@@ -279,10 +280,14 @@ async def _send_outputs(engine: Engine, outputs: ObjectReceiveStream, wire: Wire
                 batch.append(await outputs.receive())
             _queued(outputs, batch)
             snap = engine.snapshot()
-            if batch:
-                await wire.send(("outputs", batch, snap))
-            elif snap != sent:
-                await wire.send(("snapshot", snap))
+            try:
+                if batch:
+                    await wire.send(("outputs", batch, snap))
+                elif snap != sent:
+                    await wire.send(("snapshot", snap))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                core.cancel()
+                return
             sent = snap
 
 

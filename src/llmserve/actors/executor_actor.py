@@ -1,24 +1,35 @@
-"""Executor actor: runs each StepPlan on the model runner, in a worker thread wherever the call may
-wait for the device (so the event loop keeps serving meanwhile), and sends the StepResults to the
-scheduler. A launch with no step in flight waits for nothing: it runs on the loop's own thread.
+"""Executor actor: runs each StepPlan on the model runner and sends the StepResults to the scheduler.
 
 The runner keeps one step in flight (model/runner.py): each call launches the next step on the
 device before it waits for the previous one's tokens. A step whose sampler waits for masks (a
-constrained request's) has it queued as soon as they are filled, before the next message. After a
+constrained request's) has it queued by the next call, before that call's forward pass. After a
 launch the actor waits for the next message: a plan (launch it, finish the one before) or
 FinishInFlight, the scheduler's word that no plan comes before a result (finish the step in
-flight). That finish first polls the device from the loop for up to POLL_S (a step that waits for
-the one before, as under speculation, goes on as soon as its tokens land, without the hops to a
-worker thread and back), then waits on the worker thread.
+flight).
+
+A local runner's calls run here, on the event loop's thread, as generators (ModelRunner.stepping)
+that yield what they are about to wait for: the actor waits for it between the loop's other work,
+so the call goes on as soon as it can. (On a worker thread, a call that waited for the device
+would then wait for the interpreter lock, which the loop holds while the other actors run: up to
+the 5 ms switch interval, on every step of a host-bound batch.) It waits for masks without holding
+the lock (the mask thread needs it to finish), and for the device by polling, for up to POLL_S
+(a decode step's device time; a long prompt's step is waited for on a worker thread). A runner of
+several ranks (RankRunner) waits for their replies on a worker thread.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from llmserve.messages import FinishInFlight
 from llmserve.model.runner import ModelRunner
+from llmserve.model.waits import Steps, Wait, block, is_done
 
 POLL_S = 0.02
 """Longest the loop polls for the step in flight to land before a worker thread waits for it: the
@@ -46,28 +57,14 @@ class ExecutorActor:
                 if isinstance(plan, FinishInFlight):
                     plan = None
                 # A failed step comes back as an error result for its requests (the runner logs it).
-                if plan is None:
-                    if self.launch_here and not self.runner.masks_pending and await self._landed():
-                        results = self.runner.flush()
-                    else:
-                        results = await anyio.to_thread.run_sync(self.runner.flush, limiter=self._thread)
-                elif self.launch_here and not self.runner.busy:
-                    # Nothing in flight: the launch waits for no device work, so it runs now, on
-                    # this thread. Handed to the worker, it would wait for the thread to wake and
-                    # for the interpreter lock, which this loop holds while other actors run: time
-                    # the device idles when a step waits for the one before (speculation).
-                    results = self.runner.step(plan)
+                if self.launch_here:
+                    results = await self._drive(self.runner.flushing() if plan is None else self.runner.stepping(plan))
+                elif plan is None:
+                    results = await anyio.to_thread.run_sync(self.runner.flush, limiter=self._thread)
                 else:
                     results = await anyio.to_thread.run_sync(self.runner.step, plan, limiter=self._thread)
                 if not self._send(results):
                     return  # the engine is shutting down: nobody is left to read the result
-                if self.launch_here and self.runner.masks_pending:
-                    # The step just launched samples once its masks are filled: its sampler is
-                    # queued then, while the scheduler plans the next step (which would otherwise
-                    # queue it, leaving the device idle from the forward pass's end until then).
-                    results = await anyio.to_thread.run_sync(self.runner.queue_sampler, limiter=self._thread)
-                    if not self._send(results):
-                        return
 
     def _send(self, results: list) -> bool:
         """Send results to the scheduler; False once it is gone (the engine shutting down).
@@ -81,11 +78,44 @@ class ExecutorActor:
                 return False
         return True
 
-    async def _landed(self) -> bool:
-        """Whether the step in flight landed within POLL_S, polled between the loop's other work."""
+    async def _drive(self, steps: Steps) -> list:
+        """A runner call's results, waiting for each thing it yields without blocking the loop."""
+        try:
+            wait = next(steps)
+            while True:
+                await self._until(wait)
+                wait = steps.send(None)
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            steps.close()  # (cancelled while waiting: the call ends there)
+
+    async def _until(self, wait: Wait) -> None:
+        if isinstance(wait, Future):
+            await _completed(wait)
+            return
         deadline = anyio.current_time() + POLL_S
-        while not self.runner.landed():
+        while not is_done(wait):
             if anyio.current_time() > deadline:
-                return False
+                await anyio.to_thread.run_sync(block, wait, limiter=self._thread)
+                return
             await anyio.sleep(0)
-        return True
+
+
+async def _completed(future: Future) -> None:
+    """Wait for a thread's future with the loop asleep (the thread needs the interpreter lock to
+    end, which a polling loop would hardly ever hand over)."""
+    done = anyio.Event()
+    token, loop_thread = anyio.lowlevel.current_token(), threading.get_ident()
+
+    def wake(_: Future) -> None:
+        if threading.get_ident() == loop_thread:  # done already: the callback runs here, at once
+            done.set()
+            return
+        try:
+            anyio.from_thread.run_sync(done.set, token=token)
+        except RuntimeError:  # the loop has ended: nobody waits
+            pass
+
+    future.add_done_callback(wake)
+    await done.wait()

@@ -31,6 +31,7 @@ from llmserve.model.sampling_state import MaskFill, SamplingState, SeqState
 from llmserve.model.spec import ModelSpec
 from llmserve.model.step_inputs import Staging, StepInputs, fill_placeholders
 from llmserve.model.step_timing import StepTiming
+from llmserve.model.waits import Steps, is_done, run_waiting
 from llmserve.quantization import QuantizationMethod
 from llmserve.speculative import Proposer
 
@@ -226,8 +227,10 @@ class ModelRunner:
     # token tensor. A request whose sampling needs N's token on the host (penalties, min_tokens, a
     # constraint's mask) splits the launch: N+1's forward pass is queued, N is finished while it
     # runs, then N+1's sampling is built. Its masks are filled on the mask thread while N's result
-    # goes back and N+2 is planned; queue_sampler() (the executor calls it as soon as step() has
-    # returned) or else the next call queues N+1's sampler once they are:
+    # goes back and N+2 is planned; the next call (or flush()) queues N+1's sampler, once they are,
+    # before N+2's forward pass. (Queued from a thread of its own as soon as they are filled, it
+    # would run beside the event loop's chain, which holds the interpreter lock it needs: on a
+    # host-bound step that wait and hand-off cost more than the device gains.)
     #
     #     host:    forward N+1 | finish N (wait) | (masks on their thread) | sample N+1 | forward N+2 | finish N+1 ...
     #     device:  ... N ..........| N+1 forward ...............................| sample | N+2 ...
@@ -237,20 +240,21 @@ class ModelRunner:
         """A launched step is still to finish."""
         return self.in_flight is not None or self.waiting is not None
 
-    @property
-    def masks_pending(self) -> bool:
-        """A launched step waits for masks the mask thread fills (flush() waits for them)."""
-        return self.waiting is not None
-
-    def landed(self) -> bool:
-        """The step in flight, if any, has its tokens on the host."""
-        flight = self.in_flight
-        return flight is None or flight.ready is None or flight.ready.query()
-
     def step(self, plan: StepPlan) -> list[StepResult]:
         """Launch `plan`; return the results finished meanwhile (the step before it), in order."""
+        return run_waiting(self.stepping(plan))
+
+    def flush(self) -> list[StepResult]:
+        """Finish the step in flight, if any."""
+        return run_waiting(self.flushing())
+
+    def stepping(self, plan: StepPlan) -> Steps:
+        """step() as a generator that yields what it is about to wait for (Waits says what) and
+        returns the results: its caller waits its own way (the executor: between the event loop's
+        other work, not on a thread that must win the interpreter lock back)."""
         self._make_current()
         with self.timing.step(len(plan.req_ids), plan.num_tokens):
+            yield from self._masks_filled()
             done = self._queue_waiting()
             previous, self.in_flight = self.in_flight, None
             wait = previous is not None and self.sampling.needs_host_tokens(plan.req_ids, previous.rows)
@@ -260,6 +264,7 @@ class ModelRunner:
             try:
                 forward = self._forward(plan, previous, holes)
                 if wait:  # its requests' tokens are inputs of the forward pass just queued
+                    yield from self._landing(previous)
                     done.append(self._finish_or_fail(previous, previous.rows.keys() & set(plan.req_ids)))
                     previous = None
                 launched = self._sample(forward, background=wait)
@@ -279,9 +284,33 @@ class ModelRunner:
                     previous = None
                 done.append(self._isolate(plan))
             if previous is not None:
+                yield from self._landing(previous)
                 done.append(self._finish_or_fail(previous))
             self.dropped.clear()
             return done
+
+    def flushing(self) -> Steps:
+        """flush() as stepping() is step()."""
+        self._make_current()
+        yield from self._masks_filled()
+        done = self._queue_waiting()
+        previous, self.in_flight = self.in_flight, None
+        if previous is not None:
+            yield from self._landing(previous)
+            done.append(self._finish_or_fail(previous))
+        return done
+
+    def _masks_filled(self) -> Steps:
+        """Waits for the masks of the step waiting for them, if still filling."""
+        job = None if self.waiting is None else self.waiting.masks.job
+        if job is not None and not job.done():
+            yield job
+
+    @staticmethod
+    def _landing(flight: InFlight) -> Steps:
+        """Waits for a launched step's tokens to reach the host, if they have not."""
+        if flight.ready is not None and not is_done(flight.ready):
+            yield flight.ready
 
     def _isolate(self, plan: StepPlan) -> StepResult:
         """The result of a step whose launch failed, computed again in parts, each launched and
@@ -330,21 +359,6 @@ class ModelRunner:
         if self.failed.isdisjoint(plan.req_ids):
             return plan
         return plan.subset(np.array([i for i, r in enumerate(plan.req_ids) if r not in self.failed], dtype=np.int64))
-
-    def flush(self) -> list[StepResult]:
-        """Finish the step in flight, if any."""
-        self._make_current()
-        done = self._queue_waiting()
-        previous, self.in_flight = self.in_flight, None
-        return done if previous is None else done + [self._finish_or_fail(previous)]
-
-    def queue_sampler(self) -> list[StepResult]:
-        """Queue the sampler of the launched step waiting for its masks, once the mask thread has
-        filled them, rather than when the next step is launched: the device would wait from the
-        forward pass's end until the next plan came. Returns the step's result if that fails."""
-        self._make_current()
-        with self.timing.tail():
-            return self._queue_waiting()
 
     def _queue_waiting(self) -> list[StepResult]:
         """Queue the sampler of the step waiting for its masks, now in flight; if that fails, the

@@ -74,20 +74,6 @@ class StepTiming:
                     f.write(self._prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
                 self._prof = None
 
-    @contextmanager
-    def tail(self):
-        """Host work of the step recorded last, done after its step() call returned (a constrained
-        step's sampler, queued once its masks are filled): its record then ends after this, and
-        so does its device work, when timing the device."""
-        yield
-        if self.records:
-            last = self.records[-1]
-            events = last.events
-            if events is not None:
-                events = (events[0], torch.cuda.Event(enable_timing=True))
-                events[1].record()
-            self.records[-1] = last._replace(end=time.perf_counter(), events=events)
-
     def launched(self) -> None:
         """Mark the end of the current step's launch (the host work that queues it on the device)."""
         self._launched = time.perf_counter()
