@@ -278,11 +278,11 @@ def _run_counting(llm, prompts, params) -> tuple[list, int, list]:
     """Outputs, the forward steps that ran, and each jump as (sampled token, tokens replacing it,
     whether the step after it had been launched already)."""
     runner, steps, jumps = llm.engine.runner, [], []
-    step, finish = runner.step, runner._finish
+    stepping, finish = runner.stepping, runner._finish  # (how the executor runs a local runner's steps)
 
     def counting(plan):
         steps.append(len(plan.req_ids))
-        return step(plan)
+        return (yield from stepping(plan))
 
     def recording(flight, *ahead):
         result = finish(flight, *ahead)
@@ -290,11 +290,12 @@ def _run_counting(llm, prompts, params) -> tuple[list, int, list]:
                      for r, t in zip(result.req_ids, result.token_ids) if r in result.jumps)
         return result
 
-    runner.step, runner._finish = counting, recording
+    runner.stepping, runner._finish = counting, recording
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
-        runner.step, runner._finish = step, finish
+        runner.stepping, runner._finish = stepping, finish
+    assert steps  # (the executor ran its steps through stepping())
     return outs, sum(1 for n in steps if n), jumps
 
 
