@@ -4,13 +4,13 @@ StepPlan into a forward pass and sampled tokens.
 Its parts: the KV cache's layout and size (model/kv_cache.py), a step's inputs and their way to the
 device (model/step_inputs.py), CUDA graphs that replay whole steps (model/cuda_graphs.py), the
 requests' sampling state (model/sampling_state.py), speculative decoding's proposals and checks
-(model/drafting.py); here, the step pipeline that drives them.
+(model/drafting.py), a step's stages from launch to result (model/launched.py) and what a step
+waits for (model/waits.py); here, the step pipeline that drives them.
 """
 
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,9 +25,10 @@ from llmserve.messages import PLACEHOLDER, PrefixGroups, StepPlan, StepResult
 from llmserve.model.cuda_graphs import StepGraphs, eager_cascade_layouts
 from llmserve.model.drafting import Drafting, check_drawn_drafts, keep_confirmed, spread
 from llmserve.model.kv_cache import KVCacheLayout
+from llmserve.model.launched import Forward, InFlight, Sampling
 from llmserve.model.loader import load_model
 from llmserve.model.sampler import draw, gather_logprobs, process_logits, prompt_logprobs, to_token_logprobs
-from llmserve.model.sampling_state import MaskFill, SamplingState, SeqState
+from llmserve.model.sampling_state import SamplingState
 from llmserve.model.spec import ModelSpec
 from llmserve.model.step_inputs import Staging, StepInputs, fill_placeholders
 from llmserve.model.step_timing import StepTiming
@@ -50,54 +51,6 @@ not yet measured against the graph."""
 _DEVICE_ERRORS = (torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()
 """Errors of the device itself (a CUDA fault): every later launch fails too, so no part of a step
 that raised one is retried."""
-
-
-@dataclass(slots=True)
-class InFlight:
-    """A launched step: its result so far and, if it samples, the device tokens on their way to
-    pinned host memory (`ready` is recorded after that copy)."""
-    result: StepResult
-    req_ids: list[str]  # every request of the plan (failed together if finishing fails)
-    states: list[SeqState] = field(default_factory=list)
-    tokens: torch.Tensor | None = None  # int64 [num sampled], on the device
-    rows: dict[str, int] = field(default_factory=dict)  # req_id -> row of `tokens`
-    tokens_host: torch.Tensor | None = None
-    ready: torch.cuda.Event | None = None
-    logprob_parts: tuple[torch.Tensor, ...] | None = None
-    mask_errors: dict[int, str] = field(default_factory=dict)  # row -> why its constraint filled no mask
-    masks: MaskFill | None = None  # without drafts: the masks its tokens were drawn under
-    drafts: list[list[int]] | None = None  # per sampling request, the drafts it checks (speculative decoding)
-    offsets: list[int] | None = None  # with drafts: each sampling request's first row of `tokens`
-    propose: dict[str, int] = field(default_factory=dict)  # StepPlan.propose
-
-
-@dataclass(slots=True)
-class _Forward:
-    """A step whose forward pass is queued: its result so far and the logits of its sampling rows."""
-    result: StepResult
-    req_ids: list[str]
-    logits: torch.Tensor | None = None
-    drafts: list[list[int]] | None = None
-    """Per sampling request, the drafts it checks: its logits rows are their positions and the one
-    before them (len + 1 rows)."""
-    propose: dict[str, int] = field(default_factory=dict)
-    draft_probs: list[torch.Tensor | None] | None = None
-    """With drafts: per sampling request, the distribution its drafts were drawn from (float32
-    [len(drafts), V]), or None for a fixed proposal."""
-
-
-@dataclass(slots=True)
-class _Sampling:
-    """A step whose forward pass is queued and whose sampler is ready to queue once its masks are."""
-    result: StepResult
-    req_ids: list[str]
-    logits: torch.Tensor
-    states: list[SeqState]
-    batch: SamplingBatch
-    masks: MaskFill | None
-    drafts: list[list[int]] | None = None
-    propose: dict[str, int] = field(default_factory=dict)
-    draft_probs: list[torch.Tensor | None] | None = None
 
 
 class ModelRunner:
@@ -130,7 +83,7 @@ class ModelRunner:
         attention is plain enough for it): the KV manager looks for prefix groups only then."""
         self.cascade_steps = 0  # steps that attended shared prefixes once per group
         self.in_flight: InFlight | None = None
-        self.waiting: _Sampling | None = None
+        self.waiting: Sampling | None = None
         """The step launched last when its sampler waits for masks filling on the mask thread."""
         self.failed: set[str] = set()  # requests that failed a step, left out of the plans made before that was known
         self.isolate_failures = isolate_failures
@@ -268,7 +221,7 @@ class ModelRunner:
                     done.append(self._finish_or_fail(previous, previous.rows.keys() & set(plan.req_ids)))
                     previous = None
                 launched = self._sample(forward, background=wait)
-                if isinstance(launched, _Sampling):
+                if isinstance(launched, Sampling):
                     self.waiting = launched
                 else:
                     self.in_flight = launched
@@ -381,7 +334,7 @@ class ModelRunner:
         return self._sample(self._forward(plan, previous, holes))
 
     @torch.inference_mode()
-    def _forward(self, plan: StepPlan, previous: InFlight | None, holes: np.ndarray) -> _Forward:
+    def _forward(self, plan: StepPlan, previous: InFlight | None, holes: np.ndarray) -> Forward:
         """Queue the step's forward pass and its logits (rows that sample, in plan order)."""
         for req_id in plan.freed:
             self.sampling.drop(req_id)
@@ -390,7 +343,7 @@ class ModelRunner:
             self.sampling.add(req_id, new)
         result = StepResult(plan.step_id, [], [])
         if not plan.req_ids:
-            return _Forward(result, [])
+            return Forward(result, [])
         inputs = StepInputs.build(plan.token_ids, plan.query_lens, plan.context_lens, plan.block_tables,
                                   self.block_size)
         qsl = inputs.query_start_loc
@@ -421,7 +374,7 @@ class ModelRunner:
         result.prompt_logprobs = prompt_logprobs(plan, qsl, hidden, self.sampling.seqs, self.model.compute_logits,
                                                  self.staging.to_device)
         if not result.req_ids:
-            return _Forward(result, list(plan.req_ids))
+            return Forward(result, list(plan.req_ids))
         drafts = None
         if graphed and len(rows) == len(plan.req_ids):  # every row samples: lm_head at the captured size
             logits = self.model.compute_logits(hidden)[:len(rows)]
@@ -436,7 +389,7 @@ class ModelRunner:
                 last = np.pad(last, (0, self.graphs.batch_size(num) - num), mode="edge")
             logits = self.model.compute_logits(hidden[self.staging.to_device(last)])[:num]
         draft_probs = self.drafting.checked_against(result.req_ids, drafts)  # drafts drawn from a distribution
-        return _Forward(result, list(plan.req_ids), logits, drafts, plan.propose, draft_probs)
+        return Forward(result, list(plan.req_ids), logits, drafts, plan.propose, draft_probs)
 
     def _cascade(self, plan: StepPlan, inputs: StepInputs, graphed: bool) -> PrefixGroups | None:
         """The plan's prefix groups if this step attends them once per group (cascade attention):
@@ -465,10 +418,10 @@ class ModelRunner:
         return groups
 
     @torch.inference_mode()
-    def _sample(self, forward: _Forward, background: bool = False) -> InFlight | _Sampling:
+    def _sample(self, forward: Forward, background: bool = False) -> InFlight | Sampling:
         """Queue the sampling of a step whose forward pass is queued, and the copy of its tokens to
         the host. background: a step with masks to fill has them filled on the mask thread and
-        comes back as _Sampling, for _queue() (its constraints must not move before)."""
+        comes back as Sampling, for _queue() (its constraints must not move before)."""
         result, logits, drafts, draft_probs = forward.result, forward.logits, forward.drafts, forward.draft_probs
         if logits is None:
             return InFlight(result, forward.req_ids)
@@ -488,13 +441,13 @@ class ModelRunner:
         states = [self.sampling.seqs[r] for r in result.req_ids]
         batch = self.sampling.batch(states, logits.shape[-1], drafts)
         masks = self.sampling.masks(states, logits.shape[-1], background=background, drafts=drafts)
-        sampling = _Sampling(result, forward.req_ids, logits, states, batch, masks, drafts, forward.propose,
+        sampling = Sampling(result, forward.req_ids, logits, states, batch, masks, drafts, forward.propose,
                              draft_probs)
         # waiting for masks the mask thread fills (with drafts they were filled here: queued now)
         return sampling if masks is not None and masks.job is not None else self._queue(sampling)
 
     @torch.inference_mode()
-    def _queue(self, sampling: _Sampling) -> InFlight:
+    def _queue(self, sampling: Sampling) -> InFlight:
         """Queue a step's sampler (its masks filled) and the copy of its tokens to the host."""
         result, logits, states, batch = sampling.result, sampling.logits, sampling.states, sampling.batch
         mask_errors = {}
