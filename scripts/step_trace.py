@@ -23,12 +23,12 @@ a step counts steps, not tokens.
 --shape decode-b1 | w-small: the model of that workload (dummy weights) instead of --model; w-small's
 with a tokenizer of its whole vocabulary (structured_bench.py's).
 
---constrained: every request held inside a JSON string (structured_bench.py's tpot constraint, jump-
-forward as the engine's default; --no-jump: off, so no step checks for a jump), so the stretch also shows the mask thread's fill (`fill`) and the
-sampler waiting for it (`send`, at the next step's launch). With async
-scheduling the forward pass queued by `replay` runs from the `ready` before it: a `queued` later than
-that pass's device time, or a `replay` later than the step's whole device time, is what the device
-waits for.
+--constrained: every request held inside a JSON string (structured_bench.py's tpot constraint,
+jump-forward as the engine's default; --no-jump: off, so no step checks for a jump), so the stretch
+also shows the mask thread's fill (`fill`) and the sampler waiting for it (`send`, at the next
+step's launch). With async scheduling the forward pass queued by `replay` runs from the `ready`
+before it: a `queued` later than that pass's device time, or a `replay` later than the step's
+whole device time, is what the device waits for.
 
 --profile PREFIX: cProfile of the runner's forward passes, samplings and finishes
 (PREFIX.runner.txt) and of the actors' handlers on the event loop (PREFIX.loop.txt), by
@@ -198,27 +198,33 @@ def device_activities(prof) -> tuple[list[tuple[float, float, str]], list[tuple[
     return sorted(device), sorted(host)
 
 
+def busy_runs(acts: list, gap_us: float, apart=lambda name: False) -> list[list]:
+    """Device activities (start, end, name) in order, as runs [start, end, names] of activities
+    closer than gap_us; an activity `apart` says so of stays a run of its own."""
+    runs: list[list] = []
+    for s0, s1, name in acts:
+        if runs and s0 - runs[-1][1] <= gap_us and not apart(name) and not apart(runs[-1][2][-1]):
+            runs[-1][1] = max(runs[-1][1], s1)
+            runs[-1][2].append(name)
+        else:
+            runs.append([s0, s1, [name]])
+    return runs
+
+
 def some_cycles(device: list, host: list, count: int = 3, gap_us: float = 5.0) -> list[list]:
     """`count` steps from the middle of the run, each from the end of a copy to pinned host memory
     to the next: the host's events and the device's activities as (start, end, name) relative to
     that end, the device's runs of kernels without gaps over gap_us as one ("N kernels: first ..
-    last")."""
+    last"), each copy alone."""
     anchors = [end for start, end, name in device if "DtoH" in name]
     middle = len(anchors) // 2
     cycles = []
     for a, b in zip(anchors[middle:middle + count], anchors[middle + 1:middle + count + 1]):
-        runs = []
-        for s0, s1, name in device:
-            if not a <= s0 < b:
-                continue
-            if runs and s0 - runs[-1][1] <= gap_us and "Memcpy" not in name and "Memcpy" not in runs[-1][3]:
-                runs[-1][1], runs[-1][2] = max(runs[-1][1], s1), runs[-1][2] + 1
-                runs[-1][4] = name
-            else:
-                runs.append([s0, s1, 1, name, name])
-        rows = [[round(r[0] - a, 1), round(r[1] - a, 1),
-                 "device: " + (r[3][:50] if r[2] == 1 else f"{r[2]} kernels: {r[3][:40]} .. {r[4][:40]}")]
-                for r in runs]
+        runs = busy_runs([act for act in device if a <= act[0] < b], gap_us, lambda name: "Memcpy" in name)
+        rows = [[round(s0 - a, 1), round(s1 - a, 1),
+                 "device: " + (names[0][:50] if len(names) == 1 else
+                               f"{len(names)} kernels: {names[0][:40]} .. {names[-1][:40]}")]
+                for s0, s1, names in runs]
         rows += [[round(s0 - a, 1), round(s1 - a, 1), "host: " + name[:60]] for s0, s1, name in host
                  if a - 2000 <= s0 < b and not name.startswith(("cudaGetDevice", "cudaPeekAtLastError"))]
         cycles.append(sorted(rows))
@@ -241,13 +247,7 @@ def device_stretches(acts: list[tuple[float, float, str]], gap_us: float = 20.0)
         while j < len(acts) and acts[j][0] < b:
             cycle.append(acts[j])
             j += 1
-        runs = []
-        for s0, s1, name in cycle:
-            if runs and s0 - runs[-1][1] <= gap_us:
-                runs[-1][1] = max(runs[-1][1], s1)
-                runs[-1][2].append(name)
-            else:
-                runs.append([s0, s1, [name]])
+        runs = busy_runs(cycle, gap_us)
         busy.append(sum(r[1] - r[0] for r in runs))
         for n, (s0, s1, ns) in enumerate(runs):
             stretches[n].append((s0 - a, s1 - a, len(ns)))

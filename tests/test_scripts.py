@@ -125,6 +125,26 @@ def test_step_trace_times_each_step_from_the_tokens_before(tmp_path):
     assert "process" in (tmp_path / "prof.loop.txt").read_text()
 
 
+def test_step_trace_splits_the_device_timeline_at_each_copy_of_tokens_to_the_host():
+    """--kernels' analysis (the GPU's profile, so on synthetic activities here): each step runs from
+    the end of one copy of tokens to the host to the next; activities closer than the gap make one
+    busy stretch; the steps shown whole keep each copy a run of its own."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("step_trace", SCRIPTS / "step_trace.py")
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+    acts = []
+    for start in range(0, 800, 100):  # a step every 100 us: forward 0-50, sampler 80-90, tokens' copy 91-93
+        acts += [(start, start + 30, "fwd"), (start + 31, start + 50, "fwd2"), (start + 80, start + 82, "Memcpy HtoD"),
+                 (start + 83, start + 90, "sample"), (start + 91, start + 93, "Memcpy DtoH")]
+    got = trace.device_stretches(acts)
+    assert (got["cycles"], got["cycle_us"], got["busy_us"]) == (7, 100, 63)
+    assert [(r["start_us"], r["end_us"], r["activities"]) for r in got["stretches"]] == [(7, 57, 2), (87, 100, 3)]
+    [step] = trace.some_cycles(acts, [(110, 120, "cudaGraphLaunch")], count=1)
+    assert [row[2] for row in step] == ["host: cudaGraphLaunch", "device: 2 kernels: fwd .. fwd2",
+                                        "device: Memcpy HtoD", "device: sample", "device: Memcpy DtoH"]
+
+
 def test_step_trace_of_a_speculating_engine_times_the_proposal(tmp_path):
     out = tmp_path / "trace.json"
     run_script("step_trace.py", "--tokens", "12", "--dtype", "float32", "--sync", "--speculative",
