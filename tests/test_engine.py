@@ -443,10 +443,15 @@ def test_the_runner_launches_the_next_step_before_finishing_the_last(checkpoint)
     with LLM(checkpoint("qwen3"), device="cpu", log_interval_s=0, async_scheduling=False) as llm:
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     with LLM(checkpoint("qwen3"), device="cpu", log_interval_s=0) as llm:
-        runner, overlapped = llm.engine.runner, []
-        stepping = runner.stepping  # (how the executor runs a local runner's steps)
+        runner, overlapped, off_loop = llm.engine.runner, [], []
+        stepping = runner.stepping  # (how step() runs)
 
         def recording(plan):
+            try:  # a CPU runner computes as it launches: on a worker thread, not holding the loop
+                anyio.from_thread.check_cancelled()
+                off_loop.append(True)
+            except RuntimeError:
+                off_loop.append(False)
             results = yield from stepping(plan)
             overlapped.extend(r.step_id < plan.step_id for r in results)
             return results
@@ -455,6 +460,7 @@ def test_the_runner_launches_the_next_step_before_finishing_the_last(checkpoint)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     assert sum(overlapped) >= 3  # decode steps finished only after their successor launched
+    assert off_loop and all(off_loop)
 
 
 def test_penalties_and_min_tokens_see_every_token_with_steps_in_flight(checkpoint):

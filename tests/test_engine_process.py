@@ -5,6 +5,7 @@ import dataclasses
 import os
 import pickle
 import signal
+import struct
 
 import anyio
 import pytest
@@ -211,3 +212,52 @@ async def test_wire_takes_every_frame_that_arrived_and_reassembles_split_ones():
     assert await reader.receive_all() == [list(range(5000)), None]  # both complete in the last chunk
     with pytest.raises(EOFError):
         await reader.receive_all()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_wait_cancelled_as_its_bytes_arrive_leaves_the_loop_no_failing_callback(anyio_backend):
+    """The server stops its reader as the engine's outputs arrive: the selector has queued the
+    reader's wake-up in the loop turn where the reader is cancelled. (anyio's UNIX socket stream
+    then failed in that wake-up: an InvalidStateError traceback in the log.) The bytes stay for
+    the next receive."""
+    import asyncio
+    import socket
+
+    from llmserve.engine_process import SocketBytes
+
+    errors = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    frame = pickle.dumps("late", protocol=pickle.HIGHEST_PROTOCOL)
+    async with SocketBytes(ours) as stream:
+        wire = Wire(stream)
+        for send in (False, True):  # a wait for the socket to be readable, then for it to be writable
+            reader = anyio.CancelScope()
+
+            async def waiting():
+                with reader:
+                    if send:
+                        while True:  # until the socket's buffer is full
+                            await wire.send(b"x" * (1 << 16))
+                    await wire.receive()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiting)
+                await anyio.sleep(0.05)  # it waits for the socket now
+                if send:
+                    theirs.setblocking(False)
+                    while True:  # drain: the socket becomes writable
+                        try:
+                            theirs.recv(1 << 20)
+                        except BlockingIOError:
+                            break
+                else:
+                    theirs.sendall(struct.pack("!Q", len(frame)) + frame)
+                await asyncio.sleep(0)  # the selector has seen it: the waiter's wake-up is queued behind this task
+                reader.cancel()
+            await anyio.sleep(0.05)
+            assert reader.cancelled_caught and errors == []
+        theirs.setblocking(True)
+        assert await wire.receive() == "late"
+    theirs.close()

@@ -20,6 +20,7 @@ import math
 import os
 import pickle
 import signal
+import socket
 import struct
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import structlog
 from anyio.abc import ByteStream, ObjectReceiveStream
 
@@ -47,6 +49,55 @@ EXIT_TIMEOUT_S = 30.0
 
 class EngineProcessError(RuntimeError):
     """The engine process failed to start or died."""
+
+
+class SocketBytes(ByteStream):
+    """A connected socket's bytes, waiting for it with anyio.wait_readable / wait_writable.
+
+    (Not anyio's UNIX socket stream: on asyncio it wakes a waiting task by a callback that the
+    selector may have queued in the same turn of the loop in which the task is cancelled; the
+    callback then fails, and the loop logs its traceback. That is how a server stops: it cancels
+    its reader as the engine's outputs arrive.) Owns the socket: aclose() closes it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        await anyio.lowlevel.checkpoint()
+        while True:
+            try:
+                data = self.sock.recv(max_bytes)
+            except BlockingIOError:
+                await anyio.wait_readable(self.sock)
+                continue
+            except OSError as exc:
+                raise anyio.BrokenResourceError from exc
+            if not data:
+                raise anyio.EndOfStream
+            return data
+
+    async def send(self, item: bytes) -> None:
+        await anyio.lowlevel.checkpoint()
+        view = memoryview(item)
+        while view:
+            try:
+                view = view[self.sock.send(view):]
+            except BlockingIOError:
+                await anyio.wait_writable(self.sock)
+            except OSError as exc:
+                raise anyio.BrokenResourceError from exc
+
+    async def send_eof(self) -> None:
+        self.sock.shutdown(socket.SHUT_WR)
+
+    async def aclose(self) -> None:
+        self.sock.close()
+
+
+def _socket_bytes(stream: anyio.abc.SocketStream) -> SocketBytes:
+    """An accepted or connected anyio socket stream's socket, as SocketBytes."""
+    return SocketBytes(stream.extra(anyio.abc.SocketAttribute.raw_socket))
 
 
 class Wire:
@@ -154,16 +205,16 @@ class ProcessEngine(Frontend):
             tg.cancel_scope.cancel()
         if stream is None:
             raise EngineProcessError(f"the engine process exited during start-up (exit code {process.returncode})")
-        wire = Wire(stream)
+        wire = Wire(_socket_bytes(stream))
         try:
             await wire.send(self.config)
             reply = await wire.receive()
         except EOFError:
-            await stream.aclose()
+            await wire.stream.aclose()
             raise EngineProcessError(f"the engine process exited during start-up "
                                      f"(exit code {await process.wait()})") from None
         if reply[0] == "error":
-            await stream.aclose()
+            await wire.stream.aclose()
             _, is_value_error, message = reply
             raise (ValueError if is_value_error else EngineProcessError)(message)
         info: CoreInfo = reply[1]
@@ -234,7 +285,7 @@ def _child_env() -> dict[str, str]:
 async def serve_core(path: str) -> None:
     """Connect to the server at `path`, build the engine from the config it sends, run its device side
     until the server closes the socket."""
-    wire = Wire(await anyio.connect_unix(path))
+    wire = Wire(_socket_bytes(await anyio.connect_unix(path)))
     async with wire.stream:
         try:
             config = await wire.receive()

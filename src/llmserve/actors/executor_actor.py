@@ -13,8 +13,12 @@ so the call goes on as soon as it can. (On a worker thread, a call that waited f
 would then wait for the interpreter lock, which the loop holds while the other actors run: up to
 the 5 ms switch interval, on every step of a host-bound batch.) It waits for masks without holding
 the lock (the mask thread needs it to finish), and for the device by polling, for up to POLL_S
-(a decode step's device time; a long prompt's step is waited for on a worker thread). A runner of
-several ranks (RankRunner) waits for their replies on a worker thread.
+(a decode step's device time; a long prompt's step is waited for on a worker thread).
+
+The other runners' calls run on a worker thread: a runner of several ranks (RankRunner) waits there
+for their replies, and a CPU runner computes the step while it launches it, which would hold the
+loop for the whole forward pass. (Torch's OpenMP team driven from a process's main thread is also
+many times slower than from another thread when the cores are shared with other processes.)
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ class ExecutorActor:
     def __init__(self, runner: ModelRunner, *, inbox: ObjectReceiveStream, to_scheduler: ObjectSendStream,
                  launch_here: bool = False) -> None:
         self.runner = runner
-        self.launch_here = launch_here  # a launch is local work (not a call to other processes)
+        self.launch_here = launch_here  # a launch only queues device work: its calls run on the loop
         self.inbox, self.to_scheduler = inbox, to_scheduler
         self._thread = anyio.CapacityLimiter(1)
 
