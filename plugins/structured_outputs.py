@@ -12,15 +12,17 @@ crosses as two files the request side writes once each into a private temporary 
 tokenizer's vocabulary (5 MB for 150k tokens) and the compiled grammar (its token masks, ~2 MB for
 JSON); the request carries their paths, and the executor's side reads each once.
 
-Jump-forward (`GrammarConstraint.jump`): after a sampled token t, where the grammar admits exactly
-one continuation s (xgrammar's jump-forward string: a key, `": "`, `", "`), t is replaced by the
-tokenizer's own encoding of text(t) + s, so a merge such as `"` + `,` -> `",` stays canonical (where
-a step launched meanwhile computed t, that is taken back: llmserve/decoding.py). The encoding's
-last token is dropped, as the model may extend it (`"na` + `me` -> `"name`), and
-nothing is jumped unless the kept tokens decode to text(t) and more, and re-encode to themselves.
-The executor's side needs the tokenizer itself for this: the request side's own in one process;
-in another, loaded from its directory when the first jumping request starts. Tokenizers that encode a leading space into a text's first token (SentencePiece's
-legacy mode) never jump: a stretch encoded alone is not what the same text gets mid-sequence.
+Jump-forward (`GrammarConstraint.jump`; by default for every kind but `json_object`, whose grammar
+forces next to nothing: StructuredOutputsParams.jump_forward): after a sampled token t, where the
+grammar admits exactly one continuation s (xgrammar's jump-forward string: a key, `": "`, `", "`),
+t is replaced by the tokenizer's own encoding of text(t) + s, so a merge such as `"` + `,` -> `",`
+stays canonical (where a step launched meanwhile computed t, that is taken back:
+llmserve/decoding.py). The encoding's last token is dropped, as the model may extend it (`"na` +
+`me` -> `"name`), and nothing is jumped unless the kept tokens decode to text(t) and more, and
+re-encode to themselves. The executor's side needs the tokenizer itself for this: the request
+side's own in one process; in another, loaded from its directory when the first jumping request
+starts. Tokenizers that encode a leading space into a text's first token (SentencePiece's legacy
+mode) never jump: a stretch encoded alone is not what the same text gets mid-sequence.
 """
 
 from __future__ import annotations
@@ -364,7 +366,7 @@ class StructuredOutputs:
         key = hashlib.sha256(f"{id(tokenizer)}:{vocab_size}:{eos_token_ids}:{source}".encode()).hexdigest()
         if id(tokenizer) not in self._prefix_space:
             self._prefix_space[id(tokenizer)] = _prefix_space(tokenizer)
-        jump = (params.structured_outputs.jump_forward and params.logprobs is None
+        jump = (params.structured_outputs.jumps and params.logprobs is None
                 and not self._prefix_space[id(tokenizer)])
         return PreparedGrammar(compiled, key, self._files, tokenizer, jump)
 

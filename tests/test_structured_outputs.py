@@ -431,6 +431,41 @@ def test_json_object_admits_objects_only(checkpoint):
     assert matcher.accept_string('{"a": [1, {"b": null}], "c": "d"}') and matcher.is_completed()
 
 
+def test_json_objects_grammar_forces_only_the_rest_of_a_literal(checkpoint):
+    """Why json_object does not jump by default: with whitespace admitted between any two tokens,
+    the only text its grammar ever forces is the rest of a true, false or null."""
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    from llmserve.plugins.structured_outputs import json_object_grammar
+    tok = AutoTokenizer.from_pretrained(checkpoint("llama"))
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok)))
+    matcher = xgrammar.GrammarMatcher(compiler.compile_grammar(json_object_grammar()))
+    text = '{"a": [1, -2.5e3, {"b": null}], "c": "d\\n\\u00e9", "e": true, "f": false, "g": {}, "h": []}'
+    forced = {}
+    for i, char in enumerate(text):
+        if s := matcher.find_jump_forward_string():
+            forced[i] = s
+        assert matcher.accept_string(char)
+    assert matcher.is_completed()
+    literals = {text.index(w) + k: w[k:] for w in ("null", "true", "false") for k in range(1, len(w))}
+    assert forced == {0: "{", **literals}  # (the brace comes before any sampled token: never jumped)
+
+
+def test_json_object_jumps_forward_only_when_asked(checkpoint):
+    from transformers import AutoTokenizer
+
+    from llmserve.plugins.structured_outputs import StructuredOutputs
+    tok = AutoTokenizer.from_pretrained(checkpoint("llama"))
+    strategy = StructuredOutputs()
+
+    def jumps(**spec):
+        params = SamplingParams(structured_outputs=spec)
+        return strategy.prepare(params, tok, len(tok), (tok.eos_token_id,)).jump_forward
+    assert not jumps(json_object=True) and jumps(json_object=True, jump_forward=True)
+    assert jumps(json=KEYED) and not jumps(json=KEYED, jump_forward=False) and jumps(regex="a+")
+
+
 def test_the_dict_form_takes_jump_forward():
     """HTTP bodies give structured_outputs as an object: jump_forward is one of its keys."""
     params = SamplingParams(structured_outputs={"regex": "a+", "jump_forward": False})

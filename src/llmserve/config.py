@@ -106,7 +106,8 @@ class SchedulerConfig:
     cache holds requests back instead of preempting them; false admits whatever fits now."""
     jump_forward: bool = True
     """Decoding strategies may append what their constraint forces without sampling it, several
-    tokens a step (structured outputs' jump-forward; a request can turn it off for itself)."""
+    tokens a step (structured outputs' jump-forward: a request can turn it off for itself, and on
+    for json_object, where it is off by default)."""
 
     def __post_init__(self) -> None:
         _check(self.max_num_batched_tokens >= 1, "scheduler", "max_num_batched_tokens", ">= 1", self.max_num_batched_tokens)

@@ -70,13 +70,16 @@ class StructuredOutputsParams:
     `choice` one of the strings, `grammar` an EBNF (GBNF) grammar whose start rule is `root`.
     `jump_forward`: where the language admits exactly one continuation (a key, punctuation), its
     tokens are appended without sampling and computed in one step (not for requests that ask for
-    logprobs: a jumped token has none)."""
+    logprobs: a jumped token has none). Unset, it is on for all but `json_object`, whose grammar
+    admits whitespace between any two tokens and so forces only the rest of a `true`, `false` or
+    `null`: its checks (a grammar call a request each step) would cost every step and save next to
+    none."""
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
-    jump_forward: bool = True
+    jump_forward: bool | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -89,11 +92,16 @@ class StructuredOutputsParams:
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not (isinstance(getattr(self, name), str) and getattr(self, name)):
                 _fail(f"structured_outputs.{name}", "a non-empty string", getattr(self, name))
-        if not isinstance(self.jump_forward, bool):
+        if self.jump_forward is not None and not isinstance(self.jump_forward, bool):
             _fail("structured_outputs.jump_forward", "true or false", self.jump_forward)
         if self.choice is not None and not (isinstance(self.choice, list) and self.choice
                                             and all(isinstance(c, str) and c for c in self.choice)):
             _fail("structured_outputs.choice", "a non-empty list of non-empty strings", self.choice)
+
+    @property
+    def jumps(self) -> bool:
+        """Whether jump-forward is asked for: `jump_forward`, or where unset the kind's default."""
+        return self.jump_forward if self.jump_forward is not None else not self.json_object
 
     @property
     def kind(self) -> str:
