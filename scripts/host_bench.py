@@ -69,6 +69,8 @@ def no_device_work(vocab: int, specials: list[int], max_rows: int) -> None:
     LlamaForCausalLM.compute_logits = lambda self, hidden: zeros[:hidden.shape[0]]
     runner.process_logits = process_logits
     CPUBackend.sample_rows = sample_rows
+    # its launches compute nothing: the executor runs them as a GPU engine's, on the event loop
+    runner.ModelRunner.launches_async = property(lambda self: True)
 
 
 SAMPLER_SHARE = 0.05

@@ -491,7 +491,7 @@ class Engine(Frontend):
                            async_scheduling=self.config.scheduler.async_scheduling),
             KVActor(self.kv, inbox=kv_recv, to_executor=exec_send, to_scheduler=sched_send.clone()),
             ExecutorActor(self.runner, inbox=exec_recv, to_scheduler=sched_send.clone(),
-                          launch_here=not isinstance(self.runner, RankRunner) and self.runner.device.type == "cuda"),
+                          launch_here=not isinstance(self.runner, RankRunner) and self.runner.launches_async),
         ]
         async with anyio.create_task_group() as tg:
             for actor in actors:

@@ -193,6 +193,12 @@ class ModelRunner:
         """A launched step is still to finish."""
         return self.in_flight is not None or self.waiting is not None
 
+    @property
+    def launches_async(self) -> bool:
+        """A launch only queues the step's work (CUDA), so stepping() returns to its caller at once
+        and yields what it waits for; a CPU runner computes the whole step as it launches it."""
+        return self.device.type == "cuda"
+
     def step(self, plan: StepPlan) -> list[StepResult]:
         """Launch `plan`; return the results finished meanwhile (the step before it), in order."""
         return run_waiting(self.stepping(plan))
