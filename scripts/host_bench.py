@@ -69,8 +69,6 @@ def no_device_work(vocab: int, specials: list[int], max_rows: int) -> None:
     LlamaForCausalLM.compute_logits = lambda self, hidden: zeros[:hidden.shape[0]]
     runner.process_logits = process_logits
     CPUBackend.sample_rows = sample_rows
-    # its launches compute nothing: the executor runs them as a GPU engine's, on the event loop
-    runner.ModelRunner.launches_async = property(lambda self: True)
 
 
 SAMPLER_SHARE = 0.05
@@ -170,6 +168,9 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint(tmp, args.vocab)
+        # Its launches compute nothing (no_device_work): the executor runs them as a GPU engine's,
+        # on the event loop. (Read as the engine starts, so set before it.)
+        runner.ModelRunner.launches_async = property(lambda self: True)
         llm = LLM(tmp, dtype="float32", max_model_len=8192, max_num_seqs=max(batches), cpu_kv_cache_gib=1.0,
                   cascade_attention=args.cascade_attention, log_interval_s=0,
                   async_scheduling=not args.sync)

@@ -14,7 +14,7 @@ batch 256 is the mean interval between the ends of consecutive decode steps that
 requests (every request's time per output token there); the target is the constrained run within
 10% of the plain one. The JSON string is also measured with jump-forward off, as json_object runs
 by default (its checks each step are the difference: nothing inside the string jumps); that ratio
-(tpot_ratio_no_jump) is json_object's.
+(tpot_ratio_no_jump) stands for json_object's.
 
 jump: the key-heavy ORDER schema (long keys, enums, bounded numbers and strings, an array of
 objects), W-small's first B prompts, temperature 0.6, seed i, max_tokens 512, at B = 1 and 64,

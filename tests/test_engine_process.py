@@ -225,8 +225,8 @@ async def test_a_wait_cancelled_as_its_bytes_arrive_leaves_the_loop_no_failing_c
 
     from llmserve.engine_process import SocketBytes
 
-    errors = []
-    asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+    errors, loop = [], asyncio.get_running_loop()
+    loop.set_exception_handler(lambda loop, context: errors.append(context))
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
     frame = pickle.dumps("late", protocol=pickle.HIGHEST_PROTOCOL)
@@ -260,4 +260,7 @@ async def test_a_wait_cancelled_as_its_bytes_arrive_leaves_the_loop_no_failing_c
             assert reader.cancelled_caught and errors == []
         theirs.setblocking(True)
         assert await wire.receive() == "late"
+    loop.set_exception_handler(None)
     theirs.close()
+    with pytest.raises(anyio.ClosedResourceError):  # as anyio's streams say it
+        await stream.receive()

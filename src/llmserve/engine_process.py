@@ -57,7 +57,8 @@ class SocketBytes(ByteStream):
     (Not anyio's UNIX socket stream: on asyncio it wakes a waiting task by a callback that the
     selector may have queued in the same turn of the loop in which the task is cancelled; the
     callback then fails, and the loop logs its traceback. That is how a server stops: it cancels
-    its reader as the engine's outputs arrive.) Owns the socket: aclose() closes it."""
+    its reader as the engine's outputs arrive.) Owns the socket: aclose() closes it, once no task
+    waits on it (a closed socket wakes no waiter; every user here cancels its waiters first)."""
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
@@ -67,12 +68,10 @@ class SocketBytes(ByteStream):
         await anyio.lowlevel.checkpoint()
         while True:
             try:
-                data = self.sock.recv(max_bytes)
+                data = self._io(self.sock.recv, max_bytes)
             except BlockingIOError:
                 await anyio.wait_readable(self.sock)
                 continue
-            except OSError as exc:
-                raise anyio.BrokenResourceError from exc
             if not data:
                 raise anyio.EndOfStream
             return data
@@ -82,17 +81,27 @@ class SocketBytes(ByteStream):
         view = memoryview(item)
         while view:
             try:
-                view = view[self.sock.send(view):]
+                view = view[self._io(self.sock.send, view):]
             except BlockingIOError:
                 await anyio.wait_writable(self.sock)
-            except OSError as exc:
-                raise anyio.BrokenResourceError from exc
 
     async def send_eof(self) -> None:
-        self.sock.shutdown(socket.SHUT_WR)
+        self._io(self.sock.shutdown, socket.SHUT_WR)
 
     async def aclose(self) -> None:
         self.sock.close()
+        await anyio.lowlevel.checkpoint()
+
+    def _io(self, call, arg):
+        """`call(arg)` on the socket, its errors as anyio's (BlockingIOError passes through)."""
+        if self.sock.fileno() == -1:
+            raise anyio.ClosedResourceError
+        try:
+            return call(arg)
+        except BlockingIOError:
+            raise
+        except OSError as exc:
+            raise anyio.BrokenResourceError from exc
 
 
 def _socket_bytes(stream: anyio.abc.SocketStream) -> SocketBytes:
@@ -209,7 +218,7 @@ class ProcessEngine(Frontend):
         try:
             await wire.send(self.config)
             reply = await wire.receive()
-        except EOFError:
+        except (EOFError, anyio.BrokenResourceError):  # (a send to a child gone: the socket broke)
             await wire.stream.aclose()
             raise EngineProcessError(f"the engine process exited during start-up "
                                      f"(exit code {await process.wait()})") from None
