@@ -8,7 +8,10 @@ in the model's dtype (after o_proj and after down_proj), one more for the embedd
 all-gather of the logits ([rows, vocab / P] a rank). This script makes exactly those in one graph
 per row count and reports the graph's time a step, one all-reduce's time (graphed, and NCCL's
 eager), the logits' all-gather, and whether the one-shot sums equal NCCL's (and how far each is
-from the float32 sum of the ranks' parts: above two ranks they add in different orders).
+from the float32 sum of the ranks' parts: above two ranks they add in different orders). Then the
+step with each layer's all-reduce followed by its RMSNorm, as the model runs them: the one-shot
+kernel and the norm kernel apart (apart_norm_step_graph_ms), and all_reduce_rms_norm's one kernel
+(fused_norm_step_graph_ms).
 One process a rank (torch.multiprocessing); NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 """
 
@@ -26,6 +29,7 @@ import torch.multiprocessing as mp
 
 from llmserve.bench.workloads import WORKLOADS
 from llmserve.distributed import parallel_state
+from llmserve.kernels.fused import rms_norm
 from graph_timing import events_us
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -89,6 +93,24 @@ def rank_main(rank: int, size: int, store: str, config: dict, rows_list: list[in
             row[f"{path}_step_graph_ms"] = events_us(whole.replay, 50) / 1e3
             torch.cuda.synchronize()
             del one, whole
+        if tp.norm_reduce is not None:  # each layer's all-reduce with the norm after it: apart, then one kernel
+            weight, residual = torch.ones(hidden, device=device, dtype=dtype), torch.zeros_like(x)
+
+            def normed_step(fused: bool) -> None:
+                parallel_state.all_reduce(x, opens_pass=True)
+                for _ in range(2 * layers):
+                    if fused:
+                        parallel_state.all_reduce_rms_norm(x, residual, weight, 1e-5, rms_norm)
+                    else:
+                        rms_norm(parallel_state.all_reduce(x), weight, 1e-5, residual)
+                parallel_state.all_gather_columns(logits)
+
+            for fused in (False, True):
+                # (whole passes only: a graph of one call would put successive calls in one slot)
+                whole = graphed(lambda: normed_step(fused))
+                row[f"{'fused' if fused else 'apart'}_norm_step_graph_ms"] = events_us(whole.replay, 50) / 1e3
+                torch.cuda.synchronize()
+                del whole
         tp.one_shot = None
         row["nccl_all_reduce_eager_us"] = events_us(lambda: dist.all_reduce(x), 200)
         gather = graphed(lambda: parallel_state.all_gather_columns(logits))

@@ -194,3 +194,51 @@ def test_ranks_stop_when_start_up_fails_after_they_started(checkpoint, monkeypat
     with pytest.raises(ValueError, match="max_model_len 256 needs 16 KV blocks of 16 tokens, but only 4 fit"):
         LLM(checkpoint("llama"), dtype="float32", device="cpu", tensor_parallel_size=2, num_blocks=4)
     assert started and started[0]._procs == []
+
+
+@pytest.mark.parametrize("arch, dense, sandwich", [("llama", True, False), ("gemma2", True, True),
+                                                 ("qwen3-moe", False, False)])
+def test_row_parallel_outputs_are_summed_by_the_norm_after_them(checkpoint, monkeypatch, arch, dense, sandwich):
+    """With several ranks each o_proj and dense down_proj hands its partial sums to the norm that
+    takes them next (parallel_state.all_reduce_rms_norm sums and normalises in one kernel on CUDA);
+    a mixture of experts sums its own output. One rank, or a single such pair, changes nothing."""
+    from llmserve.distributed import parallel_state
+    from llmserve.model.layers import RMSNorm, RowParallelLinear, reduce_into
+    from llmserve.model.llama import LlamaForCausalLM
+    from llmserve.model.moe import MoeForCausalLM
+    from llmserve.model.spec import ModelSpec
+    from llmserve.quantization import Unquantized
+    from plugins.cpu import CPUBackend
+
+    spec = ModelSpec.from_dir(checkpoint(arch))
+    cls = MoeForCausalLM if spec.moe is not None else LlamaForCausalLM
+    for size in (1, 2):
+        monkeypatch.setattr(parallel_state, "_tp", TensorParallel(size, 0))
+        model = cls(spec, CPUBackend(), 64, Unquantized())
+        norms = [m for m in model.modules() if isinstance(m, RMSNorm) and m.reduce is not None]
+        unsummed = [m for m in model.modules() if isinstance(m, RowParallelLinear) and not m.reduce]
+        if size == 1:
+            assert not norms and not unsummed
+            continue
+        assert len(unsummed) == len(norms) == len(model.layers) * (2 if dense else 1)
+        assert all(layer.post_attention_layernorm.reduce is not None for layer in model.layers)
+        assert all(not layer.self_attn.o_proj.reduce for layer in model.layers)
+        assert (model.norm.reduce is not None) == (dense and not sandwich)
+        if sandwich:
+            assert all(layer.post_feedforward_layernorm.reduce is not None for layer in model.layers)
+        if not dense:
+            assert all(layer.input_layernorm.reduce is None and layer.mlp.experts.tp.size == 2
+                       for layer in model.layers)
+    pair = (RowParallelLinear(8, 8), RMSNorm(8, 1e-6, CPUBackend()))
+    reduce_into([pair])  # a single pair: its all-reduce stays where it is
+    assert pair[0].reduce and pair[1].reduce is None
+    reduce_into([pair, (RowParallelLinear(8, 8), RMSNorm(8, 1e-6, CPUBackend()))])
+    assert not pair[0].reduce and pair[1].reduce is parallel_state.tp()
+
+
+def test_the_norms_all_reduces_take_slot_2_first_in_a_pass_then_0_and_1_in_turn():
+    from llmserve.distributed.parallel_state import NormReduce
+    f = NormReduce(torch.empty(0), torch.empty(0), 0)
+    assert [f.next_slot() for _ in range(5)] == [2, 0, 1, 0, 1]
+    f.calls = 0  # the embeddings' all-reduce opens the next pass
+    assert [f.next_slot() for _ in range(2)] == [2, 0]

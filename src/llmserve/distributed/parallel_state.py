@@ -25,17 +25,29 @@ all-reduce, which takes slot 2; the layers' calls after it alternate between slo
 from the pass's start. So the slots are the same whether a pass is replayed from a CUDA graph
 (captured with them) or runs eagerly, and one pass's last call (slot 0 or 1) never meets the next
 pass's first (slot 2), whether or not a collective came between them.
+
+An all-reduce whose sum an RMSNorm takes next (the row-parallel layers' outputs: model/layers.py's
+reduce_into) goes, where it fits the same size, through all_reduce_rms_norm instead: one kernel
+(kernels/allreduce.py) in which each rank writes its rows into every peer's buffer and waits for
+theirs, with no barrier, then normalises. Its buffer has three slots too, counted alike: the first
+such call after the embeddings' takes slot 2, the next ones 0, 1, 0, ... A pass makes none of them
+or at least two (reduce_into's caller sees to it): a single one would take slot 2 in every pass,
+and two successive calls must never share a slot (a peer could write the next call's rows where
+this rank still reads the last's).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 import torch
+
+log = structlog.get_logger("llmserve.parallel_state")
 
 
 @dataclass(slots=True)
@@ -48,6 +60,8 @@ class TensorParallel:
     """[3, ONE_SHOT_MAX_BYTES / itemsize] of symmetric memory for small all-reduces (CUDA), or None."""
     calls: int = 0
     """All-reduces since the pass's opening one: the parity of the next picks its slot (0 or 1)."""
+    norm_reduce: NormReduce | None = None
+    """Symmetric memory for all_reduce_rms_norm (CUDA), or None: an all-reduce, then the norm."""
 
     def split(self, n: int, what: str) -> int:
         """n items (heads, rows) over the ranks: this rank's count; every rank holds as many."""
@@ -66,6 +80,23 @@ class TensorParallel:
     def kv_heads(self, num_kv_heads: int) -> int:
         """This rank's KV heads (a slice of kv_split's)."""
         return num_kv_heads // self.kv_split(num_kv_heads)[0]
+
+
+@dataclass(slots=True)
+class NormReduce:
+    buffer: torch.Tensor
+    """This rank's [3, size, place] of symmetric memory, every element empty between calls."""
+    addresses: torch.Tensor
+    """int64 [size]: every rank's buffer's address, as mapped into this process."""
+    place: int
+    """Elements of one rank's rows a call may hold."""
+    calls: int = 0
+    """all_reduce_rms_norm calls since the pass opened: the next takes slot 2 if none, else 0 or 1."""
+
+    def next_slot(self) -> int:
+        slot = 2 if self.calls == 0 else (self.calls - 1) & 1
+        self.calls += 1
+        return slot
 
 
 _tp = TensorParallel()
@@ -88,17 +119,19 @@ def init_tensor_parallel(rank: int, size: int, backend: str, init_method: str, t
     _tp = TensorParallel(size, rank, dist.group.WORLD)
 
 
-def enable_one_shot(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Set up the symmetric-memory buffer for small all-reduces of `dtype` (a collective: every rank
-    calls it) and check a sum through it; None when set up, else why not (NCCL then does them all)."""
+def _agreed(why: str | None, device: torch.device) -> str | None:
+    """why, or another rank's failure: every rank takes the same path (a MIN over the ranks)."""
     import torch.distributed as dist
+    ready = torch.tensor([why is None], dtype=torch.int32, device=device)
+    dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=_tp.group)
+    return why or (None if ready.item() else "another rank could not set it up")
 
-    def agreed(why: str | None) -> str | None:
-        """why, or another rank's failure: every rank takes the same path (a MIN over the ranks)."""
-        ready = torch.tensor([why is None], dtype=torch.int32, device=device)
-        dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=_tp.group)
-        return why or (None if ready.item() else "another rank could not set it up")
 
+def enable_one_shot(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Set up the symmetric-memory buffers for small all-reduces of `dtype` (a collective: every rank
+    calls it) and check sums through them; None when set up, else why not (NCCL then does them all).
+    all_reduce_rms_norm's buffer is set up after the one-shot kernel's: without it, its all-reduces
+    take the one-shot kernel, then the norm (the reason is logged)."""
     name, why = _tp.group.group_name, None
     try:
         import torch.distributed._symmetric_memory as symm_mem
@@ -106,7 +139,7 @@ def enable_one_shot(device: torch.device, dtype: torch.dtype) -> str | None:
         symm_mem.rendezvous(buf, group=name)
     except Exception as exc:  # no symmetric memory here (torch, driver, or devices without peer access)
         why = f"{type(exc).__name__}: {exc}"
-    why = agreed(why)  # before the check's kernel, whose barrier would wait for a rank that failed
+    why = _agreed(why, device)  # before the check's kernel, whose barrier would wait for a rank that failed
     if why is not None:
         return why
     try:
@@ -117,10 +150,69 @@ def enable_one_shot(device: torch.device, dtype: torch.dtype) -> str | None:
             why = "its check sum came out wrong"
     except Exception as exc:
         why = f"{type(exc).__name__}: {exc}"
-    why = agreed(why)
+    why = _agreed(why, device)
     if why is None:
         _tp.one_shot = buf.view(3, -1)
+        if (why_not := _enable_norm_reduce(device, dtype)) is not None and _tp.rank == 0:
+            log.warning("the all-reduces that norms take stay apart from them", reason=why_not)
     return why
+
+
+def _enable_norm_reduce(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Set up all_reduce_rms_norm's buffer and check it: a pass of three calls (slots 2, 0, 1), each
+    against NCCL's sum normalised, on rows with zeros of both signs; None when set up, else why not."""
+    import torch.distributed as dist
+
+    from llmserve.kernels.allreduce import empty_mark
+    from llmserve.kernels.fused import rms_norm_reference
+    why = None
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        place = ONE_SHOT_MAX_BYTES // dtype.itemsize
+        buf = symm_mem.empty(3 * _tp.size * place, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(buf, group=_tp.group.group_name)
+        buf.view({2: torch.int16, 4: torch.int32}[dtype.itemsize]).fill_(empty_mark(dtype))
+        addresses = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}"
+    # every rank's buffer is marked empty (its fill precedes this all-reduce on the stream) before
+    # any rank writes into a peer's
+    if (why := _agreed(why, device)) is not None:
+        return why
+    _tp.norm_reduce = NormReduce(buf.view(3, _tp.size, place), addresses, place)
+    try:
+        gen = torch.Generator(device).manual_seed(_tp.rank)
+        weight = torch.rand(64, dtype=dtype, device=device, generator=gen) + 0.5
+        for rows in (3, 1, 5):
+            x = torch.randn(rows, 64, dtype=dtype, device=device, generator=gen)
+            x[0, :8], x[0, 8:16] = 0.0, -0.0
+            residual = torch.randn(rows, 64, dtype=dtype, device=device, generator=gen)
+            got, got_res = all_reduce_rms_norm(x, residual, weight, 1e-6, rms_norm_reference)
+            summed = x.clone()
+            dist.all_reduce(summed, group=_tp.group)
+            want, want_res = rms_norm_reference(summed, weight, 1e-6, residual)
+            if not (torch.allclose(got.float(), want.float(), rtol=0.02, atol=0.02)
+                    and torch.allclose(got_res.float(), want_res.float(), rtol=0.02, atol=0.02)):
+                why = "its check came out wrong"
+                break
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}"
+    _tp.norm_reduce.calls = 0
+    if (why := _agreed(why, device)) is not None:
+        _tp.norm_reduce = None
+    return why
+
+
+def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                        rms_norm: Callable, group: TensorParallel | None = None):
+    """rms_norm(the sum of x over the ranks, weight, eps, residual): one kernel through symmetric
+    memory where it is set up and x [T, N] fits, else all_reduce, then rms_norm."""
+    g = group or _tp
+    f = g.norm_reduce
+    if f is not None and x.dtype == f.buffer.dtype and x.dim() == 2 and x.numel() <= f.place:
+        from llmserve.kernels.allreduce import all_reduce_rms_norm as kernel
+        return kernel(x, residual, weight, eps, f.addresses, g.rank, g.size, f.place, f.next_slot())
+    return rms_norm(all_reduce(x, g), weight, eps, residual)
 
 
 @contextlib.contextmanager
@@ -140,6 +232,8 @@ def all_reduce(x: torch.Tensor, group: TensorParallel | None = None, *, opens_pa
     g = group or _tp
     if g.size == 1:
         return x
+    if opens_pass and g.norm_reduce is not None:
+        g.norm_reduce.calls = 0
     buf = g.one_shot
     if buf is not None and x.dtype == buf.dtype and x.numel() <= buf.shape[1] and x.is_contiguous():
         if opens_pass:

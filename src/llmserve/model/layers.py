@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.attention import AttentionBackend, KVCache
-from llmserve.distributed.parallel_state import TensorParallel, all_gather_columns, all_reduce, tp
+from llmserve.distributed.parallel_state import (TensorParallel, all_gather_columns, all_reduce, all_reduce_rms_norm,
+                                                 tp)
 from llmserve.quantization import QuantizationMethod, Unquantized, copy_checked, empty_param, shard_rows
 
 
@@ -116,6 +117,7 @@ class RowParallelLinear(Linear):
         self.tp = tp()
         self.full_in = in_features
         self.skip_bias = bias and self.tp.rank > 0
+        self.reduce = True  # False: the partial sums go out as they are (reduce_into)
         super().__init__(self.tp.split(in_features, "input columns"), out_features, bias and not self.skip_bias,
                          None, quant)
 
@@ -133,7 +135,8 @@ class RowParallelLinear(Linear):
         return tensor.narrow(-1, self.tp.rank * self.in_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.quant.apply(self, x), self.tp)
+        y = self.quant.apply(self, x)
+        return all_reduce(y, self.tp) if self.reduce else y
 
 
 class Embedding(nn.Module):
@@ -184,9 +187,23 @@ class RMSNorm(nn.Module):
         self.weight = empty_param(dim)
         self.eps = eps
         self.backend = backend
+        self.reduce: TensorParallel | None = None  # sum x over these ranks first (reduce_into)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.reduce is not None:
+            return all_reduce_rms_norm(x, residual, self.weight, self.eps, self.backend.rms_norm, self.reduce)
         return self.backend.rms_norm(x, self.weight, self.eps, residual)
+
+
+def reduce_into(pairs: list[tuple[RowParallelLinear, RMSNorm]]) -> None:
+    """Each row-parallel layer's partial sums go to the norm that takes its output next, unsummed:
+    the norm sums them as it normalises (parallel_state.all_reduce_rms_norm: on CUDA one kernel
+    for both). Nothing changes with one rank, nor for a single pair (a pass must make none of those
+    calls or at least two: parallel_state's slots)."""
+    if len(pairs) < 2 or pairs[0][0].tp.size == 1:
+        return
+    for linear, norm in pairs:
+        linear.reduce, norm.reduce = False, linear.tp
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None, max_positions: int) -> torch.Tensor:

@@ -13,7 +13,8 @@ from torch import nn
 
 from llmserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from llmserve.distributed.parallel_state import tp
-from llmserve.model.layers import ColumnParallelLinear, Embedding, Linear, RMSNorm, RotaryEmbedding, RowParallelLinear
+from llmserve.model.layers import (ColumnParallelLinear, Embedding, Linear, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                                   reduce_into)
 from llmserve.model.spec import ModelSpec
 from llmserve.quantization import QuantizationMethod
 
@@ -123,6 +124,19 @@ class LlamaForCausalLM(nn.Module):
                                     for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.lm_head = None if spec.tie_word_embeddings else Embedding(spec.vocab_size, spec.hidden_size)
+        reduce_into(self.norm_inputs())
+
+    def norm_inputs(self) -> list[tuple[RowParallelLinear, RMSNorm]]:
+        """Each row-parallel output with the norm that takes it next: o_proj's the post-attention
+        norm; a dense MLP's down_proj the next layer's input norm (the final norm after the last),
+        or with sandwich norms its own post-feed-forward norm. (A mixture of experts sums its own.)"""
+        pairs = []
+        for i, layer in enumerate(self.layers):
+            pairs.append((layer.self_attn.o_proj, layer.post_attention_layernorm))
+            if type(layer.mlp) is MLP:
+                after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+                pairs.append((layer.mlp.down_proj, layer.post_feedforward_layernorm if layer.sandwich else after))
+        return pairs
 
     def make_mlp(self, layer: int, backend: AttentionBackend, quant: QuantizationMethod) -> nn.Module:
         """Layer `layer`'s feed-forward block: x [T, hidden] -> [T, hidden]."""
