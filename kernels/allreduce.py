@@ -11,8 +11,10 @@ rows x [T, N], one program a row:
    rank the same bits), rounded to the model dtype as an all-reduce returns it.
 3. Marks what it read empty again, and fences: a peer writes into slot s again two calls later
    at the earliest (parallel_state never gives two successive calls one slot), only once it has
-   this rank's rows of the call between.
-4. Adds the residual and normalises, as kernels/fused.py's rms_norm does.
+   this rank's rows of the call between. That call's writes come after this call has finished
+   because every kernel between them waits for the one before it: with PDL each starts with
+   pdl_start (a kernel launched early that wrote before its gdc_wait would break this).
+4. Adds the residual and normalises (kernels/fused.py's add_norm_row, as its rms_norm does).
 
 Empty is negative zero, the sign bit alone (0x8000 in 16-bit floats, 0x80000000 in float32): a
 writer writes +0.0 in its place (the sum is unchanged), so a reader waits for exactly the values it
@@ -27,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve.kernels.fused import add_norm_row
 from llmserve.kernels.hardware import pdl, pdl_start
 
 
@@ -63,15 +66,8 @@ def _all_reduce_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf
         acc += got.to(x.dtype, bitcast=True).to(tl.float32)
     _fence_system()
 
-    s = acc.to(x.dtype)
-    if HAS_RES:
-        s = (s.to(tl.float32) + tl.load(res_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-        tl.store(res_out_ptr + row * N + cols, s, mask=mask)
-    sf = s.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(sf * sf, 0) / N + eps)
-    normed = (sf * inv).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, (normed * w).to(x.dtype), mask=mask)
+    add_norm_row(acc.to(x.dtype), res_ptr + row * N, w_ptr, out_ptr + row * N, res_out_ptr + row * N, cols, mask, N,
+                 eps, HAS_RES)
 
 
 _BITS = {2: (tl.int16, -(1 << 15)), 4: (tl.int32, -(1 << 31))}
@@ -82,9 +78,9 @@ def empty_mark(dtype: torch.dtype) -> int:
     return _BITS[dtype.itemsize][1]
 
 
-def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                        bufs: torch.Tensor, rank: int, ranks: int, place: int,
-                        slot: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def summed_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                    bufs: torch.Tensor, rank: int, ranks: int, place: int,
+                    slot: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(the sum over the ranks of x [T, N], weight, eps, residual), returned as
     kernels/fused.py's rms_norm returns it. bufs: int64 [ranks] on this device, each rank's buffer's
     address ([3, ranks, place] elements of x.dtype, T * N <= place); slot: this call's (0-2)."""

@@ -32,15 +32,23 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    add_norm_row(x, res_ptr + row * stride_r, w_ptr, out_ptr + row * stride_o, res_out_ptr + row * stride_ro, cols,
+                 mask, N, eps, HAS_RES)
+
+
+@triton.jit
+def add_norm_row(x, res_ptr, w_ptr, out_ptr, res_out_ptr, cols, mask, N, eps, HAS_RES: tl.constexpr):
+    """One row x [BLOCK] (its first N valid): with HAS_RES, s = x + the residual row (rounded) is
+    stored as the new residual; norm(s) * w is stored at out_ptr. (The all-reduce kernel's ending.)"""
     if HAS_RES:
-        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
+        x = (x.to(tl.float32) + tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32))
         x = x.to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+        tl.store(res_out_ptr + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
     normed = (xf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -117,6 +117,17 @@ def _norm_reduce_rank(rank: int, size: int, store: str, dtype: torch.dtype, fail
                     torch.testing.assert_close(got, expected(x, None), **near)
                     continue
                 check(parallel_state.all_reduce_rms_norm(x, residual, weight, 1e-6, rms_norm), expected(x, residual))
+        # calls back to back, nothing between them to hold a rank back, rank 0 late to each: the
+        # others run a call ahead, writing the next slot while rank 0 still reads the last
+        opens_pass(2)
+        pairs = [inputs(2) for _ in range(8)]
+        outs = []
+        for x, residual in pairs:
+            if rank == 0:
+                torch.cuda._sleep(2_000_000)
+            outs.append(parallel_state.all_reduce_rms_norm(x, residual, weight, 1e-6, rms_norm))
+        for (x, residual), got in zip(pairs, outs):
+            check(got, expected(x, residual))
         # a pass captured in a CUDA graph, replayed on new inputs
         rows = 4
         xs = [torch.zeros(rows, hidden, dtype=dtype, device=device) for _ in range(4)]
@@ -154,7 +165,7 @@ def test_the_norms_all_reduce_sums_as_nccl_does_eagerly_and_in_a_graph(tmp_path,
     """all_reduce_rms_norm's kernel (no barrier: each rank writes its rows into every peer's buffer
     and waits for theirs) against NCCL's sum normalised by the norm kernel: the sum bit for bit at
     two ranks; passes of 1 row to the buffer's limit, with and without a residual, zeros of both
-    signs, eagerly and replayed from a CUDA graph."""
+    signs, calls back to back with one rank late, eagerly and replayed from a CUDA graph."""
     needs(ranks)
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")

@@ -215,25 +215,25 @@ def test_row_parallel_outputs_are_summed_by_the_norm_after_them(checkpoint, monk
     for size in (1, 2):
         monkeypatch.setattr(parallel_state, "_tp", TensorParallel(size, 0))
         model = cls(spec, CPUBackend(), 64, Unquantized())
-        norms = [m for m in model.modules() if isinstance(m, RMSNorm) and m.reduce is not None]
+        norms = [m for m in model.modules() if isinstance(m, RMSNorm) and m.reduce_group is not None]
         unsummed = [m for m in model.modules() if isinstance(m, RowParallelLinear) and not m.reduce]
         if size == 1:
             assert not norms and not unsummed
             continue
         assert len(unsummed) == len(norms) == len(model.layers) * (2 if dense else 1)
-        assert all(layer.post_attention_layernorm.reduce is not None for layer in model.layers)
+        assert all(layer.post_attention_layernorm.reduce_group is not None for layer in model.layers)
         assert all(not layer.self_attn.o_proj.reduce for layer in model.layers)
-        assert (model.norm.reduce is not None) == (dense and not sandwich)
+        assert (model.norm.reduce_group is not None) == (dense and not sandwich)
         if sandwich:
-            assert all(layer.post_feedforward_layernorm.reduce is not None for layer in model.layers)
+            assert all(layer.post_feedforward_layernorm.reduce_group is not None for layer in model.layers)
         if not dense:
-            assert all(layer.input_layernorm.reduce is None and layer.mlp.experts.tp.size == 2
+            assert all(layer.input_layernorm.reduce_group is None and layer.mlp.experts.tp.size == 2
                        for layer in model.layers)
     pair = (RowParallelLinear(8, 8), RMSNorm(8, 1e-6, CPUBackend()))
     reduce_into([pair])  # a single pair: its all-reduce stays where it is
-    assert pair[0].reduce and pair[1].reduce is None
+    assert pair[0].reduce and pair[1].reduce_group is None
     reduce_into([pair, (RowParallelLinear(8, 8), RMSNorm(8, 1e-6, CPUBackend()))])
-    assert not pair[0].reduce and pair[1].reduce is parallel_state.tp()
+    assert not pair[0].reduce and pair[1].reduce_group is parallel_state.tp()
 
 
 def test_the_norms_all_reduces_take_slot_2_first_in_a_pass_then_0_and_1_in_turn():

@@ -84,6 +84,8 @@ class TensorParallel:
 
 @dataclass(slots=True)
 class NormReduce:
+    """all_reduce_rms_norm's symmetric memory on this rank (kernels/allreduce.py's layout) and its
+    slot count (the module docstring's rules)."""
     buffer: torch.Tensor
     """This rank's [3, size, place] of symmetric memory, every element empty between calls."""
     addresses: torch.Tensor
@@ -183,18 +185,19 @@ def _enable_norm_reduce(device: torch.device, dtype: torch.dtype) -> str | None:
     try:
         gen = torch.Generator(device).manual_seed(_tp.rank)
         weight = torch.rand(64, dtype=dtype, device=device, generator=gen) + 0.5
-        for rows in (3, 1, 5):
-            x = torch.randn(rows, 64, dtype=dtype, device=device, generator=gen)
-            x[0, :8], x[0, 8:16] = 0.0, -0.0
-            residual = torch.randn(rows, 64, dtype=dtype, device=device, generator=gen)
-            got, got_res = all_reduce_rms_norm(x, residual, weight, 1e-6, rms_norm_reference)
+        xs = [torch.randn(rows, 64, dtype=dtype, device=device, generator=gen) for rows in (3, 1, 5)]
+        xs[0][0, :8], xs[0][0, 8:16] = 0.0, -0.0
+        residuals = [torch.randn_like(x) for x in xs]
+        # every call on every rank before any comparison: a rank that stopped early would leave its
+        # peers waiting in the next call for rows it never writes
+        got = [all_reduce_rms_norm(x, r, weight, 1e-6, rms_norm_reference) for x, r in zip(xs, residuals)]
+        for x, r, (out, res_out) in zip(xs, residuals, got):
             summed = x.clone()
             dist.all_reduce(summed, group=_tp.group)
-            want, want_res = rms_norm_reference(summed, weight, 1e-6, residual)
-            if not (torch.allclose(got.float(), want.float(), rtol=0.02, atol=0.02)
-                    and torch.allclose(got_res.float(), want_res.float(), rtol=0.02, atol=0.02)):
+            want, want_res = rms_norm_reference(summed, weight, 1e-6, r)
+            if not (torch.allclose(out.float(), want.float(), rtol=0.02, atol=0.02)
+                    and torch.allclose(res_out.float(), want_res.float(), rtol=0.02, atol=0.02)):
                 why = "its check came out wrong"
-                break
     except Exception as exc:
         why = f"{type(exc).__name__}: {exc}"
     _tp.norm_reduce.calls = 0
@@ -203,15 +206,21 @@ def _enable_norm_reduce(device: torch.device, dtype: torch.dtype) -> str | None:
     return why
 
 
+RmsNorm = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"],
+                   "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+
+
 def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                        rms_norm: Callable, group: TensorParallel | None = None):
-    """rms_norm(the sum of x over the ranks, weight, eps, residual): one kernel through symmetric
-    memory where it is set up and x [T, N] fits, else all_reduce, then rms_norm."""
+                        rms_norm: RmsNorm, group: TensorParallel | None = None
+                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(the sum of x over the ranks, weight, eps, residual), the backend's RMSNorm: one
+    kernel through symmetric memory where it is set up and x [T, N] fits, else all_reduce, then
+    rms_norm."""
     g = group or _tp
     f = g.norm_reduce
     if f is not None and x.dtype == f.buffer.dtype and x.dim() == 2 and x.numel() <= f.place:
-        from llmserve.kernels.allreduce import all_reduce_rms_norm as kernel
-        return kernel(x, residual, weight, eps, f.addresses, g.rank, g.size, f.place, f.next_slot())
+        from llmserve.kernels.allreduce import summed_rms_norm
+        return summed_rms_norm(x, residual, weight, eps, f.addresses, g.rank, g.size, f.place, f.next_slot())
     return rms_norm(all_reduce(x, g), weight, eps, residual)
 
 

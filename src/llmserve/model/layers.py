@@ -187,11 +187,11 @@ class RMSNorm(nn.Module):
         self.weight = empty_param(dim)
         self.eps = eps
         self.backend = backend
-        self.reduce: TensorParallel | None = None  # sum x over these ranks first (reduce_into)
+        self.reduce_group: TensorParallel | None = None  # sum x over these ranks first (reduce_into)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.reduce is not None:
-            return all_reduce_rms_norm(x, residual, self.weight, self.eps, self.backend.rms_norm, self.reduce)
+        if self.reduce_group is not None:
+            return all_reduce_rms_norm(x, residual, self.weight, self.eps, self.backend.rms_norm, self.reduce_group)
         return self.backend.rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -203,7 +203,7 @@ def reduce_into(pairs: list[tuple[RowParallelLinear, RMSNorm]]) -> None:
     if len(pairs) < 2 or pairs[0][0].tp.size == 1:
         return
     for linear, norm in pairs:
-        linear.reduce, norm.reduce = False, linear.tp
+        linear.reduce, norm.reduce_group = False, linear.tp
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None, max_positions: int) -> torch.Tensor:

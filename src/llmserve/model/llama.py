@@ -129,7 +129,8 @@ class LlamaForCausalLM(nn.Module):
     def norm_inputs(self) -> list[tuple[RowParallelLinear, RMSNorm]]:
         """Each row-parallel output with the norm that takes it next: o_proj's the post-attention
         norm; a dense MLP's down_proj the next layer's input norm (the final norm after the last),
-        or with sandwich norms its own post-feed-forward norm. (A mixture of experts sums its own.)"""
+        or with sandwich norms its own post-feed-forward norm. (A mixture of experts sums its own.)
+        A subclass whose layers feed their norms otherwise returns its own pairs, or none."""
         pairs = []
         for i, layer in enumerate(self.layers):
             pairs.append((layer.self_attn.o_proj, layer.post_attention_layernorm))
