@@ -108,7 +108,7 @@ def _norm_reduce_rank(rank: int, size: int, store: str, dtype: torch.dtype, fail
             parallel_state.all_reduce(torch.zeros(rows, hidden, dtype=dtype, device=device), opens_pass=True)
 
         # passes of different sizes, eagerly, with and without the residual
-        for rows in (1, 7, g.norm_reduce.place // hidden, 3, 1):
+        for rows in (1, 7, parallel_state.NORM_REDUCE_MAX_ROWS, 3, 1):
             opens_pass(rows)
             for call in range(5):
                 x, residual = inputs(rows)
@@ -164,7 +164,7 @@ def _norm_reduce_rank(rank: int, size: int, store: str, dtype: torch.dtype, fail
 def test_the_norms_all_reduce_sums_as_nccl_does_eagerly_and_in_a_graph(tmp_path, ranks, dtype):
     """all_reduce_rms_norm's kernel (no barrier: each rank writes its rows into every peer's buffer
     and waits for theirs) against NCCL's sum normalised by the norm kernel: the sum bit for bit at
-    two ranks; passes of 1 row to the buffer's limit, with and without a residual, zeros of both
+    two ranks; passes of 1 row to the kernel's limit, with and without a residual, zeros of both
     signs, calls back to back with one rank late, eagerly and replayed from a CUDA graph."""
     needs(ranks)
     import torch.multiprocessing as mp

@@ -236,9 +236,32 @@ def test_row_parallel_outputs_are_summed_by_the_norm_after_them(checkpoint, monk
     assert not pair[0].reduce and pair[1].reduce_group is parallel_state.tp()
 
 
-def test_the_norms_all_reduces_take_slot_2_first_in_a_pass_then_0_and_1_in_turn():
-    from llmserve.distributed.parallel_state import NormReduce
-    f = NormReduce(torch.empty(0), torch.empty(0), 0)
-    assert [f.next_slot() for _ in range(5)] == [2, 0, 1, 0, 1]
-    f.calls = 0  # the embeddings' all-reduce opens the next pass
-    assert [f.next_slot() for _ in range(2)] == [2, 0]
+def test_the_norms_all_reduces_take_the_kernel_where_they_fit_slot_2_first_in_a_pass(monkeypatch):
+    """all_reduce_rms_norm's dispatch (the kernel itself needs two GPUs: test_gpu_multi.py): rows
+    that fit the buffer and the row limit go to the kernel in slots 2, 0, 1, 0, ... from the pass's
+    opening all-reduce; others are all-reduced, then normalised."""
+    import llmserve.kernels.allreduce
+    from llmserve.distributed import parallel_state
+    from llmserve.distributed.parallel_state import NORM_REDUCE_MAX_ROWS, NormReduce
+
+    group = TensorParallel(2, 1, norm_reduce=NormReduce(torch.empty(3, 2, 4096), torch.zeros(2), 4096))
+    slots, reduced = [], []
+    monkeypatch.setattr(llmserve.kernels.allreduce, "summed_rms_norm",
+                        lambda x, res, w, eps, bufs, rank, ranks, place, slot: slots.append((rank, ranks, slot)))
+    monkeypatch.setattr(parallel_state, "all_reduce",
+                        lambda x, g, opens_pass=False: reduced.append(x.shape) or x)
+
+    def norm(rows: int, width: int = 4, dtype=torch.float32):
+        parallel_state.all_reduce_rms_norm(torch.zeros(rows, width, dtype=dtype), None, torch.ones(width), 1e-6,
+                                           lambda x, w, eps, res: x, group)
+
+    for rows in (1, 256, 3, 1):
+        norm(rows)
+    norm(2, dtype=torch.float16)  # another dtype than the buffer's
+    norm(257)  # more rows than the kernel runs at once (fitting the buffer)
+    norm(2, width=4096)  # more than the buffer holds
+    assert slots == [(1, 2, 2), (1, 2, 0), (1, 2, 1), (1, 2, 0)] and reduced == [(2, 4), (257, 4), (2, 4096)]
+    assert NORM_REDUCE_MAX_ROWS == 256
+    group.norm_reduce.calls = 0  # what the embeddings' all-reduce does as a pass opens
+    norm(1)
+    assert slots[-1] == (1, 2, 2)

@@ -206,6 +206,11 @@ def _enable_norm_reduce(device: torch.device, dtype: torch.dtype) -> str | None:
     return why
 
 
+NORM_REDUCE_MAX_ROWS = 256
+"""all_reduce_rms_norm's kernel runs a program a row, each waiting for the peers' same row: at most
+this many, so that every program of a call is on the GPU at once (a narrow model's long prompt
+fits the buffer in thousands of rows)."""
+
 RmsNorm = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"],
                    "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 
@@ -218,7 +223,8 @@ def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     rms_norm."""
     g = group or _tp
     f = g.norm_reduce
-    if f is not None and x.dtype == f.buffer.dtype and x.dim() == 2 and x.numel() <= f.place:
+    if f is not None and x.dtype == f.buffer.dtype and x.dim() == 2 and x.numel() <= f.place and \
+            x.shape[0] <= NORM_REDUCE_MAX_ROWS:
         from llmserve.kernels.allreduce import summed_rms_norm
         return summed_rms_norm(x, residual, weight, eps, f.addresses, g.rank, g.size, f.place, f.next_slot())
     return rms_norm(all_reduce(x, g), weight, eps, residual)
