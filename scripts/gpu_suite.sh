@@ -248,7 +248,7 @@ run)
             echo "== $part from $(date +%T)"
             case $part in
             tests)
-                timeout ${TEST_TIMEOUT:-300} "$PY" -m pytest -q -p no:cacheprovider --timeout 200 --durations 8 -rf \
+                timeout ${TEST_TIMEOUT:-420} "$PY" -m pytest -q -p no:cacheprovider --timeout 200 --durations 8 -rfs \
                     ${MULTI_TESTS:+-k "$MULTI_TESTS"} tests/test_gpu_multi.py 2>&1 | tee "$OUT/gpu_multi_tests.log" | tail -15 ;;
             collectives)
                 for ranks in ${COLLECTIVE_RANKS:-2 4}; do [ "$ranks" -le "$gpus" ] || continue
