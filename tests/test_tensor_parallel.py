@@ -240,13 +240,12 @@ def test_the_norms_all_reduces_take_the_kernel_where_they_fit_slot_2_first_in_a_
     """all_reduce_rms_norm's dispatch (the kernel itself needs two GPUs: test_gpu_multi.py): rows
     that fit the buffer and the row limit go to the kernel in slots 2, 0, 1, 0, ... from the pass's
     opening all-reduce; others are all-reduced, then normalised."""
-    import llmserve.kernels.allreduce
     from llmserve.distributed import parallel_state
     from llmserve.distributed.parallel_state import NORM_REDUCE_MAX_ROWS, NormReduce
 
     group = TensorParallel(2, 1, norm_reduce=NormReduce(torch.empty(3, 2, 4096), torch.zeros(2), 4096))
     slots, reduced = [], []
-    monkeypatch.setattr(llmserve.kernels.allreduce, "summed_rms_norm",
+    monkeypatch.setattr(parallel_state, "summed_rms_norm",
                         lambda x, res, w, eps, bufs, rank, ranks, place, slot: slots.append((rank, ranks, slot)))
     monkeypatch.setattr(parallel_state, "all_reduce",
                         lambda x, g, opens_pass=False: reduced.append(x.shape) or x)

@@ -9,11 +9,12 @@ flight).
 
 A local CUDA runner's calls (its launches only queue device work) run here, on the event loop's
 thread, as generators (ModelRunner.stepping) that yield what they are about to wait for: the actor
-waits for it between the loop's other work, so the call goes on as soon as it can. (On a worker thread, a call that waited for the device
-would then wait for the interpreter lock, which the loop holds while the other actors run: up to
-the 5 ms switch interval, on every step of a host-bound batch.) It waits for masks without holding
-the lock (the mask thread needs it to finish), and for the device by polling, for up to POLL_S
-(a decode step's device time; a long prompt's step is waited for on a worker thread).
+waits for it between the loop's other work, so the call goes on as soon as it can. (On a worker
+thread, a call that waited for the device would then wait for the interpreter lock, which the loop
+holds while the other actors run: up to the 5 ms switch interval, on every step of a host-bound
+batch.) It waits for masks without holding the lock (the mask thread needs it to finish), and for
+the device by polling, for up to POLL_S (a decode step's device time; a long prompt's step is
+waited for on a worker thread).
 
 The other runners' calls run on a worker thread: a runner of several ranks (RankRunner) waits there
 for their replies, and a CPU runner computes the step while it launches it, which would hold the

@@ -27,9 +27,9 @@ from the pass's start. So the slots are the same whether a pass is replayed from
 pass's first (slot 2), whether or not a collective came between them.
 
 An all-reduce whose sum an RMSNorm takes next (the row-parallel layers' outputs: model/layers.py's
-reduce_into) goes, where it fits the same size, through all_reduce_rms_norm instead: one kernel
-(kernels/allreduce.py) in which each rank writes its rows into every peer's buffer and waits for
-theirs, with no barrier, then normalises. Its buffer has three slots too, counted alike: the first
+reduce_into) goes through all_reduce_rms_norm instead, where it fits (as many bytes, at most
+NORM_REDUCE_MAX_ROWS rows): one kernel (kernels/allreduce.py) in which each rank writes its rows
+into every peer's buffer and waits for theirs, with no barrier, then normalises. Its buffer has three slots too, counted alike: the first
 such call after the embeddings' takes slot 2, the next ones 0, 1, 0, ... A pass makes none of them
 or at least two (reduce_into's caller sees to it): a single one would take slot 2 in every pass,
 and two successive calls must never share a slot (a peer could write the next call's rows where
@@ -46,6 +46,8 @@ from typing import Any
 
 import structlog
 import torch
+
+from llmserve.kernels.allreduce import empty_mark, summed_rms_norm
 
 log = structlog.get_logger("llmserve.parallel_state")
 
@@ -165,7 +167,6 @@ def _enable_norm_reduce(device: torch.device, dtype: torch.dtype) -> str | None:
     against NCCL's sum normalised, on rows with zeros of both signs; None when set up, else why not."""
     import torch.distributed as dist
 
-    from llmserve.kernels.allreduce import empty_mark
     from llmserve.kernels.fused import rms_norm_reference
     why = None
     try:
@@ -225,7 +226,6 @@ def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     f = g.norm_reduce
     if f is not None and x.dtype == f.buffer.dtype and x.dim() == 2 and x.numel() <= f.place and \
             x.shape[0] <= NORM_REDUCE_MAX_ROWS:
-        from llmserve.kernels.allreduce import summed_rms_norm
         return summed_rms_norm(x, residual, weight, eps, f.addresses, g.rank, g.size, f.place, f.next_slot())
     return rms_norm(all_reduce(x, g), weight, eps, residual)
 
