@@ -12,6 +12,10 @@ crosses as two files the request side writes once each into a private temporary 
 tokenizer's vocabulary (5 MB for 150k tokens) and the compiled grammar (its token masks, ~2 MB for
 JSON); the request carries their paths, and the executor's side reads each once.
 
+Where the engine drives a GPU, matchers of requests that do not jump live in the grammar process
+(grammar_process.py: a step's accepts and mask fills there, off the executor process's interpreter
+lock), with a mirror here for what the process does not serve.
+
 Jump-forward (`GrammarConstraint.jump`; by default for every kind but `json_object`, whose grammar
 forces next to nothing: StructuredOutputsParams.jump_forward): after a sampled token t, where the
 grammar admits exactly one continuation s (xgrammar's jump-forward string: a key, `": "`, `", "`),
@@ -333,8 +337,19 @@ class JumpingGrammarConstraint(GrammarConstraint):
         return ids
 
 
+def _process_wanted() -> bool:
+    """Whether matchers that do not jump live in the grammar process (grammar_process.py): where
+    the engine drives a GPU, whose steps wait for the host (LLMSERVE_GRAMMAR_PROCESS=1 or 0 says
+    so outright)."""
+    setting = os.environ.get("LLMSERVE_GRAMMAR_PROCESS", "")
+    return setting == "1" if setting in ("0", "1") else torch.cuda.is_available()
+
+
 class StructuredOutputs:
     def __init__(self) -> None:
+        self.use_process: bool | None = None
+        """Matchers that do not jump live in the grammar process (None: _process_wanted())."""
+        self._process: Any = None  # grammar_process.GrammarProcess, on first use (executor side)
         self._compilers: dict[tuple[int, int], Any] = {}
         self._lock = threading.Lock()
         self._files = _Files()
@@ -368,7 +383,13 @@ class StructuredOutputs:
             self._prefix_space[id(tokenizer)] = _prefix_space(tokenizer)
         jump = (params.structured_outputs.jumps and params.logprobs is None
                 and not self._prefix_space[id(tokenizer)])
-        return PreparedGrammar(compiled, key, self._files, tokenizer, jump)
+        prepared = PreparedGrammar(compiled, key, self._files, tokenizer, jump)
+        if not prepared.jump_forward and self._uses_process():  # its files, written here, off the executor
+            prepared.paths = self._files.write(key, compiled)
+        return prepared
+
+    def _uses_process(self) -> bool:
+        return _process_wanted() if self.use_process is None else self.use_process
 
     def _compile(self, params: SamplingParams, tokenizer: Any, vocab_size: int,
                  eos_token_ids: tuple[int, ...]) -> tuple[Any, str]:
@@ -413,18 +434,60 @@ class StructuredOutputs:
             matchers, indices = zip(*live)
             self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask, list(indices))
 
-    def accept_tokens(self, constraints: list[GrammarConstraint], tokens: list[int]) -> None:
-        """Each matcher past its token in one xgrammar call (not a Python call a row). The engine
-        checked each token against the mask it was drawn under, so a matcher refuses one only past
-        its end (a request already finished: nothing to advance); the call's results are not read."""
+    def fill_masks_async(self, constraints: list[Any], rows: list[int], width: int) -> Any:
+        """The masks of constraints that all live in the grammar process, filled there into rows
+        0.. of a buffer of its own (grammar_process.PendingMasks); None where they cannot be (a
+        constraint here, rows not 0.., the process not ready): the caller fills them."""
+        from llmserve.plugins.grammar_process import SharedGrammarConstraint
+
+        if (self._process is None or rows != list(range(len(rows)))
+                or not all(type(c) is SharedGrammarConstraint for c in constraints)):
+            return None
+        return self._process.fill_async([c.id for c in constraints], width,
+                                        lambda host: _fill_here(self, constraints, host))
+
+    def accept_tokens(self, constraints: list[Any], tokens: list[int]) -> None:
+        """Each matcher past its token in one xgrammar call (not a Python call a row); those in the
+        grammar process in one message. The engine checked each token against the mask it was
+        drawn under, so a matcher refuses one only past its end (a request already finished:
+        nothing to advance); the call's results are not read."""
+        if self._process is not None:
+            shared = [k for k, c in enumerate(constraints) if not isinstance(c, GrammarConstraint)]
+            if shared:
+                ids = []
+                for k in shared:
+                    constraints[k].tokens.append(tokens[k])
+                    ids.append(constraints[k].id)
+                self._process.accept(ids, [tokens[k] for k in shared])
+                self._process.flush()  # accepted there while this step's batch is built here
+                if len(shared) == len(constraints):
+                    return
+                taken = set(shared)
+                here = [k for k in range(len(constraints)) if k not in taken]
+                constraints, tokens = [constraints[k] for k in here], [tokens[k] for k in here]
         if self._accept is None:
             self._accept = _batch_accept()
         self._accept(constraints, tokens)
 
-    def start(self, prepared: PreparedGrammar) -> GrammarConstraint:
-        compiled = prepared.compiled if prepared.compiled is not None else self._loaded.get(prepared.paths)
+    def start(self, prepared: PreparedGrammar) -> Any:
+        def compiled() -> Any:
+            return prepared.compiled if prepared.compiled is not None else self._loaded.get(prepared.paths)
+
+        if not prepared.jump_forward and prepared.paths is not None and self._uses_process():
+            from llmserve.plugins.grammar_process import GrammarProcess, SharedGrammarConstraint
+
+            if self._process is None:
+                self._process = GrammarProcess()
+            if not self._process.dead:
+                return SharedGrammarConstraint(self._process, prepared.paths, lambda: GrammarConstraint(compiled()))
         tokenizer = self._tokenizer(prepared) if prepared.jump_forward else None
-        return GrammarConstraint(compiled) if tokenizer is None else JumpingGrammarConstraint(compiled, tokenizer)
+        return GrammarConstraint(compiled()) if tokenizer is None else JumpingGrammarConstraint(compiled(), tokenizer)
+
+    def close(self) -> None:
+        """Stop the grammar process (the engine's last step is done)."""
+        if self._process is not None:
+            self._process.close()
+            self._process = None
 
     def _tokenizer(self, prepared: PreparedGrammar) -> Any:
         """The tokenizer jumps are encoded with: the request side's, or in another process one
@@ -440,6 +503,23 @@ class StructuredOutputs:
                 log.exception("jump-forward: the tokenizer did not load; nothing jumps", path=prepared.tokenizer_dir)
                 self._tokenizers[prepared.tokenizer_dir] = None
         return self._tokenizers[prepared.tokenizer_dir]
+
+
+def _fill_here(strategy: StructuredOutputs, constraints: list[Any], host: torch.Tensor) -> dict[int, str]:
+    """Rows 0.. of `host` filled from the constraints' mirrors (the grammar process died with
+    their fill pending); returns row -> error for rows that failed (every token allowed)."""
+    try:
+        strategy.fill_masks(constraints, host, list(range(len(constraints))))
+        return {}
+    except Exception:
+        failed = {}
+        for row, constraint in enumerate(constraints):
+            try:
+                constraint.fill_mask(host, row)
+            except Exception as exc:
+                failed[row] = f"{type(exc).__name__}: {exc}"
+                host[row] = -1
+        return failed
 
 
 def _prefix_space(tokenizer: Any) -> bool:

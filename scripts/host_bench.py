@@ -157,6 +157,7 @@ def main() -> None:
     ap.add_argument("--shared-prefix", type=int, default=0)
     ap.add_argument("--cascade-attention", default="auto", choices=["auto", "always", "never"])
     ap.add_argument("--constrained", action="store_true")
+    ap.add_argument("--no-jump", action="store_true", help="constrained: jump-forward off (json_object's default)")
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--device-ms", type=float, default=0.0,
                     help="a simulated device's time a step (its forward pass from its launch, its sampler from "
@@ -183,7 +184,8 @@ def main() -> None:
         prefixes = [[rng.randrange(3, vocab) for _ in range(args.shared_prefix)] for _ in range(8)]
         # (constrained: the end of sequence is allowed, but the fake sampler never picks a special)
         params = SamplingParams(max_tokens=args.steps, ignore_eos=not args.constrained, temperature=0.6, seed=1,
-                                structured_outputs=StructuredOutputsParams(regex=JSON_STRING_REGEX) if args.constrained else None)
+                                structured_outputs=StructuredOutputsParams(regex=JSON_STRING_REGEX, jump_forward=not args.no_jump)
+                                if args.constrained else None)
         for b in batches:
             prompts = [{"prompt_token_ids": prefixes[i % 8] + [rng.randrange(3, vocab) for _ in range(100)]}
                        for i in range(b)]

@@ -142,6 +142,9 @@ def tpot(llm, profile: bool = False) -> dict:
         runs[name] = {"wall_s": wall, "process_cpu_s": process_cpu,
                       "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                       **tpot_at_batch(records, TPOT_MIN_BATCH), **decode_launch(records, TPOT_MIN_BATCH)}
+        process = getattr(llm.engine.runner.sampling.strategies["structured_outputs"], "_process", None)
+        runs[name]["grammar_process_ready"] = bool(process is not None and process.ready)
+        print(f"{name}: TPOT {runs[name]['tpot_ms']} ms, wall {wall:.2f} s", file=sys.stderr, flush=True)
         if name == "json_object":
             done = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
             runs[name]["completed_json"] = len(done)
@@ -271,9 +274,10 @@ def main() -> None:
             llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
             # the constrained path's first use (the mask kernel's compilation, the mask thread,
             # xgrammar's batch matcher) would otherwise land in the first measured run's steps
-            llm.generate([{"prompt_token_ids": [1, 2, i]} for i in range(8)],
-                         SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex=JSON_STRING_REGEX)),
-                         use_tqdm=False)
+            for jumps in (True, False):  # (without jump-forward: the grammar process starts, ready by the runs)
+                llm.generate([{"prompt_token_ids": [1, 2, i]} for i in range(8)],
+                             SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+                                 regex=JSON_STRING_REGEX, jump_forward=jumps)), use_tqdm=False)
             result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
             for mode, measure in (("jump", jump), ("tpot", lambda llm: tpot(llm, args.profile)), ("phases", phases)):
                 if args.mode == mode or (args.mode == "all" and mode != "phases"):

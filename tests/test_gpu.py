@@ -242,6 +242,26 @@ def test_cuda_structured_outputs_validate_beside_unconstrained_requests(checkpoi
         jsonschema.validate(json.loads(out.outputs[0].text), p.structured_outputs.json)
 
 
+def test_cuda_masks_from_the_grammar_process_give_the_in_process_engines_tokens(checkpoint, monkeypatch):
+    """The grammar process's masks, copied to the device from its pinned shared buffers: the
+    outputs (fp32, greedy and seeded) are those with every matcher in the engine's process."""
+    from test_grammar_process import PROMPTS, count_process_fills, mixed_params, ready, strategy_of
+
+    params = mixed_params()
+    options = dict(dtype="float32", device="cuda", num_blocks=4096, log_interval_s=0)
+    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "0")
+    with LLM(checkpoint("llama"), **options) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "1")
+    with LLM(checkpoint("llama"), **options) as llm:
+        ready(llm)
+        calls = count_process_fills(llm)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        buffers = [b for b in strategy_of(llm)._process._buffers if b is not None]
+        assert any(calls) and buffers and all(b.pinned for b in buffers)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 def test_cuda_speculation_gives_the_plain_engines_tokens_with_cuda_graphs(checkpoint, oracle):
     """Drafts checked in graphed mixed steps (fp32): greedy and seeded outputs are the plain
     engine's; the built-in model (bf16) keeps n-gram drafts on a text it was given twice."""

@@ -81,6 +81,14 @@ class DecodingStrategy(Protocol):
     # Optional: a strategy that can fill many rows in one call (threads, one native call) defines
     #   fill_masks(constraints: list[Constraint], bitmask: torch.Tensor, rows: list[int]) -> None
     # which writes constraints[i]'s mask into row rows[i]; without it, each row's fill_mask is called.
+    # Optional: a strategy that fills masks elsewhere (another process) defines
+    #   fill_masks_async(constraints: list[Constraint], rows: list[int], width: int) -> pending | None
+    # called where a step's masked rows are all its own and are filled while its forward pass runs:
+    # the fill started, it returns at once a pending fill with `host` (int32 [len(rows), width],
+    # row i for constraints[i], left unwritten until its next fill after the step's tokens are
+    # checked), done()/query() and result()/synchronize() (result(): row -> error for rows that
+    # failed, each allowing every token); None: the mask thread fills them.
+    # Optional: close() -> None, called after the engine's last step (stop its threads, processes).
     # Optional: a strategy that can advance many constraints in one call defines
     #   accept_tokens(constraints: list[Constraint], tokens: list[int]) -> None
     # which advances constraints[i] past tokens[i], a token its mask allowed (the engine checked);

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,10 +246,16 @@ class SamplingState:
             layout = _MaskLayout.of(states, drafts, self.strategies, self.staging)
             if not drafts:  # decode steps mostly sample the requests of the step before, in order
                 self._layout = layout
+        work, ahead = layout.work, layout.ahead
+        if background and not ahead and len(work) == 1:
+            strategy, constraints, rows = work[0]
+            fill_async = getattr(strategy, "fill_masks_async", None)
+            pending = None if fill_async is None else fill_async(constraints, rows, mask_width(vocab))
+            if pending is not None:  # filled elsewhere (another process), into its own host buffer
+                return MaskFill(layout, pending.host, self.staging, job=pending)
         host = torch.empty((len(layout.owners), mask_width(vocab)), dtype=torch.int32,
                            pin_memory=self.staging.device.type == "cuda")
         fill = MaskFill(layout, host, self.staging)
-        work, ahead = layout.work, layout.ahead
         if background and not ahead:
             if self._mask_thread is None:
                 self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="llmserve-masks")
@@ -261,10 +267,17 @@ class SamplingState:
         return fill
 
     def close(self) -> None:
-        """Stop the mask thread (after the last step)."""
+        """Stop the mask thread, and what the strategies run beside the engine (after the last step)."""
         if self._mask_thread is not None:
             self._mask_thread.shutdown(wait=False)
             self._mask_thread = None
+        for strategy in self.strategies.values():
+            close = getattr(strategy, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:
+                    log.exception("a decoding strategy failed to close")
 
 
 @dataclass(slots=True, eq=False)
@@ -363,7 +376,9 @@ class MaskFill:
     layout: _MaskLayout
     host: torch.Tensor
     staging: Staging
-    job: Future | None = None
+    job: Any = None
+    """Filling: the mask thread's Future, or a strategy's pending fill (fill_masks_async: its
+    result() is row -> error for the rows that failed)."""
     failed: dict[int, str] = field(default_factory=dict)
     """Row of `host` -> the error its constraint raised filling its mask (the row allows every
     token: the request fails when the step finishes)."""
@@ -371,7 +386,8 @@ class MaskFill:
     def send(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, masks) on the device, once filled (the copy is queued after the fill)."""
         if self.job is not None:
-            self.job.result()
+            if failed := self.job.result():
+                self.failed.update(failed)
             self.job = None
         return self.layout.rows, self.staging.send(self.host)
 
