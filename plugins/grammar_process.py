@@ -16,13 +16,17 @@ the masks are in place:
     MaskFill.send(): PendingMasks.result()    ◀─ filled  per broken row its error
       then the buffer's copy to the device
 
-Ops are queued and go in one message when a step's accepts or fill are sent. Two buffers take
-turns: the device copy of one step's masks is done before the next step's tokens reach the host,
-so a buffer is never written while it is read. Every constraint keeps its tokens, so a mirror in
-the executor's process (a plain constraint, made and caught up only when needed) serves what the
-process does not: drafts to check (speculative decoding), rows filled beside another strategy's,
-the steps before the process is ready (it starts in seconds; no request waits for it), and the
-steps after it died (then everything runs on the mirrors).
+The process starts with the first fill asked of it; a constraint is opened there (its tokens so far
+sent along) with the first fill that has it, and only then are its tokens sent as they come. Ops
+are queued and go in one message when a step's accepts or fill are sent. Two buffers take turns:
+the device copy of one step's masks is done before the next step's tokens reach the host, so a
+buffer is never written while it is read. Every constraint keeps its tokens, so a mirror in the
+executor's process (a plain constraint, made and caught up only when needed) serves what the
+process does not: drafts to check (speculative decoding), steps that also hold a jumping
+request's or another strategy's rows, engines without async scheduling (each mask is needed as its
+step is launched), the seconds before the process is ready (no request waits for it), and the
+steps after it died or hung (a send or an answer that takes TIMEOUT_S): then everything runs on
+the mirrors, and it is not started again.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import mmap
 import os
 import pickle
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -46,35 +51,33 @@ import torch
 
 log = structlog.get_logger("llmserve.grammar_process")
 
-FILL_TIMEOUT_S = 30.0
-"""A fill not answered by then: the process is taken for hung, stopped, and the mirrors take over."""
+TIMEOUT_S = 10.0
+"""A send that cannot go, or a fill not answered, by then: the process is taken for hung and stopped."""
+READY_TIMEOUT_S = 120.0
+"""A process not ready by then (it imports xgrammar and torch): taken for hung and stopped."""
 
 
 class _Buffer:
     """int32 [rows, width] in a shared-memory file both processes map; pinned here where CUDA runs."""
 
     def __init__(self, rows: int, width: int) -> None:
+        size = rows * width * 4
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, self.path = tempfile.mkstemp(prefix="llmserve-masks-", dir=folder)
+        self._unlink_at_exit = weakref.finalize(self, _unlink, self.path)
         try:
-            os.ftruncate(fd, rows * width * 4)
-            self._map = mmap.mmap(fd, rows * width * 4)
+            os.posix_fallocate(fd, 0, size)  # no room: an OSError here, not a SIGBUS at the first write
+            self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         self.rows, self.width = rows, width
         self.tensor = torch.frombuffer(self._map, dtype=torch.int32).view(rows, width)
         self.pinned = _pin(self.tensor)
-
         self.first_fill = 0  # the fill that first writes it: once answered, the process has it mapped
 
     def unlink(self) -> None:
         """The file's name goes (the process has mapped it, or never will)."""
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            self.path = None
+        self._unlink_at_exit()
 
     def close(self) -> None:
         """Unlinked and unpinned; the mapping goes with the last tensor viewing it (a step's
@@ -86,12 +89,22 @@ class _Buffer:
         self.tensor = self._map = None
 
 
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def _pin(tensor: torch.Tensor) -> bool:
     """Page-lock the tensor's memory where this process drives a CUDA device, so that its copy to
     the device is queued without waiting (as from torch's pinned memory)."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return False
-    return int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)) == 0
+    err = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0))
+    if err:
+        log.warning("mask buffer not pinned: its copies to the device wait for the host", cuda_error=err)
+    return err == 0
 
 
 class PendingMasks:
@@ -120,10 +133,11 @@ class PendingMasks:
 
 
 class GrammarProcess:
-    """The executor's side: the process (started on first use), the ops queued for it, the mask
-    buffers. Constraints get ids from open(); their finalizers close_matcher() them. The executor's
-    thread makes every call but close_matcher, which a finalizer makes on whatever thread drops a
-    constraint (inside any call here, by the garbage collector): it only appends to a deque."""
+    """The executor's side: the process, the ops queued for it, the mask buffers. Constraints get
+    ids from open(); their finalizers close_matcher() them, on whatever thread drops a constraint
+    (inside any call here, by the garbage collector): it only appends to a deque. Every other call
+    comes from the executor, one at a time: its thread, or the worker thread it waits for a fill on
+    (waits.block) while its own step is paused."""
 
     def __init__(self) -> None:
         self._closed: deque[int] = deque()  # matcher ids to close, from finalizers
@@ -131,8 +145,9 @@ class GrammarProcess:
         self._accepts: tuple[list[int], list[int]] = ([], [])  # consecutive accepts, merged into one op
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
+        self._started = 0.0
         self.ready = False
-        self.dead = False
+        self.dead = False  # died, hung, failed or closed: never started again
         self._next_id = 0
         self._seq = 0
         self._answers: dict[int, dict[int, str]] = {}
@@ -140,10 +155,12 @@ class GrammarProcess:
         self._turn = 0
 
     def start(self) -> None:
-        """Start the process (it reports ready when it has imported xgrammar); none where it fails."""
+        """Start the process (it reports ready once it has imported xgrammar), unless it was."""
         if self._proc is not None or self.dead:
             return
         here, there = socket.socketpair()
+        # a send that cannot go in TIMEOUT_S (the process stopped reading) raises instead of blocking
+        here.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(TIMEOUT_S), 0))
         try:
             command = [sys.executable, "-m", "llmserve.plugins.grammar_process", str(there.fileno())]
             self._proc = subprocess.Popen(command, pass_fds=(there.fileno(),))
@@ -155,13 +172,33 @@ class GrammarProcess:
         finally:
             there.close()
         self._conn = Connection(here.detach())
+        self._started = time.monotonic()
+
+    def serves(self) -> bool:
+        """Whether fills can go to the process now: started (if it was not), ready, alive."""
+        self.start()
+        if self.dead:
+            return False
+        if not self.ready:
+            try:
+                while not self.ready and self._conn.poll(0):
+                    self._receive()
+            except (EOFError, OSError):
+                self._died("it exited while starting")
+                return False
+            if not self.ready and time.monotonic() - self._started > READY_TIMEOUT_S:
+                self._died(f"not ready in {READY_TIMEOUT_S:g} s")
+        return self.ready
 
     # ---- ops -------------------------------------------------------------------------------------
 
-    def open(self, paths: tuple[str, str]) -> int:
-        """A new matcher of the grammar in `paths` (tokenizer file, grammar file): its id."""
+    def open(self, paths: tuple[str, str], tokens: list[int]) -> int:
+        """A new matcher of the grammar in `paths` (tokenizer file, grammar file), advanced past
+        `tokens`: its id."""
         self._next_id += 1
         self._queue(("open", self._next_id, paths))
+        if tokens:
+            self.accept([self._next_id] * len(tokens), tokens)
         return self._next_id
 
     def accept(self, ids: list[int], tokens: list[int]) -> None:
@@ -186,13 +223,9 @@ class GrammarProcess:
         self._ops.append(op)
 
     def flush(self) -> None:
-        """Send the queued ops (kept while the process is not ready: it reads them all then)."""
-        if not self._alive():
-            return
+        """Send the queued ops (only once the process is ready: opens come with the first fill)."""
         if not self.ready:
-            self._poll_ready()
-            if not self.ready:
-                return
+            return
         if self._accepts[0]:
             self._ops.append(("accept", *self._accepts))
             self._accepts = ([], [])
@@ -202,20 +235,28 @@ class GrammarProcess:
         if ops:
             self._send(ops)
 
+    def _send(self, ops: list[tuple]) -> None:
+        try:
+            self._conn.send_bytes(pickle.dumps(ops, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError as exc:  # (BlockingIOError: TIMEOUT_S passed)
+            self._died(f"a send failed: {exc!r}")
+
     # ---- fills -----------------------------------------------------------------------------------
 
     def fill_async(self, ids: list[int], width: int, fallback: Callable[[torch.Tensor], dict[int, str]]
                    ) -> PendingMasks | None:
-        """Masks of matchers `ids` into rows 0.. of the next buffer, filled in the process; None
-        where it is not ready (the caller fills them here)."""
-        self.flush()
-        if not self.ready:
-            return None
+        """Masks of matchers `ids` into rows 0.. of the next buffer, filled in the process (ready:
+        serves()); None if it died meanwhile (the caller fills them)."""
         buffer = self._buffers[self._turn]
         if buffer is None or buffer.rows < len(ids) or buffer.width != width:
+            try:  # (rows doubled: a batch that grows row by row makes a few buffers, not one a row)
+                new = _Buffer(max(64, 1 << (len(ids) - 1).bit_length()), width)
+            except Exception as exc:
+                self._died(f"no mask buffer: {exc!r}")
+                return None
             if buffer is not None:
                 buffer.close()  # (its last copy to the device was two steps ago: done)
-            buffer = self._buffers[self._turn] = _Buffer(max(len(ids), 64), width)
+            buffer = self._buffers[self._turn] = new
             buffer.first_fill = self._seq + 1
             self._queue(("buffer", self._turn, buffer.path, buffer.rows, width))
         self._seq += 1
@@ -226,9 +267,9 @@ class GrammarProcess:
 
     def answered(self, seq: int, block: bool) -> bool:
         """Whether fill `seq` is answered (or will never be: the process died)."""
-        if seq in self._answers or not self._alive():
+        if seq in self._answers or self.dead:
             return True
-        deadline = time.monotonic() + FILL_TIMEOUT_S
+        deadline = time.monotonic() + TIMEOUT_S
         try:
             while self._conn.poll(max(0.0, deadline - time.monotonic()) if block else 0):
                 self._receive()
@@ -238,7 +279,7 @@ class GrammarProcess:
             self._died("its pipe closed")
             return True
         if block:
-            self._died(f"no answer in {FILL_TIMEOUT_S:g} s")
+            self._died(f"no answer in {TIMEOUT_S:g} s")
             return True
         return False
 
@@ -260,24 +301,6 @@ class GrammarProcess:
                 if buffer is not None and buffer.first_fill <= seq:  # mapped there by now
                     buffer.unlink()
 
-    def _poll_ready(self) -> None:
-        try:
-            while not self.ready and self._conn.poll(0):
-                self._receive()
-        except (EOFError, OSError):
-            self._died("it exited while starting")
-
-    def _send(self, ops: list[tuple]) -> None:
-        try:
-            self._conn.send_bytes(pickle.dumps(ops, protocol=pickle.HIGHEST_PROTOCOL))
-        except OSError:
-            self._died("its pipe closed")
-
-    def _alive(self) -> bool:
-        if self._proc is None:
-            self.start()
-        return not self.dead
-
     def _died(self, why: str) -> None:
         if not self.dead:
             log.error("the grammar process stopped; grammars run in this process from now on", reason=why)
@@ -296,15 +319,15 @@ class GrammarProcess:
             self._conn = None
 
     def close(self) -> None:
-        """Stop the process and free the buffers (after the last step)."""
+        """Stop the process and free the buffers (after the last step); it is not started again."""
         if self._conn is not None and self.ready:
-            self._send([("exit",)])
             try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+                self._conn.send_bytes(pickle.dumps([("exit",)]))
+                self._proc.wait(timeout=TIMEOUT_S)
+            except (OSError, subprocess.TimeoutExpired):
+                pass  # killed below
         self._stop()
-        self.ready, self.dead = False, False
+        self.dead, self.ready = True, False
         for i, buffer in enumerate(self._buffers):
             if buffer is not None:
                 buffer.close()
@@ -314,25 +337,38 @@ class GrammarProcess:
 
 
 class SharedGrammarConstraint:
-    """A grammar constraint whose matcher lives in the grammar process, with a mirror here (a
-    GrammarConstraint made by `make_mirror()`), caught up from `tokens` only when a step needs it."""
+    """A grammar constraint whose matcher lives in the grammar process once a fill there has had
+    it (open()), with a mirror here (a GrammarConstraint made by `make_mirror()`), caught up from
+    `tokens` only when a step needs it here."""
 
     def __init__(self, process: GrammarProcess, paths: tuple[str, str], make_mirror: Callable[[], Any]) -> None:
         self.process = process
-        process.start()  # (on the first: the process gets ready while the mirrors serve)
-        self.id = process.open(paths)
+        self.paths = paths
+        self.id: int | None = None  # in the process: from open()
         self.tokens: list[int] = []
         self._make_mirror = make_mirror
         self._mirror: Any = None
-        self._mirrored = 0  # tokens the mirror has accepted
-        weakref.finalize(self, process.close_matcher, self.id)
+        self.mirrored = 0  # tokens the mirror has accepted
+
+    def open(self) -> None:
+        """Its matcher in the process, past its tokens so far (the process serves())."""
+        self.id = self.process.open(self.paths, self.tokens)
+        weakref.finalize(self, self.process.close_matcher, self.id)
+
+    def one_behind(self) -> Any:
+        """Its mirror if that lacks only the last token (to advance with others' in one call: then
+        caught_up()), else None."""
+        return self._mirror if self._mirror is not None and self.mirrored == len(self.tokens) - 1 else None
+
+    def caught_up(self) -> None:
+        self.mirrored = len(self.tokens)
 
     def mirror(self) -> Any:
         if self._mirror is None:
             self._mirror = self._make_mirror()
-        while self._mirrored < len(self.tokens):
-            self._mirror.accept(self.tokens[self._mirrored])
-            self._mirrored += 1
+        while self.mirrored < len(self.tokens):
+            self._mirror.accept(self.tokens[self.mirrored])
+            self.mirrored += 1
         return self._mirror
 
     @property
@@ -347,7 +383,8 @@ class SharedGrammarConstraint:
 
     def accept(self, token: int) -> None:
         self.tokens.append(token)
-        self.process.accept([self.id], [token])
+        if self.id is not None:
+            self.process.accept([self.id], [token])
 
     def advance(self, token: int) -> bool:
         return self.mirror().advance(token)

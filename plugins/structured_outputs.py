@@ -417,7 +417,16 @@ class StructuredOutputs:
 
     def fill_masks(self, constraints: list[GrammarConstraint], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Every live matcher's row at once, on xgrammar's threads (a few dozen microseconds a row
-        otherwise: at batch 256, longer than the forward pass it hides behind)."""
+        otherwise: at batch 256, longer than the forward pass it hides behind). Mirrors of grammar
+        process constraints one token behind are first advanced in one call."""
+        if self._process is not None:
+            behind = [(c, m) for c in constraints if not isinstance(c, GrammarConstraint) and (m := c.one_behind())]
+            if behind:
+                if self._accept is None:
+                    self._accept = _batch_accept()
+                self._accept([m for _, m in behind], [c.tokens[-1] for c, _ in behind])
+                for c, _ in behind:
+                    c.caught_up()
         live = []
         for c, row in zip(constraints, rows):
             if c.terminated():
@@ -435,31 +444,40 @@ class StructuredOutputs:
             self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask, list(indices))
 
     def fill_masks_async(self, constraints: list[Any], rows: list[int], width: int) -> Any:
-        """The masks of constraints that all live in the grammar process, filled there into rows
-        0.. of a buffer of its own (grammar_process.PendingMasks); None where they cannot be (a
-        constraint here, rows not 0.., the process not ready): the caller fills them."""
+        """The masks of constraints that all can live in the grammar process, filled there into
+        rows 0.. of a buffer of its own (grammar_process.PendingMasks); None where they are not (a
+        jumping constraint among them, rows not 0.., the process not ready or dead): the caller
+        fills them from the constraints here."""
         from llmserve.plugins.grammar_process import SharedGrammarConstraint
 
         if (self._process is None or rows != list(range(len(rows)))
-                or not all(type(c) is SharedGrammarConstraint for c in constraints)):
+                or not all(type(c) is SharedGrammarConstraint for c in constraints) or not self._process.serves()):
             return None
+        for c in constraints:
+            if c.id is None:
+                c.open()
         return self._process.fill_async([c.id for c in constraints], width,
                                         lambda host: _fill_here(self, constraints, host))
 
     def accept_tokens(self, constraints: list[Any], tokens: list[int]) -> None:
         """Each matcher past its token in one xgrammar call (not a Python call a row); those in the
-        grammar process in one message. The engine checked each token against the mask it was
-        drawn under, so a matcher refuses one only past its end (a request already finished:
-        nothing to advance); the call's results are not read."""
+        grammar process in one message (the others of the grammar process's kind keep the token
+        for their mirror). The engine checked each token against the mask it was drawn under, so
+        a matcher refuses one only past its end (a request already finished: nothing to advance);
+        the call's results are not read."""
         if self._process is not None:
             shared = [k for k, c in enumerate(constraints) if not isinstance(c, GrammarConstraint)]
             if shared:
-                ids = []
+                ids, sent = [], []
                 for k in shared:
-                    constraints[k].tokens.append(tokens[k])
-                    ids.append(constraints[k].id)
-                self._process.accept(ids, [tokens[k] for k in shared])
-                self._process.flush()  # accepted there while this step's batch is built here
+                    c = constraints[k]
+                    c.tokens.append(tokens[k])
+                    if c.id is not None:
+                        ids.append(c.id)
+                        sent.append(tokens[k])
+                if ids:
+                    self._process.accept(ids, sent)
+                    self._process.flush()  # accepted there while this step's batch is built here
                 if len(shared) == len(constraints):
                     return
                 taken = set(shared)
@@ -470,18 +488,16 @@ class StructuredOutputs:
         self._accept(constraints, tokens)
 
     def start(self, prepared: PreparedGrammar) -> Any:
-        def compiled() -> Any:
-            return prepared.compiled if prepared.compiled is not None else self._loaded.get(prepared.paths)
-
+        compiled = prepared.compiled if prepared.compiled is not None else self._loaded.get(prepared.paths)
         if not prepared.jump_forward and prepared.paths is not None and self._uses_process():
             from llmserve.plugins.grammar_process import GrammarProcess, SharedGrammarConstraint
 
             if self._process is None:
                 self._process = GrammarProcess()
             if not self._process.dead:
-                return SharedGrammarConstraint(self._process, prepared.paths, lambda: GrammarConstraint(compiled()))
+                return SharedGrammarConstraint(self._process, prepared.paths, lambda: GrammarConstraint(compiled))
         tokenizer = self._tokenizer(prepared) if prepared.jump_forward else None
-        return GrammarConstraint(compiled()) if tokenizer is None else JumpingGrammarConstraint(compiled(), tokenizer)
+        return GrammarConstraint(compiled) if tokenizer is None else JumpingGrammarConstraint(compiled, tokenizer)
 
     def close(self) -> None:
         """Stop the grammar process (the engine's last step is done)."""
@@ -505,6 +521,7 @@ class StructuredOutputs:
         return self._tokenizers[prepared.tokenizer_dir]
 
 
+@torch.inference_mode()  # (`host` was made in inference mode; this may run on a worker thread)
 def _fill_here(strategy: StructuredOutputs, constraints: list[Any], host: torch.Tensor) -> dict[int, str]:
     """Rows 0.. of `host` filled from the constraints' mirrors (the grammar process died with
     their fill pending); returns row -> error for rows that failed (every token allowed)."""

@@ -28,13 +28,13 @@ def strategy_of(llm):
 
 
 def ready(llm) -> None:
-    """Start the grammar process (a request that does not jump) and wait until it is ready."""
+    """Start the grammar process (as a fill would, after a request that does not jump) and wait
+    until it is ready."""
     params = SamplingParams(max_tokens=2, structured_outputs=Structured(json_object=True))
     llm.generate({"prompt_token_ids": [3, 4]}, params, use_tqdm=False)
     process, deadline = strategy_of(llm)._process, time.monotonic() + 60
-    while not process.ready:
+    while not process.serves():
         assert time.monotonic() < deadline and not process.dead, "the grammar process did not get ready"
-        process.flush()
         time.sleep(0.05)
 
 
@@ -87,9 +87,12 @@ def test_outputs_equal_the_in_process_engines_with_matchers_in_the_grammar_proce
         assert strategy_of(llm)._process is None
     monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "1")
     with LLM(checkpoint("llama"), async_scheduling=async_scheduling, **COMMON) as llm:
-        ready(llm)
+        if async_scheduling:
+            ready(llm)
         calls, types = count_process_fills(llm), record_starts(llm)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        process = strategy_of(llm)._process
+        assert process.ready == async_scheduling  # (no fill asked of it: never started)
     assert types.count(SharedGrammarConstraint) == 6 and len(types) == 8  # (two jump: their matchers stay here)
     assert [o.outputs[0].token_ids for o in outs] == expected
     # steps with only matchers of the process are filled there, with a jumping one's here; without
@@ -234,3 +237,51 @@ def test_speculating_requests_check_drafts_on_their_mirrors(checkpoint, monkeypa
     assert types == [SharedGrammarConstraint] * 3
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert spec.drafts > 5 and 0 < spec.accepted_tokens < spec.draft_tokens
+
+
+def test_a_hung_grammar_process_is_stopped_and_its_fill_made_here(checkpoint, monkeypatch):
+    """Stopped (SIGSTOP) while requests run: its answer does not come within TIMEOUT_S, so it is
+    killed and the fill it owed made from the mirrors; the outputs are unchanged."""
+    import os
+    import signal
+
+    from llmserve.plugins import grammar_process
+
+    params = mixed_params()[:3]
+    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "0")
+    with LLM(checkpoint("llama"), **COMMON) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "1")
+    monkeypatch.setattr(grammar_process, "TIMEOUT_S", 1.0)
+    with LLM(checkpoint("llama"), **COMMON) as llm:
+        ready(llm)
+        process = strategy_of(llm)._process
+        os.kill(process._proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        assert process.dead and process._proc is None and time.monotonic() - start < 30
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_a_mask_buffer_that_cannot_be_made_leaves_the_fills_here(checkpoint, monkeypatch):
+    """No shared memory for a buffer (a full /dev/shm): no step fails; the process is given up and
+    the masks are filled from the mirrors."""
+    from llmserve.plugins import grammar_process
+
+    params = mixed_params()[:3]
+    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "0")
+    with LLM(checkpoint("llama"), **COMMON) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "1")
+    with LLM(checkpoint("llama"), **COMMON) as llm:
+        ready(llm)
+
+        def no_room(self, rows, width):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(grammar_process._Buffer, "__init__", no_room)
+        isolated = []
+        monkeypatch.setattr(llm.engine.runner, "_isolate", lambda plan: isolated.append(plan))
+        outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        assert strategy_of(llm)._process.dead and not isolated
+    assert [o.outputs[0].token_ids for o in outs] == expected
