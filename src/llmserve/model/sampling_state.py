@@ -232,7 +232,9 @@ class SamplingState:
         152k vocabulary. Each strategy fills its constraints' rows in one call where it can
         (fill_masks: a grammar engine's threads), else one fill_mask a row; a row under two
         strategies gets both ANDed. background: filled on the mask thread while the caller goes
-        on (the constraints must not move until MaskFill.send() returned); else here.
+        on (the constraints must not move until MaskFill.send() returned), or, where one strategy
+        has every masked row and its fill_masks_async takes them, elsewhere into its own host
+        buffer (structured outputs: its grammar process); else here.
 
         With `drafts` (speculative decoding: per state, the drafts it checks in len + 1 rows), a
         constrained state's row j is masked as its constraint stands after the first j drafts
