@@ -34,6 +34,7 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import signal
 import socket
 import struct
 import subprocess
@@ -474,4 +475,9 @@ def _fill(ids: list[int], bitmask: torch.Tensor, matchers: dict[int, Any], broke
 
 
 if __name__ == "__main__":
-    serve(Connection(int(sys.argv[1])))
+    # Ctrl-C reaches the whole process group: the engine stops, and this process with its pipe
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        serve(Connection(int(sys.argv[1])))
+    except OSError:  # the engine went first (a send into a closed pipe): nobody to answer
+        pass
