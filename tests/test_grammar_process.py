@@ -285,3 +285,27 @@ def test_a_mask_buffer_that_cannot_be_made_leaves_the_fills_here(checkpoint, mon
         outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
         assert strategy_of(llm)._process.dead and not isolated
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_the_process_ignores_ctrl_c_and_ends_quietly_with_its_pipe():
+    """Ctrl-C reaches the whole process group: the grammar process leaves it to the engine, and
+    exits with status 0 when its pipe closes, even before it could say it is ready."""
+    import signal
+
+    from llmserve.plugins.grammar_process import GrammarProcess
+
+    for wait_ready in (False, True):
+        process = GrammarProcess()
+        process.start()
+        child = process._proc
+        if wait_ready:
+            deadline = time.monotonic() + 60
+            while not process.serves():
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            child.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            assert child.poll() is None  # still there
+        process._conn.close()  # the engine went
+        assert child.wait(timeout=60) == 0
+        process._proc = None
