@@ -110,26 +110,25 @@ def _pin(tensor: torch.Tensor) -> bool:
 
 class PendingMasks:
     """A fill sent to the grammar process, its rows in `host`. Waits like a CUDA event (query(),
-    synchronize()) and a future (done(), result(): row -> error for rows that failed)."""
+    synchronize()) and a future (done(), result(): row -> error for rows that failed, or None
+    where the process died first and nothing was filled: the caller fills `host` itself)."""
 
-    def __init__(self, process: GrammarProcess, seq: int, host: torch.Tensor,
-                 fallback: Callable[[torch.Tensor], dict[int, str]]) -> None:
+    def __init__(self, process: GrammarProcess, seq: int, host: torch.Tensor) -> None:
         self.process, self.seq, self.host = process, seq, host
-        self._fallback = fallback  # fills `host` here, should the process die first
+        self._answered = False
         self._failed: dict[int, str] | None = None
 
     def query(self) -> bool:
-        return self._failed is not None or self.process.answered(self.seq, block=False)
+        return self._answered or self.process.answered(self.seq, block=False)
 
     done = query
 
     def synchronize(self) -> None:
         self.result()
 
-    def result(self) -> dict[int, str]:
-        if self._failed is None:
-            failed = self.process.answer(self.seq)
-            self._failed = self._fallback(self.host) if failed is None else failed
+    def result(self) -> dict[int, str] | None:
+        if not self._answered:
+            self._failed, self._answered = self.process.answer(self.seq), True
         return self._failed
 
 
@@ -244,8 +243,7 @@ class GrammarProcess:
 
     # ---- fills -----------------------------------------------------------------------------------
 
-    def fill_async(self, ids: list[int], width: int, fallback: Callable[[torch.Tensor], dict[int, str]]
-                   ) -> PendingMasks | None:
+    def fill_async(self, ids: list[int], width: int) -> PendingMasks | None:
         """Masks of matchers `ids` into rows 0.. of the next buffer, filled in the process (ready:
         serves()); None if it died meanwhile (the caller fills them)."""
         buffer = self._buffers[self._turn]
@@ -264,7 +262,7 @@ class GrammarProcess:
         self._queue(("fill", self._seq, self._turn, ids))
         self._turn ^= 1
         self.flush()
-        return PendingMasks(self, self._seq, buffer.tensor[:len(ids)], fallback)
+        return PendingMasks(self, self._seq, buffer.tensor[:len(ids)])
 
     def answered(self, seq: int, block: bool) -> bool:
         """Whether fill `seq` is answered (or will never be: the process died)."""

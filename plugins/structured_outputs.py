@@ -347,8 +347,6 @@ def _process_wanted() -> bool:
 
 class StructuredOutputs:
     def __init__(self) -> None:
-        self.use_process: bool | None = None
-        """Matchers that do not jump live in the grammar process (None: _process_wanted())."""
         self._process: Any = None  # grammar_process.GrammarProcess, on first use (executor side)
         self._compilers: dict[tuple[int, int], Any] = {}
         self._lock = threading.Lock()
@@ -384,12 +382,9 @@ class StructuredOutputs:
         jump = (params.structured_outputs.jumps and params.logprobs is None
                 and not self._prefix_space[id(tokenizer)])
         prepared = PreparedGrammar(compiled, key, self._files, tokenizer, jump)
-        if not prepared.jump_forward and self._uses_process():  # its files, written here, off the executor
+        if not prepared.jump_forward and _process_wanted():  # its files, written here, off the executor
             prepared.paths = self._files.write(key, compiled)
         return prepared
-
-    def _uses_process(self) -> bool:
-        return _process_wanted() if self.use_process is None else self.use_process
 
     def _compile(self, params: SamplingParams, tokenizer: Any, vocab_size: int,
                  eos_token_ids: tuple[int, ...]) -> tuple[Any, str]:
@@ -456,8 +451,7 @@ class StructuredOutputs:
         for c in constraints:
             if c.id is None:
                 c.open()
-        return self._process.fill_async([c.id for c in constraints], width,
-                                        lambda host: _fill_here(self, constraints, host))
+        return self._process.fill_async([c.id for c in constraints], width)
 
     def accept_tokens(self, constraints: list[Any], tokens: list[int]) -> None:
         """Each matcher past its token in one xgrammar call (not a Python call a row); those in the
@@ -466,30 +460,28 @@ class StructuredOutputs:
         a matcher refuses one only past its end (a request already finished: nothing to advance);
         the call's results are not read."""
         if self._process is not None:
-            shared = [k for k, c in enumerate(constraints) if not isinstance(c, GrammarConstraint)]
-            if shared:
-                ids, sent = [], []
-                for k in shared:
-                    c = constraints[k]
-                    c.tokens.append(tokens[k])
-                    if c.id is not None:
-                        ids.append(c.id)
-                        sent.append(tokens[k])
-                if ids:
-                    self._process.accept(ids, sent)
-                    self._process.flush()  # accepted there while this step's batch is built here
-                if len(shared) == len(constraints):
-                    return
-                taken = set(shared)
-                here = [k for k in range(len(constraints)) if k not in taken]
-                constraints, tokens = [constraints[k] for k in here], [tokens[k] for k in here]
+            here, ids, sent = [], [], []
+            for c, token in zip(constraints, tokens):
+                if isinstance(c, GrammarConstraint):
+                    here.append((c, token))
+                    continue
+                c.tokens.append(token)
+                if c.id is not None:
+                    ids.append(c.id)
+                    sent.append(token)
+            if ids:
+                self._process.accept(ids, sent)
+                self._process.flush()  # accepted there while this step's batch is built here
+            if not here:
+                return
+            constraints, tokens = [c for c, _ in here], [t for _, t in here]
         if self._accept is None:
             self._accept = _batch_accept()
         self._accept(constraints, tokens)
 
     def start(self, prepared: PreparedGrammar) -> Any:
         compiled = prepared.compiled if prepared.compiled is not None else self._loaded.get(prepared.paths)
-        if not prepared.jump_forward and prepared.paths is not None and self._uses_process():
+        if not prepared.jump_forward and prepared.paths is not None and _process_wanted():
             from llmserve.plugins.grammar_process import GrammarProcess, SharedGrammarConstraint
 
             if self._process is None:
@@ -519,24 +511,6 @@ class StructuredOutputs:
                 log.exception("jump-forward: the tokenizer did not load; nothing jumps", path=prepared.tokenizer_dir)
                 self._tokenizers[prepared.tokenizer_dir] = None
         return self._tokenizers[prepared.tokenizer_dir]
-
-
-@torch.inference_mode()  # (`host` was made in inference mode; this may run on a worker thread)
-def _fill_here(strategy: StructuredOutputs, constraints: list[Any], host: torch.Tensor) -> dict[int, str]:
-    """Rows 0.. of `host` filled from the constraints' mirrors (the grammar process died with
-    their fill pending); returns row -> error for rows that failed (every token allowed)."""
-    try:
-        strategy.fill_masks(constraints, host, list(range(len(constraints))))
-        return {}
-    except Exception:
-        failed = {}
-        for row, constraint in enumerate(constraints):
-            try:
-                constraint.fill_mask(host, row)
-            except Exception as exc:
-                failed[row] = f"{type(exc).__name__}: {exc}"
-                host[row] = -1
-        return failed
 
 
 def _prefix_space(tokenizer: Any) -> bool:

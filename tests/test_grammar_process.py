@@ -27,6 +27,17 @@ def strategy_of(llm):
     return llm.engine.runner.sampling.strategies["structured_outputs"]
 
 
+def in_process_tokens(monkeypatch, path, prompts, params, **options) -> list[list[int]]:
+    """Each output's tokens with every matcher in the engine's process; the process switched on
+    for what follows."""
+    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "0")
+    with LLM(path, **COMMON, **options) as llm:
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert strategy_of(llm)._process is None
+    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "1")
+    return tokens
+
+
 def ready(llm) -> None:
     """Start the grammar process (as a fill would, after a request that does not jump) and wait
     until it is ready."""
@@ -81,11 +92,7 @@ PROMPTS = [{"prompt_token_ids": list(range(3, 9 + i))} for i in range(8)]
 def test_outputs_equal_the_in_process_engines_with_matchers_in_the_grammar_process(checkpoint, monkeypatch,
                                                                                     async_scheduling):
     params = mixed_params()
-    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "0")
-    with LLM(checkpoint("llama"), async_scheduling=async_scheduling, **COMMON) as llm:
-        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        assert strategy_of(llm)._process is None
-    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "1")
+    expected = in_process_tokens(monkeypatch, checkpoint("llama"), PROMPTS, params, async_scheduling=async_scheduling)
     with LLM(checkpoint("llama"), async_scheduling=async_scheduling, **COMMON) as llm:
         if async_scheduling:
             ready(llm)
@@ -146,10 +153,7 @@ def test_a_grammar_process_that_dies_leaves_its_requests_to_their_mirrors(checkp
     """Killed while requests run: their outputs are unchanged (the fill it owed is made here), new
     requests keep their matchers here, and it is not started again."""
     params = mixed_params()[:3]
-    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "0")
-    with LLM(checkpoint("llama"), **COMMON) as llm:
-        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
-    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "1")
+    expected = in_process_tokens(monkeypatch, checkpoint("llama"), PROMPTS[:3], params)
     with LLM(checkpoint("llama"), **COMMON) as llm:
         ready(llm)
         strategy = strategy_of(llm)
@@ -224,10 +228,7 @@ def test_speculating_requests_check_drafts_on_their_mirrors(checkpoint, monkeypa
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7], [20, 21, 22, 23], [44, 45])]
     params = [SamplingParams(max_tokens=60, temperature=0.0 if i < 2 else 0.9, seed=i,
                              structured_outputs=Structured(json=SCHEMA, jump_forward=False)) for i in range(3)]
-    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "0")
-    with LLM(ck, **COMMON) as llm:
-        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "1")
+    expected = in_process_tokens(monkeypatch, ck, prompts, params)
     with LLM(ck, **COMMON, speculative_config={"method": "draft", "model": ck, "num_speculative_tokens": 3}) as llm:
         ready(llm)
         hold_speculation_on(llm)
@@ -248,10 +249,7 @@ def test_a_hung_grammar_process_is_stopped_and_its_fill_made_here(checkpoint, mo
     from llmserve.plugins import grammar_process
 
     params = mixed_params()[:3]
-    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "0")
-    with LLM(checkpoint("llama"), **COMMON) as llm:
-        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
-    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "1")
+    expected = in_process_tokens(monkeypatch, checkpoint("llama"), PROMPTS[:3], params)
     monkeypatch.setattr(grammar_process, "TIMEOUT_S", 1.0)
     with LLM(checkpoint("llama"), **COMMON) as llm:
         ready(llm)
@@ -269,10 +267,7 @@ def test_a_mask_buffer_that_cannot_be_made_leaves_the_fills_here(checkpoint, mon
     from llmserve.plugins import grammar_process
 
     params = mixed_params()[:3]
-    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "0")
-    with LLM(checkpoint("llama"), **COMMON) as llm:
-        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
-    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "1")
+    expected = in_process_tokens(monkeypatch, checkpoint("llama"), PROMPTS[:3], params)
     with LLM(checkpoint("llama"), **COMMON) as llm:
         ready(llm)
 

@@ -87,7 +87,8 @@ class DecodingStrategy(Protocol):
     # the fill started, it returns at once a pending fill with `host` (int32 [len(rows), width],
     # row i for constraints[i], left unwritten until its next fill after the step's tokens are
     # checked), done()/query() and result()/synchronize() (result(): row -> error for rows that
-    # failed, each allowing every token); None: the mask thread fills them.
+    # failed, each allowing every token, or None where nothing was filled: the engine then fills
+    # `host` from the constraints); None: the mask thread fills them.
     # Optional: close() -> None, called after the engine's last step (stop its threads, processes).
     # Optional: a strategy that can advance many constraints in one call defines
     #   accept_tokens(constraints: list[Constraint], tokens: list[int]) -> None

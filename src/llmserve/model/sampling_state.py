@@ -379,8 +379,8 @@ class MaskFill:
     host: torch.Tensor
     staging: Staging
     job: Any = None
-    """Filling: the mask thread's Future, or a strategy's pending fill (fill_masks_async: its
-    result() is row -> error for the rows that failed)."""
+    """Filling: the mask thread's Future, or a strategy's pending fill (fill_masks_async); the
+    result of either is row -> error for the rows that failed, or None where nothing was filled."""
     failed: dict[int, str] = field(default_factory=dict)
     """Row of `host` -> the error its constraint raised filling its mask (the row allows every
     token: the request fails when the step finishes)."""
@@ -388,8 +388,11 @@ class MaskFill:
     def send(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, masks) on the device, once filled (the copy is queued after the fill)."""
         if self.job is not None:
-            if failed := self.job.result():
-                self.failed.update(failed)
+            failed = self.job.result()
+            if failed is None:  # a strategy's own fill that could not be made (its process died): here
+                _fill_masks(self.layout.work, self.host, self.failed)
+            else:
+                self.failed.update(failed)  # (the mask thread's is this dict itself)
             self.job = None
         return self.layout.rows, self.staging.send(self.host)
 
@@ -400,10 +403,10 @@ class MaskFill:
 
 @torch.inference_mode()  # on the mask thread too: `host` was made in inference mode
 def _fill_masks(work: list[tuple[Any, list[Constraint], list[int]]], host: torch.Tensor,
-                failed: dict[int, str]) -> None:
+                failed: dict[int, str]) -> dict[int, str]:
     """Fill `host`'s rows: `work` is (strategy, its constraints, their rows) per strategy. Where a
     strategy's one call for all its rows fails, its rows are filled one by one: a row that fails
-    alone allows every token and is recorded in `failed` (row of `host` -> error)."""
+    alone allows every token and is recorded in `failed` (row of `host` -> error), returned."""
     alone = len(work) == 1  # the common case: its strategy writes every row whole
     if not alone:
         host.fill_(-1)
@@ -418,6 +421,7 @@ def _fill_masks(work: list[tuple[Any, list[Constraint], list[int]]], host: torch
                     target[row] = -1
         if not alone:
             host &= target
+    return failed
 
 
 def _fill_ahead(constraint: Constraint, host: torch.Tensor, first: int, drafts: list[int],
