@@ -192,26 +192,36 @@ def heaviest_requests(url: str) -> list[tuple[str, dict]]:
             ("/tokenize", {"prompt": text})]
 
 
-def test_health_answers_fast_while_the_heaviest_allowed_request_runs(server):
-    """Each of the heaviest requests leaves the event loop free: /health within 200 ms throughout."""
-    for path, body in heaviest_requests(server.url):
-        worst, done, status = 0.0, threading.Event(), []
+def slowest_health_during(url: str, path: str, body: dict) -> tuple[int, float]:
+    """The heavy request's status, and the slowest /health answer while it ran (seconds)."""
+    worst, done, status = 0.0, threading.Event(), []
 
-        def heavy():
-            try:
-                status.append(httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, timeout=120).status_code)
-            finally:
-                done.set()
-        t = threading.Thread(target=heavy)
-        t.start()
-        with httpx.Client(timeout=10) as http:
-            while not done.is_set():
-                t0 = time.monotonic()
-                assert http.get(f"{server.url}/health").status_code == 200
-                worst = max(worst, time.monotonic() - t0)
-                time.sleep(0.01)
-        t.join()
-        assert status[0] in (200, 400) and worst < 0.2, (path, status, f"/health took {worst * 1000:.0f} ms")
+    def heavy():
+        try:
+            status.append(httpx.post(f"{url}{path}", json={"model": MODEL, **body}, timeout=120).status_code)
+        finally:
+            done.set()
+    t = threading.Thread(target=heavy)
+    t.start()
+    with httpx.Client(timeout=10) as http:
+        while not done.is_set():
+            t0 = time.monotonic()
+            assert http.get(f"{url}/health").status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.01)
+    t.join()
+    return status[0], worst
+
+
+def test_health_answers_fast_while_the_heaviest_allowed_request_runs(server):
+    """Each of the heaviest requests leaves the event loop free: /health within 200 ms throughout.
+    Work on the loop is slow every time; a shared machine's pause is not, so a request during
+    which /health was slow runs again and fails only if it is slow again."""
+    for path, body in heaviest_requests(server.url):
+        status, worst = slowest_health_during(server.url, path, body)
+        if worst >= 0.2:
+            status, worst = slowest_health_during(server.url, path, body)
+        assert status in (200, 400) and worst < 0.2, (path, status, f"/health took {worst * 1000:.0f} ms")
 
 
 # ---- WebSocket ----------------------------------------------------------------------------------
