@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -105,6 +106,26 @@ def test_flags_override_the_config_file_key_by_key(tmp_path):
 def test_bad_values_raise_one_clear_error(argv, match):
     with pytest.raises(ValueError, match=match):
         parse_serve(argv)
+
+
+def test_vllms_flags_for_what_llmserve_always_does_are_accepted_and_the_others_refused_saying_why():
+    """A command copied from vLLM's docs runs where its flags ask for what llmserve does anyway;
+    one that asks for what it does not do fails naming the flag and why (not "unrecognized")."""
+    from llmserve.cli import VLLM_ACCEPTED, VLLM_REFUSED
+
+    plain = parse_serve(["m"])[0]
+    assert parse_serve(["m", *VLLM_ACCEPTED, "--pipeline-parallel-size", "1"])[0] == plain
+    quiet = parse_serve(["m", "--disable-log-stats"])[0]
+    assert quiet.scheduler.log_interval_s == 0 and dataclasses.replace(quiet.scheduler, log_interval_s=5.0) == plain.scheduler
+    assert parse_serve(["m", "--disable-log-stats", "--log-interval-s", "0"])[0] == quiet
+    with pytest.raises(ValueError, match="--disable-log-stats and --log-interval-s disagree"):
+        parse_serve(["m", "--disable-log-stats", "--log-interval-s", "2"])
+    for flag, why in VLLM_REFUSED.items():
+        for argv in ([flag], [flag, "2"]):
+            with pytest.raises(ValueError, match="^" + re.escape(f"{flag}: {why}") + "$"):
+                parse_serve(["m", *argv])
+    help_text = serve_parser().format_help()
+    assert all(flag in help_text for flag in VLLM_ACCEPTED) and "--revision" not in help_text
 
 
 # ---- the command in a process of its own ------------------------------------------------------------

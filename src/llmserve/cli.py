@@ -82,12 +82,36 @@ def serve_parser(prog: str = "llmserve serve", positional: bool = True) -> argpa
                          '(the --speculative-* flags override its keys)')
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
                     help='accepted as vLLM takes it; tool_choice "auto" is always on here')
+    vllm = ap.add_argument_group("vLLM's flags that ask for what llmserve always does (others are refused, saying why)")
+    for flag, why in VLLM_ACCEPTED.items():
+        vllm.add_argument(flag, action="store_true", help=f"accepted: {why}")
+    vllm.add_argument("--disable-log-stats", action="store_true", help="the same as --log-interval-s 0")
+    for flag in VLLM_REFUSED:
+        vllm.add_argument(flag, nargs="?", const=True, help=argparse.SUPPRESS)
     offline = ap.add_argument_group("offline generation (instead of serving)")
     offline.add_argument("--prompt", action="append", help="generate for this prompt, print one JSON line (repeatable)")
     offline.add_argument("--max-tokens", type=int, default=32, help="with --prompt (default 32)")
     offline.add_argument("--temperature", type=float, default=0.0, help="with --prompt (default 0: greedy)")
     add_config_flags(ap)  # --seed among them: with --prompt it also seeds the prompts' sampling
     return ap
+
+
+VLLM_ACCEPTED = {
+    "--trust-remote-code": "no code from a checkpoint runs here; its architecture must be one llmserve builds",
+    "--enable-chunked-prefill": "prefill is always chunked (--max-num-batched-tokens is a step's token budget)",
+    "--disable-log-requests": "requests are not logged",
+}
+"""vLLM's flags that ask for what llmserve does anyway: a command copied from vLLM's docs runs."""
+
+_NO_HUB = "there is no model hub here: MODEL (and --tokenizer) is a local checkpoint folder"
+VLLM_REFUSED = {
+    "--no-enable-chunked-prefill": "prefill is always chunked; --max-num-batched-tokens sets a step's token budget",
+    "--revision": _NO_HUB, "--tokenizer-revision": _NO_HUB, "--code-revision": _NO_HUB, "--download-dir": _NO_HUB,
+    "--pipeline-parallel-size": "no pipeline parallelism: --tensor-parallel-size (GPUs of one host) or "
+                                "--data-parallel-size (replicas)",
+    "--enable-lora": "no LoRA adapters", "--lora-modules": "no LoRA adapters",
+}
+"""vLLM's flags for what llmserve does not do: refused, saying so, rather than unrecognized."""
 
 
 def parse_serve(argv: list[str], prog: str = "llmserve serve",
@@ -103,7 +127,15 @@ def parse_serve(argv: list[str], prog: str = "llmserve serve",
                 data = tomllib.load(f)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ValueError(f"--config {args.config}: {exc}") from exc
+    for flag, why in VLLM_REFUSED.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not (flag == "--pipeline-parallel-size" and value == "1"):
+            raise ValueError(f"{flag}: {why}")
     given = overrides(args)
+    if args.disable_log_stats:
+        if given.get("scheduler", {}).get("log_interval_s", 0) != 0:
+            raise ValueError("--disable-log-stats and --log-interval-s disagree")
+        given.setdefault("scheduler", {})["log_interval_s"] = 0.0
     if args.speculative_config is not None:
         given["speculative"] = {**args.speculative_config, **given.get("speculative", {})}
     model = getattr(args, "model_arg", None)
