@@ -5,9 +5,9 @@ cd "$(dirname "$0")/.."
 EXTRAS="[test]"
 source scripts/setup_venv.sh
 # TEST_WORKERS processes share the tests (pytest-xdist; 1: none): the suite keeps about one core busy
-# at a time, so two workers on two cores take ~22 minutes, not ~36.
+# at a time, so two workers on two cores take about 15 minutes.
 WORKERS=${TEST_WORKERS:-2}
-echo "tests: 20 to 25 minutes on 2 CPU cores with $WORKERS workers"
+echo "tests: about 15 minutes on 2 CPU cores with $WORKERS workers"
 if [ "$WORKERS" -gt 1 ]; then
     exec "$VENV/bin/python" -m pytest -q -n "$WORKERS" "$@"
 fi
