@@ -40,7 +40,8 @@ import re
 import shutil
 import tempfile
 import threading
-from collections import OrderedDict
+import weakref
+from collections import Counter, OrderedDict, deque
 from typing import Any
 
 import structlog
@@ -161,6 +162,8 @@ class PreparedGrammar:
         self.compiled = compiled
         self.key = key
         self.files = files
+        files.hold(key)  # its file stays while its request may still start a constraint from it
+        weakref.finalize(self, files.release, key)
         self.paths: tuple[str, str] | None = None
         self.tokenizer = tokenizer if jump_forward else None  # this process's: for jump-forward
         self.tokenizer_dir = getattr(tokenizer, "name_or_path", None) if jump_forward else None
@@ -177,8 +180,9 @@ class PreparedGrammar:
 
 class _Files:
     """The request side's folder of serialized tokenizers and grammars, one file each, removed when
-    the process exits; the grammars of the `max_grammars` sources sent most recently are kept (a
-    client sending ever new schemas must not fill the disk)."""
+    the process exits. Of the grammars no live request holds (PreparedGrammar: its request may
+    still start a constraint from the file, as it first runs or resumes), the `max_grammars`
+    sent most recently are kept: a client sending ever new schemas must not fill the disk."""
 
     def __init__(self, max_grammars: int = 512) -> None:
         self._dir: str | None = None
@@ -186,6 +190,23 @@ class _Files:
         self._tokenizers: dict[int, str] = {}  # id(TokenizerInfo) -> its file
         self.max_grammars = max_grammars
         self._lock = threading.Lock()
+        self._held: Counter[str] = Counter()  # key -> its live PreparedGrammars
+        self._released: deque[str] = deque()  # keys let go of, by finalizers (on any thread: no lock)
+
+    def hold(self, key: str) -> None:
+        with self._lock:
+            self._count_released()
+            self._held[key] += 1
+
+    def release(self, key: str) -> None:
+        self._released.append(key)  # counted at the next hold or write
+
+    def _count_released(self) -> None:
+        while self._released:
+            key = self._released.popleft()
+            self._held[key] -= 1
+            if self._held[key] <= 0:
+                del self._held[key]
 
     def _file(self, text: str) -> str:
         path = os.path.join(self._dir, hashlib.sha256(text.encode()).hexdigest()[:32] + ".json")
@@ -197,20 +218,22 @@ class _Files:
 
     def write(self, key: str, compiled: Any) -> tuple[str, str]:
         with self._lock:
+            self._count_released()
             if key in self._written:
                 self._written.move_to_end(key)
-                return self._written[key]
-            if self._dir is None:
-                self._dir = tempfile.mkdtemp(prefix="llmserve-grammars-")
-                atexit.register(shutil.rmtree, self._dir, True)
-            info = compiled.tokenizer_info
-            if id(info) not in self._tokenizers:
-                self._tokenizers[id(info)] = self._file(info.serialize_json())
-            self._written[key] = paths = (self._tokenizers[id(info)], self._file(compiled.serialize_json()))
-            if len(self._written) > self.max_grammars:
-                _, (_, oldest) = self._written.popitem(last=False)
-                os.remove(oldest)
-            return paths
+            else:
+                if self._dir is None:
+                    self._dir = tempfile.mkdtemp(prefix="llmserve-grammars-")
+                    atexit.register(shutil.rmtree, self._dir, True)
+                info = compiled.tokenizer_info
+                if id(info) not in self._tokenizers:
+                    self._tokenizers[id(info)] = self._file(info.serialize_json())
+                self._written[key] = (self._tokenizers[id(info)], self._file(compiled.serialize_json()))
+            excess = len(self._written) - self.max_grammars
+            if excess > 0:  # the oldest no request holds
+                for old in [k for k in self._written if k not in self._held and k != key][:excess]:
+                    os.remove(self._written.pop(old)[1])
+            return self._written[key]
 
 
 class _Loaded:

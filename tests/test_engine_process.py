@@ -136,6 +136,36 @@ async def test_structured_outputs_cross_to_the_child_as_files_written_once(check
     assert all(set(json.loads(text)) == {"n", "w"} for text in outs)
 
 
+async def test_a_waiting_requests_grammar_file_stays_until_it_runs(checkpoint):
+    """The child starts a request's constraint from its grammar file when the request first runs:
+    with more distinct grammars sent meanwhile than the folder keeps, each waiting request's file
+    stays (its request holds it), and every request follows its regex."""
+    import re
+
+    from llmserve import StructuredOutputsParams
+
+    regexes = [f"{w}[a-z]{{1,4}}( [0-9]{{1,2}}){{1,2}}" for w in ("ab", "cd", "ef", "gh", "ij", "kl")]
+    engine = ProcessEngine(config(checkpoint("llama"), max_num_seqs=1))
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        engine.strategies["structured_outputs"]._files.max_grammars = 1
+        outs = {}
+
+        async def one(i):
+            params = SamplingParams(max_tokens=20, temperature=1.0, seed=i,
+                                    structured_outputs=StructuredOutputsParams(regex=regexes[i]))
+            async for out in engine.generate([5, 6, 7 + i], params):
+                outs[i] = out.outputs[0]
+
+        async with anyio.create_task_group() as requests:
+            for i in range(len(regexes)):
+                requests.start_soon(one, i)
+        engine.stop()
+    for i, out in outs.items():
+        assert out.finish_reason in ("stop", "length") and (out.finish_reason == "length" or re.fullmatch(regexes[i], out.text))
+    assert len(outs) == len(regexes)
+
+
 async def collect_text(engine, prompt, params):
     async for out in engine.generate(prompt, params):
         last = out

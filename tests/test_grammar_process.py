@@ -304,3 +304,28 @@ def test_the_process_ignores_ctrl_c_and_ends_quietly_with_its_pipe():
         process._conn.close()  # the engine went
         assert child.wait(timeout=60) == 0
         process._proc = None
+
+
+def test_grammar_files_of_waiting_requests_outlive_the_folders_bound(checkpoint, monkeypatch):
+    """More distinct grammars than the folder keeps, most of them waiting for a place to run: a
+    waiting request's grammar file stays until its request ends (the process opens its matcher
+    from it only when it first runs), then goes."""
+    import os
+    import re
+
+    monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "1")
+    regexes = [f"{w}[a-z]{{2,5}}( [0-9]{{1,3}}){{1,3}}" for w in ("ab", "cd", "ef", "gh", "ij", "kl", "mn", "op")]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=24,
+                             structured_outputs=Structured(regex=r, jump_forward=False)) for i, r in enumerate(regexes)]
+    with LLM(checkpoint("llama"), max_num_seqs=2, **COMMON) as llm:
+        ready(llm)
+        files = strategy_of(llm)._files
+        files.max_grammars = 2
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        for out, regex in zip(outs, regexes):
+            assert out.outputs[0].finish_reason in ("stop", "length"), out.outputs[0]
+            if out.outputs[0].finish_reason == "stop":
+                assert re.fullmatch(regex, out.outputs[0].text), (regex, out.outputs[0].text)
+        gc.collect()
+        llm.generate(PROMPTS[0], params[0], use_tqdm=False)  # (the ended requests' files go as one is written)
+        assert len([f for f in os.listdir(files._dir) if f.endswith(".json")]) <= 1 + files.max_grammars

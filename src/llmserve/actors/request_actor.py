@@ -116,6 +116,9 @@ class _Request:
     queue_time_s: float | None = None
     final_only: bool = False
     children: list[str] = field(default_factory=list)
+    prepared: dict[str, Any] = field(default_factory=dict)
+    """What the decoding strategies prepared for it, kept while it runs (a grammar's file for
+    another process lives as long as this)."""
 
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.completions)
@@ -280,7 +283,8 @@ class RequestActor:
                        [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None) for i in range(p.n)],
                        [Detokenizer(self.tokenizer, ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output,
                                     final_only=sub.final_only) for _ in range(p.n)],
-                       prompt_logprobs=[None] if p.prompt_logprobs is not None else None, final_only=sub.final_only)
+                       prompt_logprobs=[None] if p.prompt_logprobs is not None else None, final_only=sub.final_only,
+                       prepared=prepared)
         self.requests[sub.req_id] = req
         if not sub.final_only:
             self._publish(req)  # taken in: a reader learns it before the first token (no 4xx will follow)
