@@ -87,7 +87,10 @@ def serve_parser(prog: str = "llmserve serve", positional: bool = True) -> argpa
         vllm.add_argument(flag, action="store_true", help=f"accepted: {why}")
     vllm.add_argument("--disable-log-stats", action="store_true", help="the same as --log-interval-s 0")
     for flag in VLLM_REFUSED:
-        vllm.add_argument(flag, nargs="?", const=True, help=argparse.SUPPRESS)
+        if flag == "--pipeline-parallel-size":  # 1 is accepted: one value (a MODEL after it stays MODEL)
+            vllm.add_argument(flag, nargs="?", const=True, help=argparse.SUPPRESS)
+        else:  # refused with any values (--lora-modules takes several)
+            vllm.add_argument(flag, nargs="*", help=argparse.SUPPRESS)
     offline = ap.add_argument_group("offline generation (instead of serving)")
     offline.add_argument("--prompt", action="append", help="generate for this prompt, print one JSON line (repeatable)")
     offline.add_argument("--max-tokens", type=int, default=32, help="with --prompt (default 32)")
