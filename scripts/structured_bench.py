@@ -154,7 +154,9 @@ def tpot(llm, profile: bool = False) -> dict:
               "tpot_ratio_no_jump": runs["json_string_no_jump"]["tpot_ms"] / plain}
     if profile:  # where the executor's host time goes, constrained (its timings are not the figures)
         result["profile"] = {}
-        for name, params in (("plain", w.params), ("json_string", constrained(regex=JSON_STRING_REGEX))):
+        for name, params in (("plain", w.params),
+                             ("json_string_no_jump", constrained(regex=JSON_STRING_REGEX, jump_forward=False)),
+                             ("json_string", constrained(regex=JSON_STRING_REGEX))):
             timed(llm, w.prompts, params, profile=result["profile"].setdefault(name, []))
     return result
 
@@ -262,7 +264,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=["tpot", "jump", "phases", "all"], default="all")
     ap.add_argument("--json", help="write the result here")
-    ap.add_argument("--profile", action="store_true", help="tpot: then a cProfile of the executor's step(), plain and constrained")
+    ap.add_argument("--profile", action="store_true",
+                    help="tpot: then a cProfile of the executor's step(): plain, and the JSON string without "
+                         "jump-forward (the grammar process's) and with it")
     ap.add_argument("--switch-intervals", type=lambda s: [float(x) for x in s.split(",")], default=[],
                     help="tpot: measured again under each sys.setswitchinterval (seconds, comma-separated)")
     args = ap.parse_args()
