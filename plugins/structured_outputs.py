@@ -2,8 +2,8 @@
 strings or an EBNF grammar, through xgrammar.
 
 A request's grammar is compiled on the request side, on a worker thread, by one compiler per
-tokenizer (xgrammar caches compiled grammars by their text, so a schema many requests share is
-compiled once); each sample gets its own matcher on the executor's side, which fills the mask of
+tokenizer (xgrammar caches compiled grammars by their text, up to COMPILER_CACHE_BYTES, so a
+schema many requests share is compiled once); each sample gets its own matcher on the executor's side, which fills the mask of
 tokens allowed next and advances over each token produced. The grammar's end admits only the
 end-of-sequence tokens, so a complete output stops there.
 
@@ -360,6 +360,12 @@ class JumpingGrammarConstraint(GrammarConstraint):
         return ids
 
 
+COMPILER_CACHE_BYTES = 512 << 20
+"""The most the grammar compiler's cache of compiled grammars holds (per tokenizer); past it the
+least recently used go (compiled again if sent again): unbounded, a client sending ever new
+schemas would grow the server's memory without end."""
+
+
 def _process_wanted() -> bool:
     """Whether matchers that do not jump live in the grammar process (grammar_process.py): where
     the engine drives a GPU, whose steps wait for the host (LLMSERVE_GRAMMAR_PROCESS=1 or 0 says
@@ -393,7 +399,8 @@ class StructuredOutputs:
                 # nowhere before it (the model's own end ids may be ordinary pieces to the tokenizer)
                 info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                                stop_token_ids=list(eos_token_ids) or None)
-                self._compilers[key] = (xgrammar.GrammarCompiler(info), tokenizer)  # keeps id() valid
+                compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=COMPILER_CACHE_BYTES)
+                self._compilers[key] = (compiler, tokenizer)  # keeps id() valid
             return self._compilers[key][0]
 
     def prepare(self, params: SamplingParams, tokenizer: Any, vocab_size: int,

@@ -198,6 +198,39 @@ def test_the_strategy_is_a_plugin_listed_with_the_others():
     assert "llmserve_register_decoding_strategies" in rows["structured_outputs"]["hooks"]
 
 
+def test_the_compilers_cache_of_ever_new_schemas_stays_bounded(checkpoint, monkeypatch):
+    """Each distinct schema is compiled once and kept for the next request that sends it, up to
+    COMPILER_CACHE_BYTES of compiled grammars: a client sending ever new schemas does not grow the
+    server's memory past it, and a schema sent again after it went is compiled again."""
+    from transformers import AutoTokenizer
+
+    from llmserve.plugins import structured_outputs
+    from llmserve.plugins.structured_outputs import StructuredOutputs
+
+    monkeypatch.setattr(structured_outputs, "COMPILER_CACHE_BYTES", 1 << 20)
+    strategy = StructuredOutputs()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint("llama"))
+
+    def schema(i):
+        return {"type": "object", "properties": {f"key{i}": {"type": "string", "maxLength": 5 + i % 7}},
+                "required": [f"key{i}"]}
+
+    def prepare(i):
+        params = SamplingParams(max_tokens=8, structured_outputs=Structured(json=schema(i)))
+        return strategy.prepare(params, tokenizer, 384, (2,))
+
+    prepare(0)
+    (compiler, _), = strategy._compilers.values()
+    one = compiler.get_cache_size_bytes()
+    prepare(0)
+    assert compiler.get_cache_size_bytes() == one > 0  # the same schema again: from the cache
+    for i in range(1, 200):  # (~9 KB each on this vocabulary: 1.8 MB unbounded)
+        prepare(i)
+    assert compiler.get_cache_size_bytes() <= 1 << 20
+    constraint = strategy.start(prepare(0))  # compiled again after it went
+    assert constraint.matcher.accept_token(tokenizer.convert_tokens_to_ids("{"))
+
+
 def test_grammars_sent_to_another_process_keep_a_bounded_folder(checkpoint):
     """Each grammar source is written once, however often it is sent; past `max_grammars` sources the
     oldest grammar file goes (a client sending ever new schemas cannot fill the disk)."""
