@@ -3,9 +3,9 @@ strings or an EBNF grammar, through xgrammar.
 
 A request's grammar is compiled on the request side, on a worker thread, by one compiler per
 tokenizer (xgrammar caches compiled grammars by their text, up to COMPILER_CACHE_BYTES, so a
-schema many requests share is compiled once); each sample gets its own matcher on the executor's side, which fills the mask of
-tokens allowed next and advances over each token produced. The grammar's end admits only the
-end-of-sequence tokens, so a complete output stops there.
+schema many requests share is compiled once); each sample gets its own matcher on the executor's
+side, which fills the mask of tokens allowed next and advances over each token produced. The
+grammar's end admits only the end-of-sequence tokens, so a complete output stops there.
 
 Where the executor runs in another process (the server's engine process), a compiled grammar
 crosses as two files the request side writes once each into a private temporary folder: the
@@ -34,6 +34,7 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -231,7 +232,8 @@ class _Files:
                 self._written[key] = (self._tokenizers[id(info)], self._file(compiled.serialize_json()))
             excess = len(self._written) - self.max_grammars
             if excess > 0:  # the oldest no request holds
-                for old in [k for k in self._written if k not in self._held and k != key][:excess]:
+                unheld = (k for k in self._written if k not in self._held and k != key)
+                for old in list(itertools.islice(unheld, excess)):
                     os.remove(self._written.pop(old)[1])
             return self._written[key]
 
