@@ -1,6 +1,6 @@
 """Structured outputs on the GPU: what a constraint costs, and what jump-forward saves.
 
-    python scripts/structured_bench.py [--mode tpot|jump|phases|all] [--json out.json]
+    python scripts/structured_bench.py [--mode tpot|jump|latency|phases|all] [--json out.json]
 
 Both on W-small's model (Qwen3-0.6B shape, dummy weights) with a tokenizer of its whole vocabulary
 in the checkpoint directory (llmserve.bench.workloads.synthetic_tokenizer: grammars are compiled
@@ -21,14 +21,22 @@ objects), W-small's first B prompts, temperature 0.6, seed i, max_tokens 512, at
 jump-forward on and off in turn: wall time, forward steps, output and jumped tokens; every output
 must validate with jsonschema in both.
 
+latency: one request at a time (batch 1), W-small's first LATENCY_REQUESTS prompts with
+LATENCY_TOKENS tokens each: plain, then inside a JSON string without jump-forward with the matchers
+in the grammar process (json_object's default on a GPU) and in the engine's process
+(LLMSERVE_GRAMMAR_PROCESS=0), then with jump-forward (nothing inside the string jumps: its checks'
+cost); TPOT is the mean interval between the ends of consecutive single-token decode steps,
+each case run twice in turn, the second kept.
+
 phases (not part of `all`): tpot's plain and JSON-string runs (the latter also with jump-forward
-off) with the engine's parts timed (PHASES): per decode step, how long each thread spent where
-(the per-row parts are inflated by their own timing).
+off) and json_object, with the engine's parts timed (PHASES): per decode step, how long each thread
+spent where (the per-row parts are inflated by their own timing).
 """
 
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import sys
 import tempfile
@@ -126,18 +134,20 @@ def decode_launch(records, min_batch: int) -> dict:
             "step_cpu_ms": 1e3 * sum(cpu for _, cpu in rows) / n}
 
 
+def constrained(w, **kind) -> list[SamplingParams]:
+    """Workload w's sampling parameters, each request with the structured output `kind` and seed i."""
+    return [SamplingParams(temperature=p.temperature, max_tokens=p.max_tokens, seed=i,
+                           structured_outputs=StructuredOutputsParams(**kind)) for i, p in enumerate(w.params)]
+
+
 def tpot(llm, profile: bool = False) -> dict:
     w = w_small()
     runs = {}
 
-    def constrained(**kind) -> list[SamplingParams]:
-        return [SamplingParams(temperature=p.temperature, max_tokens=p.max_tokens, seed=i,
-                               structured_outputs=StructuredOutputsParams(**kind)) for i, p in enumerate(w.params)]
-
-    for name, params in (("plain", w.params), ("json_string", constrained(regex=JSON_STRING_REGEX)),
+    for name, params in (("plain", w.params), ("json_string", constrained(w, regex=JSON_STRING_REGEX)),
                          ("plain_again", w.params),
-                         ("json_string_no_jump", constrained(regex=JSON_STRING_REGEX, jump_forward=False)),
-                         ("json_object", constrained(json_object=True))):
+                         ("json_string_no_jump", constrained(w, regex=JSON_STRING_REGEX, jump_forward=False)),
+                         ("json_object", constrained(w, json_object=True))):
         wall, outs, records, process_cpu = timed(llm, w.prompts, params)
         runs[name] = {"wall_s": wall, "process_cpu_s": process_cpu,
                       "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
@@ -155,8 +165,9 @@ def tpot(llm, profile: bool = False) -> dict:
     if profile:  # where the executor's host time goes, constrained (its timings are not the figures)
         result["profile"] = {}
         for name, params in (("plain", w.params),
-                             ("json_string_no_jump", constrained(regex=JSON_STRING_REGEX, jump_forward=False)),
-                             ("json_string", constrained(regex=JSON_STRING_REGEX))):
+                             ("json_string_no_jump", constrained(w, regex=JSON_STRING_REGEX, jump_forward=False)),
+                             ("json_string", constrained(w, regex=JSON_STRING_REGEX)),
+                             ("json_object", constrained(w, json_object=True))):
             timed(llm, w.prompts, params, profile=result["profile"].setdefault(name, []))
     return result
 
@@ -217,13 +228,10 @@ def phases(llm) -> dict:
         setattr(owner, attr, wrapped(getattr(owner, attr), name))
     w, result = w_small(), {}
 
-    def constrained(jump_forward: bool) -> list[SamplingParams]:
-        return [SamplingParams(temperature=p.temperature, max_tokens=p.max_tokens, seed=i, structured_outputs=
-                               StructuredOutputsParams(regex=JSON_STRING_REGEX, jump_forward=jump_forward))
-                for i, p in enumerate(w.params)]
     try:
-        for run, params in (("plain", w.params), ("json_string", constrained(True)),
-                            ("json_string_no_jump", constrained(False))):
+        for run, params in (("plain", w.params), ("json_string", constrained(w, regex=JSON_STRING_REGEX)),
+                            ("json_string_no_jump", constrained(w, regex=JSON_STRING_REGEX, jump_forward=False)),
+                            ("json_object", constrained(w, json_object=True))):
             spans.clear()
             _, _, records, _ = timed(llm, w.prompts, params)
             rows = [r for r, _ in records if r.tokens == r.requests >= TPOT_MIN_BATCH]
@@ -235,6 +243,46 @@ def phases(llm) -> dict:
     finally:
         for owner, attr, original in originals:
             setattr(owner, attr, original)
+    return result
+
+
+LATENCY_REQUESTS, LATENCY_TOKENS = 8, 256
+
+
+def latency(llm) -> dict:
+    w = w_small()
+    prompts = w.prompts[:LATENCY_REQUESTS]
+
+    def string(jump_forward: bool) -> SamplingParams:
+        return SamplingParams(max_tokens=LATENCY_TOKENS, structured_outputs=StructuredOutputsParams(
+            regex=JSON_STRING_REGEX, jump_forward=jump_forward))
+    cases = {"plain": (SamplingParams(max_tokens=LATENCY_TOKENS, ignore_eos=True), None),
+             "json_string_no_jump": (string(False), None),
+             "json_string_no_jump_in_process": (string(False), "0"),
+             "json_string": (string(True), None)}
+    result, setting = {}, os.environ.get("LLMSERVE_GRAMMAR_PROCESS")
+    try:
+        for _ in range(2):
+            for name, (params, process) in cases.items():
+                if process is None:
+                    os.environ.pop("LLMSERVE_GRAMMAR_PROCESS", None)
+                else:  # read as each request's constraint starts
+                    os.environ["LLMSERVE_GRAMMAR_PROCESS"] = process
+                gaps, tokens = [], 0
+                for prompt in prompts:
+                    _, outs, records, _ = timed(llm, [prompt], params)
+                    tokens += len(outs[0].outputs[0].token_ids)
+                    records = [r for r, _ in records]
+                    gaps += [b.end - a.end for a, b in zip(records, records[1:]) if b.tokens == b.requests == 1]
+                result[name] = {"steps": len(gaps), "tpot_ms": 1e3 * sum(gaps) / len(gaps), "output_tokens": tokens}
+    finally:
+        if setting is None:
+            os.environ.pop("LLMSERVE_GRAMMAR_PROCESS", None)
+        else:
+            os.environ["LLMSERVE_GRAMMAR_PROCESS"] = setting
+    for name in cases:
+        if name != "plain":
+            result[f"{name}_ratio"] = result[name]["tpot_ms"] / result["plain"]["tpot_ms"]
     return result
 
 
@@ -262,11 +310,11 @@ def jump(llm) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=["tpot", "jump", "phases", "all"], default="all")
+    ap.add_argument("--mode", choices=["tpot", "jump", "latency", "phases", "all"], default="all")
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--profile", action="store_true",
-                    help="tpot: then a cProfile of the executor's step(): plain, and the JSON string without "
-                         "jump-forward (the grammar process's) and with it")
+                    help="tpot: then a cProfile of the executor's step(): plain, the JSON string without "
+                         "jump-forward (the grammar process's) and with it, and json_object")
     ap.add_argument("--switch-intervals", type=lambda s: [float(x) for x in s.split(",")], default=[],
                     help="tpot: measured again under each sys.setswitchinterval (seconds, comma-separated)")
     args = ap.parse_args()
@@ -283,7 +331,8 @@ def main() -> None:
                              SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
                                  regex=JSON_STRING_REGEX, jump_forward=jumps)), use_tqdm=False)
             result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
-            for mode, measure in (("jump", jump), ("tpot", lambda llm: tpot(llm, args.profile)), ("phases", phases)):
+            for mode, measure in (("jump", jump), ("tpot", lambda llm: tpot(llm, args.profile)),
+                                  ("latency", latency), ("phases", phases)):
                 if args.mode == mode or (args.mode == "all" and mode != "phases"):
                     result[mode] = measure(llm)
                     report(result, args.json, echo=False)  # what is measured so far, should a later part fail
