@@ -58,7 +58,7 @@ def kind(data) -> str:
         return "startup"
     if "perplexity" in data:
         return "quality"
-    if "jump" in data or "tpot" in data:
+    if "jump" in data or "tpot" in data or "latency" in data:
         return "structured"
     if "verify" in data or "ngram" in data or "load" in data or "pair" in data:
         return "speculative"
@@ -152,7 +152,8 @@ def quality_rows(figs) -> list[str]:
 
 
 def structured_rows(figs) -> list[str]:
-    """scripts/structured_bench.py: jump-forward on vs off per batch; TPOT at batch 256 constrained vs plain."""
+    """scripts/structured_bench.py: jump-forward on vs off per batch; TPOT at batch 256 and at batch 1,
+    constrained vs plain."""
     rows = ["| figure | measured | run |", "|---|---|---|"]
     for fig, run in figs:
         d = fig["file_data"]
@@ -175,9 +176,11 @@ def structured_rows(figs) -> list[str]:
             if rounds := tpot_rounds(d):
                 parts.append(f"each round in the same process: {rounds}")
             if no_jump:  # the same string with jump-forward's checks off
+                rounds = tpot_rounds(d, "tpot_ratio_no_jump")
                 parts.append(f"jump-forward off (json_object's default): {r['json_string_no_jump']['tpot_ms']:.2f} ms, "
-                             f"**{d['tpot']['tpot_ratio_no_jump']:.2f}×** (target ≤ 1.10); its rounds: "
-                             f"{tpot_rounds(d, 'tpot_ratio_no_jump')}")
+                             f"**{d['tpot']['tpot_ratio_no_jump']:.2f}×** (target ≤ 1.10)"
+                             + (f"; its rounds: {rounds}" if rounds else "")
+                             + f"; json_object's own decode steps {r['json_object']['tpot_ms']:.2f} ms")
             base = fig.get("baseline_data", {}).get("tpot")
             if base:  # the same call's run of the commit before
                 b = base["runs"]
@@ -189,6 +192,14 @@ def structured_rows(figs) -> list[str]:
                                  f"{b['json_string_no_jump']['tpot_ms']:.2f} ms, **{base['tpot_ratio_no_jump']:.2f}×**")
                 if rounds := tpot_rounds(fig["baseline_data"]):
                     parts.append(f"its rounds: {rounds}")
+        if "latency" in d:
+            lat = d["latency"]
+            parts.append(f"batch 1, one request at a time: plain {lat['plain']['tpot_ms']:.2f} ms; inside a JSON string "
+                         f"without jump-forward, the grammar process {lat['json_string_no_jump']['tpot_ms']:.2f} ms "
+                         f"(**{lat['json_string_no_jump_ratio']:.2f}×**), in the engine's process "
+                         f"{lat['json_string_no_jump_in_process']['tpot_ms']:.2f} ms "
+                         f"({lat['json_string_no_jump_in_process_ratio']:.2f}×); with jump-forward "
+                         f"{lat['json_string']['tpot_ms']:.2f} ms ({lat['json_string_ratio']:.2f}×)")
         rows.append(f"| {fig['name']} | {'<br>'.join(parts)} | {link(run)} |")
     return rows
 

@@ -208,6 +208,32 @@ def test_bench_page_takes_each_figure_from_its_newest_run(tmp_path):
     assert "is current" in run_script("bench_page.py", *args, "--check")
 
 
+def test_bench_page_renders_structured_outputs_at_batch_256_and_1(tmp_path):
+    run = tmp_path / "results" / "run1"
+    run.mkdir(parents=True)
+    tpot_runs = {name: {"tpot_ms": ms, "step_call_ms": 3.0} for name, ms in
+                 (("plain", 6.0), ("plain_again", 6.2), ("json_string", 9.0), ("json_string_no_jump", 6.5),
+                  ("json_object", 7.0))}
+    (run / "tpot.json").write_text(json.dumps({"tpot": {"runs": tpot_runs, "tpot_ratio": 1.48,
+                                                        "tpot_ratio_no_jump": 1.07}}))
+    (run / "latency.json").write_text(json.dumps({"latency": {
+        "plain": {"tpot_ms": 1.5}, "json_string_no_jump": {"tpot_ms": 2.0}, "json_string_no_jump_in_process": {"tpot_ms": 2.4},
+        "json_string": {"tpot_ms": 2.5}, "json_string_no_jump_ratio": 1.33, "json_string_no_jump_in_process_ratio": 1.6,
+        "json_string_ratio": 1.67}}))
+    (run / "run.toml").write_text('time = 2026-01-01T00:00:00Z\ndevice = "GPU"\ncommit = "abc"\ncommand = "c"\n'
+                                  'what = "w"\n[[figure]]\nname = "C256"\nfile = "tpot.json"\n'
+                                  '[[figure]]\nname = "C1"\nfile = "latency.json"\n')
+    page = tmp_path / "page.md"
+    page.write_text("# B\n\n<!-- figures: rendered by scripts/bench_page.py from benchmarks/results/; do not "
+                    "edit by hand -->\n<!-- end of figures -->\n")
+    run_script("bench_page.py", "--page", str(page), "--results", str(tmp_path / "results"))
+    rows = {line.split(" | ")[0][2:]: line for line in page.read_text().splitlines() if line.startswith("| C")}
+    assert ("jump-forward off (json_object's default): 6.50 ms, **1.07×** (target ≤ 1.10); json_object's own "
+            "decode steps 7.00 ms |") in rows["C256"]  # no rounds measured: none listed
+    assert ("plain 1.50 ms; inside a JSON string without jump-forward, the grammar process 2.00 ms (**1.33×**), "
+            "in the engine's process 2.40 ms (1.60×); with jump-forward 2.50 ms (1.67×)") in rows["C1"]
+
+
 def test_train_builtin_model_on_a_tiny_corpus(tmp_path):
     """Both steps as the built-in model's README runs them: reST sources -> corpus -> one training
     step on the CPU with one sequence (every 50th document is held out, and needs a full window of
