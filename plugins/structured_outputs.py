@@ -183,11 +183,13 @@ class _Files:
     """The request side's folder of serialized tokenizers and grammars, one file each, removed when
     the process exits. Of the grammars no live request holds (PreparedGrammar: its request may
     still start a constraint from the file, as it first runs or resumes), the `max_grammars`
-    sent most recently are kept: a client sending ever new schemas must not fill the disk."""
+    sent most recently are kept: a client sending ever new schemas must not fill the disk. A file
+    is named by its content, so sources that compile alike share one; it goes with the last of them."""
 
     def __init__(self, max_grammars: int = 512) -> None:
         self._dir: str | None = None
         self._written: OrderedDict[str, tuple[str, str]] = OrderedDict()  # key -> (tokenizer file, grammar file)
+        self._sharing: Counter[str] = Counter()  # grammar file -> the keys in _written written to it
         self._tokenizers: dict[int, str] = {}  # id(TokenizerInfo) -> its file
         self.max_grammars = max_grammars
         self._lock = threading.Lock()
@@ -229,12 +231,17 @@ class _Files:
                 info = compiled.tokenizer_info
                 if id(info) not in self._tokenizers:
                     self._tokenizers[id(info)] = self._file(info.serialize_json())
-                self._written[key] = (self._tokenizers[id(info)], self._file(compiled.serialize_json()))
+                self._written[key] = paths = (self._tokenizers[id(info)], self._file(compiled.serialize_json()))
+                self._sharing[paths[1]] += 1
             excess = len(self._written) - self.max_grammars
             if excess > 0:  # the oldest no request holds
                 unheld = (k for k in self._written if k not in self._held and k != key)
                 for old in list(itertools.islice(unheld, excess)):
-                    os.remove(self._written.pop(old)[1])
+                    path = self._written.pop(old)[1]
+                    self._sharing[path] -= 1
+                    if not self._sharing[path]:
+                        del self._sharing[path]
+                        os.remove(path)
             return self._written[key]
 
 

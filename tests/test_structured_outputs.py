@@ -260,6 +260,39 @@ def test_grammars_sent_to_another_process_keep_a_bounded_folder(checkpoint):
     constraint.accept(tokenizer.convert_tokens_to_ids("1"))  # a real matcher, read back from the files
 
 
+def test_grammars_compiled_alike_share_their_file_until_neither_is_held(checkpoint):
+    """Two sources that compile to the same grammar (EBNF differing in spaces) are written to one
+    file: evicting the source no request holds leaves it to the one still held."""
+    import gc
+    import os
+    import pickle
+
+    from transformers import AutoTokenizer
+
+    from llmserve.plugins.structured_outputs import StructuredOutputs
+
+    strategy = StructuredOutputs()
+    strategy._files.max_grammars = 1
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint("llama"))
+
+    def send(grammar):
+        prepared = strategy.prepare(structured(0.0, grammar=grammar), tokenizer, 384, (2,))
+        return prepared, pickle.loads(pickle.dumps(prepared))
+
+    held, received = send('root ::= "ab"')
+    spaced = send('root  ::=  "ab"')[1]
+    assert spaced.paths == received.paths  # one file for both
+    gc.collect()  # the spaced source's PreparedGrammar is gone: nothing holds it
+    send('root ::= "cd"')  # past the bound: the spaced source goes, not the file
+    assert os.path.exists(received.paths[1])
+    constraint = strategy.start(received)  # read back from the file
+    constraint.accept(tokenizer.convert_tokens_to_ids("a"))
+    del held, received, constraint
+    gc.collect()
+    last = send('root ::= "ef"')[1]  # now no source of it is held: its file goes
+    assert not os.path.exists(spaced.paths[1]) and os.path.exists(last.paths[1])
+
+
 def test_a_constrained_step_queues_its_forward_pass_before_waiting_for_the_last_tokens(checkpoint, monkeypatch):
     """The mask needs the last token on the host, the forward pass does not: the runner launches a
     step's forward pass, then finishes the step before it, then has the masks filled on the mask
