@@ -192,10 +192,35 @@ def test_chat_template_variables_and_a_continued_final_message(tmp_path):
         assert usage(chat_template_kwargs={"enable_thinking": False}) > plain
         assert usage(add_generation_prompt=False, continue_final_message=True) < plain
         for extra, param in [({"continue_final_message": True}, "continue_final_message"),
-                             ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs")]:
+                             ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+                             ({"echo": True, "tool_choice": "required", "tools": [
+                                 {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+                              "echo")]:
             with pytest.raises(openai.BadRequestError) as err:
                 usage(**extra)
             assert err.value.body["param"] == param
+
+        # echo: the continued message comes back whole, streamed or not, each choice
+        def answer(**extra):
+            out = c.chat.completions.create(model=model.name, messages=msgs, max_tokens=6, temperature=0, n=2,
+                                            extra_body={"add_generation_prompt": False, **extra})
+            return [choice.message.content for choice in out.choices]
+
+        continued = answer(continue_final_message=True)
+        assert answer(continue_final_message=True, echo=True) == ["is a sequence" + t for t in continued]
+        chunks = c.chat.completions.create(model=model.name, messages=msgs, max_tokens=6, temperature=0, n=2,
+                                           stream=True, extra_body={"add_generation_prompt": False,
+                                                                    "continue_final_message": True, "echo": True})
+        streamed = ["", ""]
+        for chunk in chunks:
+            for choice in chunk.choices:
+                streamed[choice.index] += choice.delta.content or ""
+        assert streamed == ["is a sequence" + t for t in continued]
+        asked = [{"role": "user", "content": "A list"}]  # the last message is not the assistant's: nothing to echo
+        plain_answer = c.chat.completions.create(model=model.name, messages=asked, max_tokens=6, temperature=0)
+        echoed = c.chat.completions.create(model=model.name, messages=asked, max_tokens=6, temperature=0,
+                                           extra_body={"echo": True})
+        assert echoed.choices[0].message.content == plain_answer.choices[0].message.content
         assert s.idle()
 
 

@@ -332,6 +332,9 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """Unset: "auto" with tools, none without (server/tool_calls.py has each mode)."""
     parallel_tool_calls: bool | None = None
+    echo: bool = False
+    """vLLM's: the answer's content begins with the last message's where that is the assistant's
+    (with continue_final_message: the whole message, not only its continuation)."""
     # OpenAI fields this server does not implement: a 400 naming each when set (unsupported())
     functions: Any = None
     function_call: Any = None

@@ -69,6 +69,8 @@ class _Job:
     params: SamplingParams
     body: _SamplingFields
     echo: bool = False
+    echo_content: str = ""
+    """chat's echo: the last message's content, which each choice's content begins with."""
     score_prompt: bool = False
     """echo with max_tokens 0: the response is the prompt (and its logprobs) alone."""
     add_special_tokens: bool = True
@@ -243,9 +245,14 @@ class OpenAIServing:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         tools = template_tools(body.tools)
         tool_plan = plan(body, tools, self.tool_parser)
+        if body.echo and tool_plan is not None:  # (a choice may be calls alone: no content to begin)
+            raise APIError("echo cannot be combined with tool calls: send tool_choice \"none\" or no tools",
+                           param="echo")
         params = self._params(body, max_tokens, logprobs, constraint=tool_plan and tool_plan.constraint)
         prompt = self.render_chat(body, tools)
+        last = body.messages[-1]
         return _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [prompt], params, body,
+                    echo_content=last.text() if body.echo and last.role == "assistant" else "",
                     add_special_tokens=False, tools=tool_plan, beam=self._beam(body, max_tokens))
 
     def _beam(self, body: _SamplingFields, max_tokens: int | None) -> BeamSearchParams | None:
@@ -462,7 +469,7 @@ class OpenAIServing:
                     # refuses (a prompt too long) is then still answered with its 4xx status.
                     # (content null where the output may be tool calls alone: added up, the deltas
                     # then give the message's null content, as OpenAI streams them)
-                    content = None if job.tools is not None else ""
+                    content = None if job.tools is not None else job.echo_content
                     yield self._chunk(job, [{"index": k, "delta": {"role": "assistant", "content": content},
                                              "logprobs": None, "finish_reason": None} for k in range(job.params.n)])
                 finals[i] = out
@@ -520,7 +527,7 @@ class OpenAIServing:
                 entry["delta"] = {"content": text} if text else {}
                 return [entry]
             if job.tools is None:
-                entry["message"] = {"role": "assistant", "content": text}
+                entry["message"] = {"role": "assistant", "content": job.echo_content + text}
                 return [entry]
             if not job.body.stream:
                 calls = job.tools.start()
