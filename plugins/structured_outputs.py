@@ -32,6 +32,7 @@ mode) never jump: a stretch encoded alone is not what the same text gets mid-seq
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -241,7 +242,8 @@ class _Files:
                     self._sharing[path] -= 1
                     if not self._sharing[path]:
                         del self._sharing[path]
-                        os.remove(path)
+                        with contextlib.suppress(FileNotFoundError):  # (removed under us: gone either way)
+                            os.remove(path)
             return self._written[key]
 
 

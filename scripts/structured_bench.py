@@ -24,8 +24,8 @@ must validate with jsonschema in both.
 latency: one request at a time (batch 1), W-small's first LATENCY_REQUESTS prompts with
 LATENCY_TOKENS tokens each: plain, then inside a JSON string without jump-forward with the matchers
 in the grammar process (json_object's default on a GPU) and in the engine's process
-(LLMSERVE_GRAMMAR_PROCESS=0), then with jump-forward (nothing inside the string jumps: its checks'
-cost); TPOT is the mean interval between the ends of consecutive single-token decode steps,
+(LLMSERVE_GRAMMAR_PROCESS=0 as its requests start; the process started before stays up, unused
+by them), then with jump-forward (nothing inside the string jumps: its checks' cost); TPOT is the mean interval between the ends of consecutive single-token decode steps,
 each case run twice in turn, the second kept.
 
 phases (not part of `all`): tpot's plain and JSON-string runs (the latter also with jump-forward
@@ -274,15 +274,17 @@ def latency(llm) -> dict:
                     tokens += len(outs[0].outputs[0].token_ids)
                     records = [r for r, _ in records]
                     gaps += [b.end - a.end for a, b in zip(records, records[1:]) if b.tokens == b.requests == 1]
-                result[name] = {"steps": len(gaps), "tpot_ms": 1e3 * sum(gaps) / len(gaps), "output_tokens": tokens}
+                result[name] = {"steps": len(gaps), "tpot_ms": 1e3 * sum(gaps) / len(gaps) if gaps else None,
+                                "output_tokens": tokens}
     finally:
         if setting is None:
             os.environ.pop("LLMSERVE_GRAMMAR_PROCESS", None)
         else:
             os.environ["LLMSERVE_GRAMMAR_PROCESS"] = setting
+    plain = result["plain"]["tpot_ms"]
     for name in cases:
-        if name != "plain":
-            result[f"{name}_ratio"] = result[name]["tpot_ms"] / result["plain"]["tpot_ms"]
+        if name != "plain" and plain and result[name]["tpot_ms"]:
+            result[f"{name}_ratio"] = result[name]["tpot_ms"] / plain
     return result
 
 
