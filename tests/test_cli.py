@@ -128,6 +128,23 @@ def test_vllms_flags_for_what_llmserve_always_does_are_accepted_and_the_others_r
     assert all(flag in help_text for flag in VLLM_ACCEPTED) and "--revision" not in help_text
 
 
+def test_vllms_other_spellings_of_a_flag_are_taken():
+    """Underscores in a flag's name and vLLM's short forms mean the flag; a list flag also takes a
+    JSON list (vLLM's `--allowed-origins '["*"]'`)."""
+    ours = parse_serve(["m", "--max-model-len", "512", "--gpu-memory-utilization", "0.5", "--tensor-parallel-size", "2",
+                        "--data-parallel-size", "2", "--quantization", "fp8", "--allowed-origins", "*"])[0]
+    assert parse_serve(["m", "--max_model_len", "512", "--gpu_memory_utilization=0.5", "-tp", "2", "-dp=2",
+                        "-q", "fp8", "--allowed_origins", '["*"]'])[0] == ours
+    assert parse_serve(["--allowed-hosts", '["a.example", "b.example"]'])[0].server.allowed_hosts == ["a.example",
+                                                                                                      "b.example"]
+    assert parse_serve(["--chat-template=my_template.jinja"])[0].server.chat_template == "my_template.jinja"
+    for bad in ('["a", 1]', '["a"'):
+        with pytest.raises(SystemExit):
+            parse_serve(["--allowed-hosts", bad])
+    with pytest.raises(ValueError, match="^--pipeline-parallel-size: "):
+        parse_serve(["m", "-pp", "2"])
+
+
 # ---- the command in a process of its own ------------------------------------------------------------
 
 def test_version_and_help_list_the_subcommands():

@@ -103,6 +103,10 @@ def test_logprobs(server):
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
     assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true") as err:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                  top_logprobs=2)
+    assert err.value.body["param"] == "top_logprobs"
 
 
 def test_echo_with_max_tokens_0_scores_the_prompt(server):
@@ -463,6 +467,14 @@ def test_api_key():
         with pytest.raises(Exception):
             with ws_client.connect(ws_url(s)) as conn:
                 conn.recv(timeout=5)
+
+
+def test_vllms_api_key_variable_guards_the_server_too(monkeypatch):
+    monkeypatch.delenv("LLMSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "vk")
+    with running_server() as s:
+        assert httpx.get(f"{s.url}/v1/models").status_code == 401
+        assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": "Bearer vk"}).status_code == 200
 
 
 def test_full_queue_answers_503_with_retry_after():

@@ -117,12 +117,31 @@ VLLM_REFUSED = {
 """vLLM's flags for what llmserve does not do: refused, saying so, rather than unrecognized."""
 
 
+VLLM_SHORT = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size", "-pp": "--pipeline-parallel-size",
+              "-q": "--quantization"}
+"""vLLM's short forms of its flags."""
+
+
+def vllm_spellings(argv: list[str]) -> list[str]:
+    """argv with vLLM's other spellings of a flag made ours: underscores in its name
+    (`--max_model_len`, `--max_model_len=512`) and the short forms (`-tp 2`, `-tp=2`). A value after
+    "=" is left as typed; a value of its own cannot start with "-" anyway (argparse)."""
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        if name.startswith("--"):
+            name = "--" + name[2:].replace("_", "-")
+        name = VLLM_SHORT.get(name, name)
+        out.append(name + eq + value)
+    return out
+
+
 def parse_serve(argv: list[str], prog: str = "llmserve serve",
                 positional: bool = True) -> tuple[EngineConfig, argparse.Namespace]:
     """argv (after `serve`) -> the EngineConfig it names and the parsed arguments. Raises ValueError
     naming the file, the key or the flag for an unreadable file or a value out of range; exits 2
     (argparse) for a malformed command line."""
-    args = serve_parser(prog, positional).parse_args(argv)
+    args = serve_parser(prog, positional).parse_args(vllm_spellings(argv))
     data: dict = {}
     if args.config:
         try:

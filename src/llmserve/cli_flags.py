@@ -6,7 +6,8 @@ arguments: `max_model_len` in [model] is `--max-model-len N`. Types come from th
     bool                   --x / --no-x
     int, float, str        --x VALUE        (an `X | None` field takes a value of X; leaving the flag
                                              out keeps the file's value or the default)
-    list[str]              --x a,b,c        (comma-separated; --x '' gives the empty list)
+    list[str]              --x a,b,c        (comma-separated, or a JSON list as vLLM takes it: '["a", "b"]';
+                                             --x '' gives the empty list)
 
 A field name found in more than one section, or in a section of _PREFIXED, is spelled with its
 section first: `--plugins-block`. The help of a flag is the docstring that follows the field in
@@ -23,6 +24,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import json
 import sys
 import types
 import typing
@@ -117,6 +119,15 @@ def make_flags(secs: dict[str, type]) -> tuple[Flag, ...]:
 
 
 def _comma_list(text: str) -> list[str]:
+    """"a,b" -> ["a", "b"]; a JSON list of strings as vLLM takes its list flags (`'["*"]'`) too."""
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
+        return [v.strip() for v in value if v.strip()]
     return [item.strip() for item in text.split(",") if item.strip()]
 
 

@@ -191,7 +191,8 @@ class ServerConfig:
     """How /metrics names its series: "llmserve_" (llmserve_num_requests_waiting) or "vllm:"
     (vllm:num_requests_waiting, vLLM's own names, for dashboards written for vLLM)."""
     api_key: str | None = None
-    """Required as `Authorization: Bearer KEY` when set (or when LLMSERVE_API_KEY is set)."""
+    """Required as `Authorization: Bearer KEY` when set (or when LLMSERVE_API_KEY, else vLLM's
+    VLLM_API_KEY, is set)."""
     protect_health_metrics: bool = False
     """Also require the key for /health and /metrics."""
     allowed_hosts: list[str] = field(default_factory=list)

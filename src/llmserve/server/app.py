@@ -116,7 +116,8 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
     model_name = served_model_name(config)
     metrics = Metrics(engine, model_name, cfg.metrics_prefix, config)
     serving = OpenAIServing(engine, model_name, metrics, cfg, tool_parser(config))  # unknown: a start-up error
-    gate = Gate(cfg, cfg.api_key or os.environ.get("LLMSERVE_API_KEY") or None)
+    # (VLLM_API_KEY too: a deployment moved from vLLM must not come up without its key)
+    gate = Gate(cfg, cfg.api_key or os.environ.get("LLMSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None)
     sockets_of: Counter[str] = Counter()  # open WebSockets per client address
     app.extensions["llmserve"] = {"engine": engine, "metrics": metrics, "serving": serving}
 

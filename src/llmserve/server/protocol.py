@@ -167,6 +167,11 @@ class ResponseFormat(_Request):
 REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 """vLLM's former structured-output fields: answered with a 400 that names their replacement, so a
 client written for them does not silently get unconstrained output."""
+REMOVED_GUIDED_OPTIONS = {
+    "guided_decoding_backend": "the grammar engine is the server's (xgrammar)",
+    "guided_whitespace_pattern": "a grammar's whitespace is its own (json_object and schemas: JSON's)",
+}
+"""vLLM's former options of those fields, sent beside them by older clients: a 400 saying why."""
 
 
 class _AdvisoryFields(_Request):
@@ -193,6 +198,8 @@ class _SamplingFields(_SamplingParamsFields, _AdvisoryFields):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
     use_beam_search: bool = False
     """vLLM's: the n best beams of a beam search (llmserve/beam_search.py) as the choices."""
     length_penalty: float = 1.0
@@ -217,6 +224,9 @@ class _SamplingFields(_SamplingParamsFields, _AdvisoryFields):
                 raise APIError(f"{name} is no longer supported: send structured_outputs: {{\"{kind}\": ...}}"
                                + (" or response_format: {\"type\": \"json_schema\", ...}" if kind == "json" else ""),
                                param=name)
+        for name, why in REMOVED_GUIDED_OPTIONS.items():
+            if getattr(self, name) is not None:
+                raise APIError(f"{name} is not supported: {why}", param=name)
         fmt = self.response_format
         if fmt is None or fmt.type == "text":
             return self.structured_outputs

@@ -242,6 +242,8 @@ class OpenAIServing:
             raise APIError("this model has no tokenizer, so it cannot render chat messages", param="messages")
         self._check_limits(body, 1)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if body.top_logprobs is not None and not body.logprobs:  # (not silently without them)
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         tools = template_tools(body.tools)
         tool_plan = plan(body, tools, self.tool_parser)
