@@ -64,6 +64,14 @@ def test_streamed_text_equals_non_streamed(server):
     assert pieces[0].choices[0].delta.role == "assistant"
     assert "".join(p.choices[0].delta.content or "" for p in pieces) == chat.choices[0].message.content
     assert chat.choices[0].message.role == "assistant" and chat.object == "chat.completion"
+    counted = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0.7, seed=3,
+                                             stream=True, stream_options={"include_usage": True,
+                                                                          "continuous_usage_stats": True}))
+    assert all(p.usage is not None for p in counted)  # vLLM's continuous usage: on every chunk
+    completion = [p.usage.completion_tokens for p in counted]
+    assert completion == sorted(completion) and completion[-1] == chat.usage.completion_tokens
+    assert {p.usage.prompt_tokens for p in counted} == {chat.usage.prompt_tokens}
+    assert all(p.usage is None for p in pieces)
 
 
 def test_n2_multiple_prompts_and_token_prompts(server):

@@ -135,6 +135,8 @@ send back the assistant messages they received, with fields such as `refusal` or
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: with include_usage, every chunk carries the usage so far."""
 
 
 def _request_field(f: dataclasses.Field, hints: dict[str, Any]) -> tuple[Any, Any]:

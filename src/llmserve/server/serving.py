@@ -462,21 +462,30 @@ class OpenAIServing:
         return finals
 
     async def stream(self, job: _Job) -> AsyncIterator[dict[str, Any]]:
-        """Chunk objects, in order; the last one carries usage when stream_options.include_usage."""
+        """Chunk objects, in order; the last one carries usage when stream_options.include_usage,
+        and every one the usage so far with vLLM's stream_options.continuous_usage_stats."""
         finals: dict[int, RequestOutput] = {}
+        continuous = job.body.include_usage_in_stream() and job.body.stream_options.continuous_usage_stats
+
+        def chunk(choices: list[dict]) -> dict[str, Any]:
+            c = self._chunk(job, choices)
+            if continuous:
+                c["usage"] = self._usage(job, finals.values())
+            return c
         async with aclosing(self.outputs(job)) as outs:
             async for i, out in outs:
-                if job.kind == "chat" and not finals:
+                opening = job.kind == "chat" and not finals
+                finals[i] = out
+                if opening:
                     # The role opens the stream only once the engine took the request: a request it
                     # refuses (a prompt too long) is then still answered with its 4xx status.
                     # (content null where the output may be tool calls alone: added up, the deltas
                     # then give the message's null content, as OpenAI streams them)
                     content = None if job.tools is not None else job.echo_content
-                    yield self._chunk(job, [{"index": k, "delta": {"role": "assistant", "content": content},
-                                             "logprobs": None, "finish_reason": None} for k in range(job.params.n)])
-                finals[i] = out
+                    yield chunk([{"index": k, "delta": {"role": "assistant", "content": content},
+                                  "logprobs": None, "finish_reason": None} for k in range(job.params.n)])
                 for choices in _rounds(self._new_choices(job, i, out)):
-                    yield self._chunk(job, choices)
+                    yield chunk(choices)
         if job.body.include_usage_in_stream():
             chunk = self._chunk(job, [])
             chunk["usage"] = self._usage(job, finals.values())
