@@ -236,6 +236,48 @@ def test_chat_template_variables_and_a_continued_final_message(tmp_path):
         assert s.idle()
 
 
+def test_a_reasoning_parser_reports_the_thinking_apart_from_the_answer(tmp_path):
+    """server.reasoning_parser "qwen3": a choice's `<think>...</think>` is its `reasoning` (and
+    `reasoning_content`), the rest its content, streamed or not; include_reasoning false leaves it
+    out; an assistant message's thinking sent back reaches the template."""
+    model = tmp_path / "thinker"
+    shutil.copytree(BUILTIN_MODEL_DIR, model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.reasoning_content %}({{ m.reasoning_content }}){% endif %}"
+        "{{ m['content'] }}\n\n{% endfor %}")
+    with running_server(model=str(model), reasoning_parser="qwen3") as s:
+        c = s.client()
+        kw = dict(model=model.name, messages=[{"role": "user", "content": "A list"}], max_tokens=60, temperature=1.0,
+                  seed=3, n=2)
+        regex = "<think>\n[a-z]{3,8}\n</think>\n\n[a-z]{2,6}"
+        forced = {"structured_outputs": {"regex": regex}}
+        whole = c.chat.completions.create(**kw, extra_body=forced).choices
+        for choice in whole:
+            thinking = choice.message.model_extra["reasoning"]
+            assert re.fullmatch("[a-z]{3,8}", thinking) and choice.message.model_extra["reasoning_content"] == thinking
+            assert re.fullmatch("[a-z]{2,6}", choice.message.content)
+        streamed = [["", ""], ["", ""]]
+        for chunk in c.chat.completions.create(**kw, extra_body=forced, stream=True):
+            for choice in chunk.choices:
+                streamed[choice.index][0] += (choice.delta.model_extra or {}).get("reasoning") or ""
+                streamed[choice.index][1] += choice.delta.content or ""
+        assert streamed == [[w.message.model_extra["reasoning"], w.message.content] for w in whole]
+        hidden = c.chat.completions.create(**kw, extra_body={**forced, "include_reasoning": False}).choices
+        assert [h.message.content for h in hidden] == [w.message.content for w in whole]
+        assert all("reasoning" not in (h.message.model_extra or {}) for h in hidden)
+        plain = c.chat.completions.create(**kw, extra_body={"structured_outputs": {"regex": "[a-z]{2,6}"}}).choices
+        assert all(re.fullmatch("[a-z]{2,6}", p.message.content) and "reasoning" not in (p.message.model_extra or {})
+                   for p in plain)  # no thinking written: all content
+        back = [{"role": "user", "content": "A list"},
+                {"role": "assistant", "content": "yes", "reasoning": "hm"}, {"role": "user", "content": "B"}]
+        r = httpx.post(f"{s.url}/tokenize", json={"messages": back})
+        text = httpx.post(f"{s.url}/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+        assert text == "A list\n\n(hm)yes\n\nB\n\n"
+        assert s.idle()
+    with pytest.raises(ValueError, match="server.reasoning_parser must be one of"):
+        EngineConfig.from_dict({"server": {"reasoning_parser": "nope"}})
+
+
 @pytest.mark.parametrize("kwargs,error,param", [
     (dict(model="gpt-9"), openai.NotFoundError, "model"),
     (dict(temperature=-1.0), openai.BadRequestError, "temperature"),

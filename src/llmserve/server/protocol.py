@@ -308,6 +308,10 @@ class ChatMessage(_Request):
     """An assistant message's calls (its content may then be null)."""
     tool_call_id: str | None = None
     """A tool message's: the call it answers."""
+    reasoning: str | None = None
+    """An assistant message's thinking, as a reasoning parser reported it (`reasoning_content`:
+    its name before vLLM renamed it): the template gets it back (interleaved thinking)."""
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -347,6 +351,8 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     echo: bool = False
     """vLLM's: the answer's content begins with the last message's where that is the assistant's
     (with continue_final_message: the whole message, not only its continuation)."""
+    include_reasoning: bool = True
+    """vLLM's: false leaves the thinking a reasoning parser tells apart out of the answer."""
     # OpenAI fields this server does not implement: a 400 naming each when set (unsupported())
     functions: Any = None
     function_call: Any = None

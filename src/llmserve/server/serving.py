@@ -31,6 +31,7 @@ from llmserve.sampling_params import REQUEST_FIELDS, SamplingParams
 from llmserve.server.metrics import Metrics
 from llmserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest,
                                       _SamplingFields)
+from llmserve.server.reasoning import REASONING_PARSERS, ReasoningFormat, ReasoningSplit, split_reasoning
 from llmserve.server.tool_calls import ChoiceCalls, ToolPlan, plan, template_messages, template_tools
 from llmserve.tool_parsers import ToolParserFactory
 
@@ -71,6 +72,11 @@ class _Job:
     echo: bool = False
     echo_content: str = ""
     """chat's echo: the last message's content, which each choice's content begins with."""
+    reasoning: ReasoningFormat | None = None
+    """chat under server.reasoning_parser: how its choices' thinking is told from their answer."""
+    include_reasoning: bool = True
+    splits: dict[int, ReasoningSplit] = field(default_factory=dict)
+    """Per streamed choice (by index), its reasoning split's state."""
     score_prompt: bool = False
     """echo with max_tokens 0: the response is the prompt (and its logprobs) alone."""
     add_special_tokens: bool = True
@@ -255,6 +261,7 @@ class OpenAIServing:
         last = body.messages[-1]
         return _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [prompt], params, body,
                     echo_content=last.text() if body.echo and last.role == "assistant" else "",
+                    reasoning=REASONING_PARSERS.get(self.limits.reasoning_parser), include_reasoning=body.include_reasoning,
                     add_special_tokens=False, tools=tool_plan, beam=self._beam(body, max_tokens))
 
     def _beam(self, body: _SamplingFields, max_tokens: int | None) -> BeamSearchParams | None:
@@ -534,20 +541,30 @@ class OpenAIServing:
             k = job.params.logprobs or 0
             entry = {"index": index, "logprobs": self._chat_logprobs(token_ids, logprobs, k) if c.logprobs is not None
                      else None, "finish_reason": finish}
+            reasoning = None
+            if job.reasoning is not None:  # the thinking first, apart; the rest is read as before
+                if job.body.stream:
+                    split = job.splits.setdefault(index, ReasoningSplit(job.reasoning))
+                    reasoning, text = split.feed(text, final=finish is not None)
+                else:
+                    reasoning, text = split_reasoning(job.reasoning, text)
+                reasoning = reasoning if reasoning and job.include_reasoning else None
+            thinking = {} if reasoning is None else {"reasoning": reasoning, "reasoning_content": reasoning}
             if job.tools is None and job.body.stream:
-                entry["delta"] = {"content": text} if text else {}
+                entry["delta"] = {**thinking, **({"content": text} if text else {})}
                 return [entry]
             if job.tools is None:
-                entry["message"] = {"role": "assistant", "content": job.echo_content + text}
+                entry["message"] = {"role": "assistant", "content": job.echo_content + text, **thinking}
                 return [entry]
             if not job.body.stream:
                 calls = job.tools.start()
-                entry["message"] = calls.message(text)
+                entry["message"] = {**calls.message(text), **thinking}
                 entry["finish_reason"] = calls.finish_reason(finish)
                 return [entry]
             calls = job.calls.setdefault(index, job.tools.start())
             entries = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
                        for delta in calls.deltas(text, final=finish is not None)]
+            entries[0]["delta"] = {**thinking, **entries[0]["delta"]}
             entries[0]["logprobs"] = entry["logprobs"]
             entries[-1]["finish_reason"] = calls.finish_reason(finish)
             return entries

@@ -91,10 +91,14 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as transformers' chat templates take them. An assistant message's calls keep their
     id and type, with `function.arguments` as an object (the templates write it out with `tojson`;
     the API sends JSON text); a missing content is the empty string; a tool message keeps its
-    `tool_call_id` (and `name`)."""
+    `tool_call_id` (and `name`); an assistant message's thinking is both `reasoning` and
+    `reasoning_content` (Qwen3's template reads the latter)."""
     out = []
     for i, m in enumerate(messages):
         msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        thinking = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if thinking is not None and m.role == "assistant":  # (templates read either name)
+            msg["reasoning"] = msg["reasoning_content"] = thinking
         if m.tool_calls is not None:
             if m.role != "assistant":
                 raise APIError(f"messages[{i}]: only assistant messages carry tool_calls, not {m.role!r}",

@@ -1,0 +1,37 @@
+"""Reasoning parsers: a choice's thinking told from its answer, whole or piece by piece."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from llmserve.server.reasoning import REASONING_PARSERS, ReasoningSplit, split_reasoning
+
+CASES = {  # text: (qwen3's (reasoning, content), deepseek_r1's)
+    "<think>\nI reason\n</think>\n\nThe answer": (("I reason", "The answer"), ("I reason", "The answer")),
+    "\n <think>\n\nR\n\n</think>\n\nC\n": (("R", "C\n"), ("R", "C\n")),
+    "The answer\n": ((None, "The answer\n"), ("The answer\n", "")),
+    "R\n</think>\nC": ((None, "R\n</think>\nC"), ("R", "C")),
+    "<think></think>C": ((None, "C"), (None, "C")),
+    "<think>cut short\n": (("cut short\n", ""), ("cut short\n", "")),
+    "<think>R</thin": (("R</thin", ""), ("R</thin", "")),
+    "<thi": ((None, "<thi"), ("<thi", "")),
+    "": ((None, ""), (None, "")),
+}
+
+
+@pytest.mark.parametrize("text", CASES)
+def test_a_choice_splits_alike_whole_and_in_any_pieces(text):
+    """Every way of cutting the text into three pieces (tags cut anywhere) adds up to the split
+    of the whole text."""
+    for name, expected in zip(("qwen3", "deepseek_r1"), CASES[text]):
+        fmt = REASONING_PARSERS[name]
+        assert split_reasoning(fmt, text) == expected, name
+        for a, b in itertools.combinations_with_replacement(range(len(text) + 1), 2):
+            split, reasoning, content = ReasoningSplit(fmt), "", ""
+            pieces = [text[:a], text[a:b], text[b:]]
+            for i, piece in enumerate(pieces):
+                r, c = split.feed(piece, final=i == len(pieces) - 1)
+                reasoning, content = reasoning + r, content + c
+            assert (reasoning or None, content) == expected, (name, pieces)
