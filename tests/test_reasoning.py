@@ -35,3 +35,14 @@ def test_a_choice_splits_alike_whole_and_in_any_pieces(text):
                 r, c = split.feed(piece, final=i == len(pieces) - 1)
                 reasoning, content = reasoning + r, content + c
             assert (reasoning or None, content) == expected, (name, pieces)
+
+
+def test_the_prompt_says_where_a_choice_begins():
+    """A prompt that left `<think>` open (a thinking-only template) starts the choice inside its
+    reasoning; one that ends with a closed tag (thinking off) makes all of it content."""
+    qwen3, r1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek_r1"]
+    assert qwen3.after("user: hi\nassistant: <think>\n") == r1
+    assert split_reasoning(qwen3.after("assistant: <think>\n"), "R\n</think>\n\nC") == ("R", "C")
+    assert qwen3.after("assistant: <think>\n\n</think>\n\n") is None
+    assert r1.after("<think>a</think>b user: hi assistant:") == r1
+    assert qwen3.after("<think>a</think>b user: hi assistant:") == qwen3

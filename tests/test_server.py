@@ -274,6 +274,15 @@ def test_a_reasoning_parser_reports_the_thinking_apart_from_the_answer(tmp_path)
         text = httpx.post(f"{s.url}/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
         assert text == "A list\n\n(hm)yes\n\nB\n\n"
         assert s.idle()
+    with running_server(reasoning_parser="deepseek_r1") as s:  # its choices begin inside their thinking,
+        c = s.client()                                            # but not a grammar's output
+        answer = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A list"}], max_tokens=40,
+                                           response_format={"type": "json_object"}, temperature=0)
+        assert answer.choices[0].message.content.startswith("{")
+        assert "reasoning" not in (answer.choices[0].message.model_extra or {})
+        free = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A list"}], max_tokens=5,
+                                         temperature=0)  # no </think> written: all thinking, no answer
+        assert free.choices[0].message.content is None and free.choices[0].message.model_extra["reasoning"]
     with pytest.raises(ValueError, match="server.reasoning_parser must be one of"):
         EngineConfig.from_dict({"server": {"reasoning_parser": "nope"}})
 

@@ -71,7 +71,7 @@ def test_vllm_structured_outputs_on_completions(server):
 @pytest.mark.parametrize("body, param, match", [
     ({"guided_json": SCHEMA}, "guided_json", r"guided_json is no longer supported: send structured_outputs"),
     ({"guided_choice": ["a"]}, "guided_choice", r"send structured_outputs: \{\"choice\""),
-    ({"response_format": {"type": "json_object"}, "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend",
+    ({"response_format": {"type": "json_object"}, "guided_decoding_backend": "outlines"}, "guided_decoding_backend",
      r"guided_decoding_backend is not supported: the grammar engine is the server's"),
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "guided_whitespace_pattern is not supported"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},

@@ -124,14 +124,18 @@ VLLM_SHORT = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size", "-
 
 def vllm_spellings(argv: list[str]) -> list[str]:
     """argv with vLLM's other spellings of a flag made ours: underscores in its name
-    (`--max_model_len`, `--max_model_len=512`) and the short forms (`-tp 2`, `-tp=2`). A value after
-    "=" is left as typed; a value of its own cannot start with "-" anyway (argparse)."""
+    (`--max_model_len`, `--max_model_len=512`) and the short forms (`-tp 2`, `-tp=2`). Values stay
+    as typed: one after "=", one with a space in it (argparse takes "--a b" as a value), and all
+    after "--"."""
     out = []
-    for arg in argv:
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
         name, eq, value = arg.partition("=")
-        if name.startswith("--"):
-            name = "--" + name[2:].replace("_", "-")
-        name = VLLM_SHORT.get(name, name)
+        if name.startswith("-") and not any(c.isspace() for c in name):
+            if name.startswith("--"):
+                name = "--" + name[2:].replace("_", "-")
+            name = VLLM_SHORT.get(name, name)
         out.append(name + eq + value)
     return out
 

@@ -119,13 +119,14 @@ def make_flags(secs: dict[str, type]) -> tuple[Flag, ...]:
 
 
 def _comma_list(text: str) -> list[str]:
-    """"a,b" -> ["a", "b"]; a JSON list of strings as vLLM takes its list flags (`'["*"]'`) too."""
-    if text.lstrip().startswith("["):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+    """"a,b" -> ["a", "b"]; a JSON list of strings as vLLM takes its list flags (`'["*"]'`) too
+    (what does not parse as JSON is comma-separated: `[::1]`, a bracketed IPv6 address, is a host)."""
+    try:
+        value = json.loads(text) if text.lstrip().startswith("[") else None
+    except json.JSONDecodeError:
+        value = None
+    if isinstance(value, list):
+        if not all(isinstance(v, str) for v in value):
             raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
         return [v.strip() for v in value if v.strip()]
     return [item.strip() for item in text.split(",") if item.strip()]

@@ -203,6 +203,7 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
         try:  # the chat job names the fields as chat has them: the client is told the Responses names
             job = serving.chat_job(chat)
             job.cached_in_usage = True
+            job.reasoning = None  # (its reasoning items are not built here: the text stays as it is)
             serving.admit(job)
             writer = ResponseWriter(body, model_name, job.params)
             if body.stream:

@@ -170,10 +170,11 @@ REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided
 """vLLM's former structured-output fields: answered with a 400 that names their replacement, so a
 client written for them does not silently get unconstrained output."""
 REMOVED_GUIDED_OPTIONS = {
-    "guided_decoding_backend": "the grammar engine is the server's (xgrammar)",
+    "guided_decoding_backend": "the grammar engine is the server's, xgrammar (\"xgrammar\" and \"auto\" are taken)",
     "guided_whitespace_pattern": "a grammar's whitespace is its own (json_object and schemas: JSON's)",
 }
-"""vLLM's former options of those fields, sent beside them by older clients: a 400 saying why."""
+"""vLLM's former options of those fields, sent beside them by older clients: a 400 saying why
+(a backend that asks for what the server uses is taken)."""
 
 
 class _AdvisoryFields(_Request):
@@ -227,7 +228,8 @@ class _SamplingFields(_SamplingParamsFields, _AdvisoryFields):
                                + (" or response_format: {\"type\": \"json_schema\", ...}" if kind == "json" else ""),
                                param=name)
         for name, why in REMOVED_GUIDED_OPTIONS.items():
-            if getattr(self, name) is not None:
+            value = getattr(self, name)
+            if value is not None and not (name == "guided_decoding_backend" and value in ("xgrammar", "auto")):
                 raise APIError(f"{name} is not supported: {why}", param=name)
         fmt = self.response_format
         if fmt is None or fmt.type == "text":

@@ -8,8 +8,11 @@ written for vLLM before it renamed the field, `reasoning_content`) instead of co
     deepseek_r1   "R</think>C" or "<think>R</think>C" (its template   R               C
                   opens the tag in the prompt)
 
-Leading whitespace before the opening tag, and the newlines the models put around the closing
-tag, are not part of either. A choice cut short inside its reasoning has reasoning and no
+Where the prompt itself opened the tag, the choice begins inside its reasoning; where it ends with
+a closed one (thinking switched off), all of it is content. An output a grammar constrains
+(structured outputs, tool_choice required or named) begins as content whatever the parser: it
+thinks only where the grammar lets it write the opening tag. Leading whitespace before
+the opening tag, and the newlines the models put around the closing tag, are not part of either. A choice cut short inside its reasoning has reasoning and no
 content. Text is split as it is produced (a stream's pieces may cut a tag anywhere): the tail
 that could begin a tag is held back until the next piece tells, so the pieces of a stream add
 up to exactly what the whole text gives.
@@ -26,6 +29,18 @@ _OPEN, _CLOSE = "<think>", "</think>"
 class ReasoningFormat:
     starts_inside: bool
     """The choice begins inside its reasoning (the template opened the tag in the prompt)."""
+
+    def after(self, prompt: str) -> ReasoningFormat | None:
+        """How a choice that follows `prompt` begins: inside its reasoning where the prompt left a
+        tag open (Qwen3's thinking-only templates, a continued message), all content where the
+        prompt closed one last (thinking switched off: `<think>\n\n</think>`), else as the
+        parser says. None: nothing to split."""
+        tail = prompt.rstrip()
+        if tail.endswith(_CLOSE):
+            return None
+        if prompt.rfind(_OPEN) > prompt.rfind(_CLOSE):
+            return ReasoningFormat(starts_inside=True)
+        return self
 
 
 REASONING_PARSERS = {"qwen3": ReasoningFormat(starts_inside=False), "deepseek_r1": ReasoningFormat(starts_inside=True)}

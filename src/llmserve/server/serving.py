@@ -261,8 +261,16 @@ class OpenAIServing:
         last = body.messages[-1]
         return _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [prompt], params, body,
                     echo_content=last.text() if body.echo and last.role == "assistant" else "",
-                    reasoning=REASONING_PARSERS.get(self.limits.reasoning_parser), include_reasoning=body.include_reasoning,
+                    reasoning=self._reasoning(params, prompt), include_reasoning=body.include_reasoning,
                     add_special_tokens=False, tools=tool_plan, beam=self._beam(body, max_tokens))
+
+    def _reasoning(self, params: SamplingParams, prompt: str) -> ReasoningFormat | None:
+        """How a chat request's choices are split into reasoning and content (server.reasoning_parser),
+        as its prompt leaves off; an output a grammar writes (structured outputs, a required or
+        named tool call) begins as content: it thinks only where it writes the opening tag itself."""
+        fmt = REASONING_PARSERS.get(self.limits.reasoning_parser)
+        fmt = None if fmt is None else fmt.after(prompt)
+        return fmt if fmt is None or params.structured_outputs is None else ReasoningFormat(starts_inside=False)
 
     def _beam(self, body: _SamplingFields, max_tokens: int | None) -> BeamSearchParams | None:
         """use_beam_search's parameters, or a 400 naming a field beam search cannot honour."""
@@ -470,18 +478,28 @@ class OpenAIServing:
 
     async def stream(self, job: _Job) -> AsyncIterator[dict[str, Any]]:
         """Chunk objects, in order; the last one carries usage when stream_options.include_usage,
-        and every one the usage so far with vLLM's stream_options.continuous_usage_stats."""
+        and every one the request's usage so far with vLLM's stream_options.continuous_usage_stats
+        (all its prompts and choices together: a chunk may carry several choices)."""
         finals: dict[int, RequestOutput] = {}
         continuous = job.body.include_usage_in_stream() and job.body.stream_options.continuous_usage_stats
+        so_far = [0, 0]  # with continuous usage: the prompt tokens of the prompts begun, the completion tokens
 
-        def chunk(choices: list[dict]) -> dict[str, Any]:
+        def counted(i: int, out: RequestOutput) -> None:  # (kept up to date: a chunk does not sum all outputs)
+            before = finals.get(i)
+            so_far[0] += len(out.prompt_token_ids) if before is None else 0
+            so_far[1] += sum(len(c.token_ids) for c in out.outputs) - (
+                0 if before is None else sum(len(c.token_ids) for c in before.outputs))
+
+        def chunk_of(choices: list[dict]) -> dict[str, Any]:
             c = self._chunk(job, choices)
             if continuous:
-                c["usage"] = self._usage(job, finals.values())
+                c["usage"] = {"prompt_tokens": so_far[0], "completion_tokens": so_far[1], "total_tokens": sum(so_far)}
             return c
         async with aclosing(self.outputs(job)) as outs:
             async for i, out in outs:
                 opening = job.kind == "chat" and not finals
+                if continuous:
+                    counted(i, out)
                 finals[i] = out
                 if opening:
                     # The role opens the stream only once the engine took the request: a request it
@@ -489,10 +507,10 @@ class OpenAIServing:
                     # (content null where the output may be tool calls alone: added up, the deltas
                     # then give the message's null content, as OpenAI streams them)
                     content = None if job.tools is not None else job.echo_content
-                    yield chunk([{"index": k, "delta": {"role": "assistant", "content": content},
-                                  "logprobs": None, "finish_reason": None} for k in range(job.params.n)])
+                    yield chunk_of([{"index": k, "delta": {"role": "assistant", "content": content},
+                                     "logprobs": None, "finish_reason": None} for k in range(job.params.n)])
                 for choices in _rounds(self._new_choices(job, i, out)):
-                    yield chunk(choices)
+                    yield chunk_of(choices)
         if job.body.include_usage_in_stream():
             chunk = self._chunk(job, [])
             chunk["usage"] = self._usage(job, finals.values())
@@ -553,8 +571,9 @@ class OpenAIServing:
             if job.tools is None and job.body.stream:
                 entry["delta"] = {**thinking, **({"content": text} if text else {})}
                 return [entry]
-            if job.tools is None:
-                entry["message"] = {"role": "assistant", "content": job.echo_content + text, **thinking}
+            if job.tools is None:  # (all thinking, no answer: content null, as vLLM gives it)
+                content = job.echo_content + text
+                entry["message"] = {"role": "assistant", "content": content or (None if thinking else ""), **thinking}
                 return [entry]
             if not job.body.stream:
                 calls = job.tools.start()
