@@ -301,6 +301,7 @@ def test_a_reasoning_parser_reports_the_thinking_apart_from_the_answer(tmp_path)
     (dict(logprobs=50), openai.BadRequestError, "logprobs"),
     (dict(logit_bias={"99999999": 1}), openai.BadRequestError, "logit_bias"),
     (dict(extra_body={"stop_token_ids": [5, 99999999]}), openai.BadRequestError, "stop_token_ids"),
+    (dict(stream_options={"include_usage": True}), openai.BadRequestError, "stream_options"),  # without stream
 ])
 def test_errors_are_typed_exceptions_naming_the_field(server, kwargs, error, param):
     args = dict(model=MODEL, prompt="The list type", max_tokens=4)

@@ -181,6 +181,8 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
     # ---- OpenAI endpoints -------------------------------------------------------------------------
 
     async def respond(job) -> Response:
+        if job.body.stream_options is not None and not job.body.stream:  # as OpenAI answers it
+            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
         serving.admit(job)
         if job.body.stream:
             chunks = await _first(serving.stream(job))
