@@ -111,17 +111,18 @@ def test_bad_values_raise_one_clear_error(argv, match):
 def test_vllms_flags_for_what_llmserve_always_does_are_accepted_and_the_others_refused_saying_why():
     """A command copied from vLLM's docs runs where its flags ask for what llmserve does anyway;
     one that asks for what it does not do fails naming the flag and why (not "unrecognized")."""
-    from llmserve.cli import VLLM_ACCEPTED, VLLM_REFUSED
+    from llmserve.cli import VLLM_ACCEPTED, VLLM_ACCEPTED_VALUES, VLLM_REFUSED, VLLM_REFUSED_BUT
 
     plain = parse_serve(["m"])[0]
-    assert parse_serve(["m", *VLLM_ACCEPTED, "--pipeline-parallel-size", "1"])[0] == plain
+    assert parse_serve(["m", *VLLM_ACCEPTED, *(a for flag in VLLM_ACCEPTED_VALUES for a in (flag, "4")),
+                        *(a for flag, value in VLLM_REFUSED_BUT.items() for a in (flag, value))])[0] == plain
     quiet = parse_serve(["m", "--disable-log-stats"])[0]
     assert quiet.scheduler.log_interval_s == 0 and dataclasses.replace(quiet.scheduler, log_interval_s=5.0) == plain.scheduler
     assert parse_serve(["m", "--disable-log-stats", "--log-interval-s", "0"])[0] == quiet
     with pytest.raises(ValueError, match="--disable-log-stats and --log-interval-s disagree"):
         parse_serve(["m", "--disable-log-stats", "--log-interval-s", "2"])
     for flag, why in VLLM_REFUSED.items():
-        for argv in ([flag], [flag, "2"]) + (([flag, "a=b", "c=d"],) if flag != "--pipeline-parallel-size" else ()):
+        for argv in ([flag], [flag, "2"]) + (([flag, "a=b", "c=d"],) if flag not in VLLM_REFUSED_BUT else ()):
             with pytest.raises(ValueError, match="^" + re.escape(f"{flag}: {why}") + "$"):
                 parse_serve(["m", *argv])
     help_text = serve_parser().format_help()
@@ -147,6 +148,14 @@ def test_vllms_other_spellings_of_a_flag_are_taken():
     assert parse_serve(["--", "-q_dir"])[0].model.model == "-q_dir"
     with pytest.raises(ValueError, match="^--pipeline-parallel-size: "):
         parse_serve(["m", "-pp", "2"])
+    # vLLM's other names of flags and values
+    config = parse_serve(["m", "--dtype", "half", "--generation-config=vllm", "--load-format", "safetensors",
+                          "--scheduling-policy", "priority"])[0]
+    assert (config.model.dtype, config.model.generation_config, config.model.load_format,
+            config.scheduler.policy) == ("float16", "none", "auto", "priority")
+    assert parse_serve(["m", "--dtype=float"])[0].model.dtype == "float32"
+    with pytest.raises(ValueError, match="^--compilation-config: "):
+        parse_serve(["m", "-O", "3"])
 
 
 # ---- the command in a process of its own ------------------------------------------------------------

@@ -86,8 +86,10 @@ def serve_parser(prog: str = "llmserve serve", positional: bool = True) -> argpa
     for flag, why in VLLM_ACCEPTED.items():
         vllm.add_argument(flag, action="store_true", help=f"accepted: {why}")
     vllm.add_argument("--disable-log-stats", action="store_true", help="the same as --log-interval-s 0")
+    for flag, why in VLLM_ACCEPTED_VALUES.items():
+        vllm.add_argument(flag, metavar="VALUE", help=f"accepted: {why}")
     for flag in VLLM_REFUSED:
-        if flag == "--pipeline-parallel-size":  # 1 is accepted: one value (a MODEL after it stays MODEL)
+        if flag in VLLM_REFUSED_BUT:  # one value may be taken (a MODEL after it stays MODEL)
             vllm.add_argument(flag, nargs="?", const=True, help=argparse.SUPPRESS)
         else:  # refused with any values (--lora-modules takes several)
             vllm.add_argument(flag, nargs="*", help=argparse.SUPPRESS)
@@ -103,18 +105,48 @@ VLLM_ACCEPTED = {
     "--trust-remote-code": "no code from a checkpoint runs here; its architecture must be one llmserve builds",
     "--enable-chunked-prefill": "prefill is always chunked (--max-num-batched-tokens is a step's token budget)",
     "--disable-log-requests": "requests are not logged",
+    "--disable-uvicorn-access-log": "the server writes no access log",
 }
 """vLLM's flags that ask for what llmserve does anyway: a command copied from vLLM's docs runs."""
 
+VLLM_ACCEPTED_VALUES = {
+    "--swap-space": "preempted requests are computed again, never swapped to the CPU (as vLLM's V1 engine)",
+}
+"""The same, for flags that take a value (any value)."""
+
 _NO_HUB = "there is no model hub here: MODEL (and --tokenizer) is a local checkpoint folder"
+_NO_LORA = "no LoRA adapters"
 VLLM_REFUSED = {
     "--no-enable-chunked-prefill": "prefill is always chunked; --max-num-batched-tokens sets a step's token budget",
     "--revision": _NO_HUB, "--tokenizer-revision": _NO_HUB, "--code-revision": _NO_HUB, "--download-dir": _NO_HUB,
+    "--hf-token": _NO_HUB,
     "--pipeline-parallel-size": "no pipeline parallelism: --tensor-parallel-size (GPUs of one host) or "
                                 "--data-parallel-size (replicas)",
-    "--enable-lora": "no LoRA adapters", "--lora-modules": "no LoRA adapters",
+    "--enable-lora": _NO_LORA, "--lora-modules": _NO_LORA, "--max-loras": _NO_LORA, "--max-lora-rank": _NO_LORA,
+    "--tokenizer-mode": "the tokenizer is the checkpoint's, through transformers (auto)",
+    "--enable-log-requests": "requests are not logged",
+    "--max-log-len": "requests are not logged",
+    "--uvicorn-log-level": "the server is Hypercorn; LLMSERVE_LOG_LEVEL sets the log level",
+    "--response-role": "the answer's role is always assistant",
+    "--limit-mm-per-prompt": "text only: no image, audio or video inputs",
+    "--cpu-offload-gb": "the weights stay on the GPU",
+    "--enable-expert-parallel": "a mixture of experts is split by --tensor-parallel-size",
+    "--rope-scaling": "the rope scaling is the checkpoint's config.json's",
+    "--compilation-config": "CUDA graphs are llmserve's own (--enforce-eager turns them off); nothing is compiled",
+    "--override-generation-config": "the sampling defaults are the checkpoint's generation_config.json "
+                                    "(--generation-config none: OpenAI's); a request sets its own",
 }
 """vLLM's flags for what llmserve does not do: refused, saying so, rather than unrecognized."""
+
+VLLM_REFUSED_BUT = {"--pipeline-parallel-size": "1", "--tokenizer-mode": "auto"}
+"""The value of a refused flag that asks for what llmserve does: taken."""
+
+VLLM_VALUES = {"--dtype": {"half": "float16", "float": "float32"}, "--generation-config": {"vllm": "none"},
+               "--load-format": {"safetensors": "auto"}}
+"""vLLM's names for values llmserve spells otherwise."""
+
+VLLM_NAMES = {"--scheduling-policy": "--policy", "-O": "--compilation-config"}
+"""vLLM's names for flags llmserve spells otherwise."""
 
 
 VLLM_SHORT = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size", "-pp": "--pipeline-parallel-size",
@@ -124,10 +156,10 @@ VLLM_SHORT = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size", "-
 
 def vllm_spellings(argv: list[str]) -> list[str]:
     """argv with vLLM's other spellings of a flag made ours: underscores in its name
-    (`--max_model_len`, `--max_model_len=512`) and the short forms (`-tp 2`, `-tp=2`). Values stay
-    as typed: one after "=", one with a space in it (argparse takes "--a b" as a value), and all
-    after "--"."""
-    out = []
+    (`--max_model_len`, `--max_model_len=512`), the short forms (`-tp 2`, `-tp=2`), its other
+    names (VLLM_NAMES) and its names for some values (VLLM_VALUES: `--dtype half`). Other values
+    stay as typed: one with a space in it (argparse takes "--a b" as a value), and all after "--"."""
+    out: list[str] = []
     for i, arg in enumerate(argv):
         if arg == "--":
             return out + argv[i:]
@@ -135,7 +167,11 @@ def vllm_spellings(argv: list[str]) -> list[str]:
         if name.startswith("-") and not any(c.isspace() for c in name):
             if name.startswith("--"):
                 name = "--" + name[2:].replace("_", "-")
-            name = VLLM_SHORT.get(name, name)
+            name = VLLM_NAMES.get(name, VLLM_SHORT.get(name, name))
+        elif out and out[-1] in VLLM_VALUES and not eq:  # the value of the flag before
+            name = VLLM_VALUES[out[-1]].get(name, name)
+        if eq and name in VLLM_VALUES:
+            value = VLLM_VALUES[name].get(value, value)
         out.append(name + eq + value)
     return out
 
@@ -155,7 +191,7 @@ def parse_serve(argv: list[str], prog: str = "llmserve serve",
             raise ValueError(f"--config {args.config}: {exc}") from exc
     for flag, why in VLLM_REFUSED.items():
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None and not (flag == "--pipeline-parallel-size" and value == "1"):
+        if value is not None and value != VLLM_REFUSED_BUT.get(flag):
             raise ValueError(f"{flag}: {why}")
     given = overrides(args)
     if args.disable_log_stats:
