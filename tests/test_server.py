@@ -111,6 +111,19 @@ def test_logprobs(server):
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
     assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob)
+    # vLLM's return_tokens_as_token_ids: each token named "token_id:N", N the id of the token the text names
+    ids = c.completions.create(model=MODEL, prompt="The list type", max_tokens=6, temperature=0, logprobs=3,
+                               extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    named = [int(t.removeprefix("token_id:")) for t in ids.tokens]
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": named}).json()["prompt"] == "".join(lp.tokens)
+    assert ids.token_logprobs == pytest.approx(lp.token_logprobs)
+    assert all(name.startswith("token_id:") for top in ids.top_logprobs for name in top)
+    chat_ids = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "The list type"}],
+                                         max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                                         extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs.content
+    assert [t.logprob for t in chat_ids] == pytest.approx([t.logprob for t in content])
+    assert all(t.token.startswith("token_id:") and all(x.token.startswith("token_id:") for x in t.top_logprobs)
+               for t in chat_ids)
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true") as err:
         c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
                                   top_logprobs=2)

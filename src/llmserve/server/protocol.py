@@ -203,6 +203,8 @@ class _SamplingFields(_SamplingParamsFields, _AdvisoryFields):
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
+    return_tokens_as_token_ids: bool = False
+    """vLLM's: logprobs name each token "token_id:N" instead of its text."""
     use_beam_search: bool = False
     """vLLM's: the n best beams of a beam search (llmserve/beam_search.py) as the choices."""
     length_penalty: float = 1.0

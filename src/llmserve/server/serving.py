@@ -557,8 +557,10 @@ class OpenAIServing:
         index = i * job.params.n + c.index
         if job.kind == "chat":
             k = job.params.logprobs or 0
-            entry = {"index": index, "logprobs": self._chat_logprobs(token_ids, logprobs, k) if c.logprobs is not None
-                     else None, "finish_reason": finish}
+            as_ids = job.body.return_tokens_as_token_ids
+            entry = {"index": index,
+                     "logprobs": None if c.logprobs is None else self._chat_logprobs(token_ids, logprobs, k, as_ids),
+                     "finish_reason": finish}
             reasoning = None
             if job.reasoning is not None:  # the thinking first, apart; the rest is read as before
                 if job.body.stream:
@@ -590,19 +592,24 @@ class OpenAIServing:
         k = job.params.logprobs or 0
         lps = None
         if c.logprobs is not None:
-            lps = self._completion_logprobs(token_ids, logprobs, offset, k)
+            lps = self._completion_logprobs(token_ids, logprobs, offset, k, job.body.return_tokens_as_token_ids)
         if job.echo and first:
             prompt_text = out.prompt if out.prompt is not None else self._decode(out.prompt_token_ids)
             text = prompt_text + text
             if lps is not None and out.prompt_logprobs is not None:
-                prompt_lps = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, k)
+                prompt_lps = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, k,
+                                                       job.body.return_tokens_as_token_ids)
                 lps = self._merge_logprobs(prompt_lps, lps, len(prompt_text))
         return [{"index": index, "text": text, "logprobs": lps, "finish_reason": finish}]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
-    def _piece(self, token_id: int, entry: PositionLogprobs | None) -> str:
+    def _piece(self, token_id: int, entry: PositionLogprobs | None, as_id: bool = False) -> str:
+        """A token as logprobs name it: its text, or with vLLM's return_tokens_as_token_ids
+        (`as_id`: clients that read ids, where a token's text can be ambiguous) "token_id:N"."""
+        if as_id:
+            return f"token_id:{token_id}"
         if entry is not None and token_id in entry and entry[token_id].decoded_token is not None:
             return entry[token_id].decoded_token
         return self._decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
@@ -613,11 +620,11 @@ class OpenAIServing:
                                                      key=lambda x: x[0].rank)]
 
     def _completion_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs | None], offset: int,
-                             k: int) -> dict:
+                             k: int, as_ids: bool = False) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
         pos = offset
         for tid, entry in zip(token_ids, logprobs):
-            piece = self._piece(tid, entry)
+            piece = self._piece(tid, entry, as_ids)
             tokens.append(piece)
             offsets.append(pos)
             pos += len(piece)
@@ -626,7 +633,7 @@ class OpenAIServing:
                 tops.append(None)
                 continue
             token_lps.append(entry[tid].logprob)
-            tops.append({self._piece(t, entry): lp for t, lp in self._top(entry, k)})
+            tops.append({self._piece(t, entry, as_ids): lp for t, lp in self._top(entry, k)})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     @staticmethod
@@ -636,9 +643,10 @@ class OpenAIServing:
                 "top_logprobs": prompt["top_logprobs"] + completion["top_logprobs"],
                 "text_offset": prompt["text_offset"] + [o + shift for o in completion["text_offset"]]}
 
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs], k: int) -> dict:
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs], k: int,
+                       as_ids: bool = False) -> dict:
         def item(t: int, lp: float, entry: PositionLogprobs) -> dict:
-            piece = self._piece(t, entry)
+            piece = self._piece(t, entry, as_ids)
             return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
 
         return {"content": [{**item(tid, entry[tid].logprob, entry),
