@@ -130,6 +130,29 @@ def test_logprobs(server):
     assert err.value.body["param"] == "top_logprobs"
 
 
+def test_vllms_prompt_logprobs(server):
+    """prompt_logprobs k: per prompt position (None first) the prompt token's logprob and the k most
+    likely, as echo's logprobs give them; a completion choice's, a chat response's; not streamed."""
+    c = server.client()
+    prompt = "The list type is a sequence"
+    echoed = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=2).choices[0].logprobs
+    out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 2}).choices[0]
+    positions = out.model_extra["prompt_logprobs"]
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    assert len(positions) == len(ids) and positions[0] is None
+    for tid, entry, value, top in zip(ids[1:], positions[1:], echoed.token_logprobs[1:], echoed.top_logprobs[1:]):
+        assert entry[str(tid)]["logprob"] == pytest.approx(value)
+        best = sorted(entry.values(), key=lambda e: e["rank"])
+        assert {e["decoded_token"]: e["logprob"] for e in best if e["rank"] <= 2} == pytest.approx(top)
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "prompt_logprobs": 1})
+    assert chat.status_code == 200 and chat.json()["prompt_logprobs"][0] is None
+    assert all(len([e for e in p.values() if e["rank"] <= 1]) == 1 for p in chat.json()["prompt_logprobs"][1:])
+    with pytest.raises(openai.BadRequestError, match="cannot be streamed") as err:
+        c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1})
+    assert err.value.body["param"] == "prompt_logprobs"
+
+
 def test_echo_with_max_tokens_0_scores_the_prompt(server):
     """lm-eval-harness's loglikelihood request: the prompt's own logprobs, nothing generated. Scored
     after a greedy continuation, its tokens carry the logprobs they were sampled with, each the top-1."""

@@ -205,6 +205,8 @@ class _SamplingFields(_SamplingParamsFields, _AdvisoryFields):
     guided_whitespace_pattern: Any = None
     return_tokens_as_token_ids: bool = False
     """vLLM's: logprobs name each token "token_id:N" instead of its text."""
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """vLLM's: each prompt position's logprob and the k most likely there (not streamed)."""
     use_beam_search: bool = False
     """vLLM's: the n best beams of a beam search (llmserve/beam_search.py) as the choices."""
     length_penalty: float = 1.0

@@ -121,7 +121,7 @@ class _Filled:
 _BEAM_TAKES = frozenset({"n", "ignore_eos", "temperature", "skip_special_tokens"})
 """Of SamplingParams' request fields, those beam search honours (temperature only at 0)."""
 _BEAM_REFUSES = frozenset({"stream", "logprobs", "top_logprobs", "response_format", "structured_outputs", "tools",
-                           "suffix"})
+                           "suffix", "prompt_logprobs"})
 """The request's own fields beam search cannot honour when set."""
 
 
@@ -237,6 +237,8 @@ class OpenAIServing:
         # engine samples its minimum of one token, which the response leaves out.
         score = body.echo and body.max_tokens == 0
         prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
+        if body.prompt_logprobs is not None:
+            prompt_lp = max(prompt_lp or 0, body.prompt_logprobs)
         params = self._params(body, 1 if score else body.max_tokens, body.logprobs, prompt_lp)
         return _Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, params, body,
                     echo=body.echo, score_prompt=score, beam=self._beam(body, body.max_tokens))
@@ -256,7 +258,8 @@ class OpenAIServing:
         if body.echo and tool_plan is not None:  # (a choice may be calls alone: no content to begin)
             raise APIError("echo cannot be combined with tool calls: send tool_choice \"none\" or no tools",
                            param="echo")
-        params = self._params(body, max_tokens, logprobs, constraint=tool_plan and tool_plan.constraint)
+        params = self._params(body, max_tokens, logprobs, body.prompt_logprobs,
+                              constraint=tool_plan and tool_plan.constraint)
         prompt = self.render_chat(body, tools)
         last = body.messages[-1]
         return _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [prompt], params, body,
@@ -333,6 +336,9 @@ class OpenAIServing:
         if job.beam is not None and job.body.stream:  # (a WebSocket request always streams)
             raise APIError("use_beam_search answers once the search has ended: it cannot be streamed",
                            param="use_beam_search")
+        if job.body.prompt_logprobs is not None and job.body.stream:
+            raise APIError("prompt_logprobs are answered with the whole response: they cannot be streamed",
+                           param="prompt_logprobs")
         size = len(job.prompts) * job.params.n
         limit = self.limits.max_waiting_requests
         if self.queued and self.queued + size > limit:
@@ -410,14 +416,29 @@ class OpenAIServing:
             async for i, out in outs:
                 finals[i] = out
         choices = []
+        k = job.body.prompt_logprobs
         for i in sorted(finals):
             out = finals[i]
             for c in out.outputs:
                 choices += self._choice(job, i, out, c, c.text, c.token_ids, c.logprobs or [], c.finish_reason,
                                         first=True)
-        return {"id": job.id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
-                "created": job.created, "model": self.model_name, "choices": choices,
-                "usage": self._usage(job, finals.values())}
+                if k is not None and job.kind == "completion":  # (vLLM's places: a choice's, chat's response's)
+                    choices[-1]["prompt_logprobs"] = self._prompt_logprobs(job, out, k)
+        response = {"id": job.id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
+                    "created": job.created, "model": self.model_name, "choices": choices,
+                    "usage": self._usage(job, finals.values())}
+        if k is not None and job.kind == "chat":
+            response["prompt_logprobs"] = self._prompt_logprobs(job, finals[0], k)
+        return response
+
+    def _prompt_logprobs(self, job: _Job, out: RequestOutput, k: int) -> list[dict[str, dict] | None]:
+        """vLLM's prompt_logprobs: per prompt position (None at the first), token id -> its logprob,
+        rank and text, for the prompt's token and the k most likely there."""
+        as_ids = job.body.return_tokens_as_token_ids
+        return [None if entry is None else
+                {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self._piece(t, entry, as_ids)}
+                 for t, lp in entry.items() if lp.rank <= k or t == tid}
+                for tid, entry in zip(out.prompt_token_ids, out.prompt_logprobs or [])]
 
     async def _beam_response(self, job: _Job) -> dict[str, Any]:
         """The n best beams of each prompt as its choices (llmserve/beam_search.py): each step's
