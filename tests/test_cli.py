@@ -115,7 +115,10 @@ def test_vllms_flags_for_what_llmserve_always_does_are_accepted_and_the_others_r
 
     plain = parse_serve(["m"])[0]
     assert parse_serve(["m", *VLLM_ACCEPTED, *(a for flag in VLLM_ACCEPTED_VALUES for a in (flag, "4")),
-                        *(a for flag, value in VLLM_REFUSED_BUT.items() for a in (flag, value))])[0] == plain
+                        *(a for flag, values in VLLM_REFUSED_BUT.items() for a in (flag, values[0]))])[0] == plain
+    for flag, values in VLLM_REFUSED_BUT.items():
+        for value in values:
+            assert parse_serve(["m", flag, value])[0] == plain
     quiet = parse_serve(["m", "--disable-log-stats"])[0]
     assert quiet.scheduler.log_interval_s == 0 and dataclasses.replace(quiet.scheduler, log_interval_s=5.0) == plain.scheduler
     assert parse_serve(["m", "--disable-log-stats", "--log-interval-s", "0"])[0] == quiet
@@ -154,8 +157,9 @@ def test_vllms_other_spellings_of_a_flag_are_taken():
     assert (config.model.dtype, config.model.generation_config, config.model.load_format,
             config.scheduler.policy) == ("float16", "none", "auto", "priority")
     assert parse_serve(["m", "--dtype=float"])[0].model.dtype == "float32"
-    with pytest.raises(ValueError, match="^--compilation-config: "):
-        parse_serve(["m", "-O", "3"])
+    for argv in (["-O", "3"], ["-O3"], ["-O=3"], ["-Odecode"]):
+        with pytest.raises(ValueError, match="^--optimization-level: "):
+            parse_serve(["m", *argv])
 
 
 # ---- the command in a process of its own ------------------------------------------------------------

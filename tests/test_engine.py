@@ -129,6 +129,27 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(checkpoint):
         assert first == n3() and len({tuple(x) for x in first}) > 1
 
 
+def test_prompt_logprobs_survive_preemption(checkpoint):
+    """A preempted request computes its prompt again: its prompt logprobs still come once a
+    position, as without preemption (they came twice, misplaced, before)."""
+    path = checkpoint("llama")
+    prompts = [{"prompt_token_ids": list(range(2, 2 + 10 + i))} for i in range(5)]
+    params = [SamplingParams(temperature=1.0, max_tokens=40, seed=i, ignore_eos=True, prompt_logprobs=1)
+              for i in range(5)]
+    with LLM(path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=8, log_interval_s=0) as roomy:
+        expected = roomy.generate(prompts, params, use_tqdm=False)
+    with LLM(path, dtype="float32", device="cpu", block_size=4, num_blocks=20, max_model_len=64,
+             max_num_batched_tokens=8, reserve_growth=False, log_interval_s=0) as tight:
+        got = tight.generate(prompts, params, use_tqdm=False)
+        assert tight.engine.scheduler.num_preemptions > 0
+    for prompt, out, ref in zip(prompts, got, expected):
+        assert len(out.prompt_logprobs) == len(prompt["prompt_token_ids"]) and out.prompt_logprobs[0] is None
+        for token, entry, ref_entry in zip(prompt["prompt_token_ids"][1:], out.prompt_logprobs[1:],
+                                           ref.prompt_logprobs[1:]):
+            assert entry.keys() == ref_entry.keys() and token in entry
+            assert entry[token].logprob == pytest.approx(ref_entry[token].logprob, abs=1e-5)
+
+
 def test_seeded_sampling_survives_preemption(checkpoint):
     path = checkpoint("llama")
     prompts = [{"prompt_token_ids": list(range(2, 2 + 10 + i))} for i in range(5)]

@@ -124,6 +124,10 @@ def test_logprobs(server):
     assert [t.logprob for t in chat_ids] == pytest.approx([t.logprob for t in content])
     assert all(t.token.startswith("token_id:") and all(x.token.startswith("token_id:") for x in t.top_logprobs)
                for t in chat_ids)
+    assert [t.bytes for t in chat_ids] == [list(t.token.encode()) for t in content]  # the chosen token's: its text's
+    echoed = c.completions.create(model=MODEL, prompt="The list type", max_tokens=3, temperature=0, echo=True,
+                                  logprobs=1, extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    assert all(b - a == len(t) for a, b, t in zip(echoed.text_offset, echoed.text_offset[1:], echoed.tokens))
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true") as err:
         c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
                                   top_logprobs=2)

@@ -111,6 +111,7 @@ VLLM_ACCEPTED = {
 
 VLLM_ACCEPTED_VALUES = {
     "--swap-space": "preempted requests are computed again, never swapped to the CPU (as vLLM's V1 engine)",
+    "--max-log-len": "requests are not logged",
 }
 """The same, for flags that take a value (any value)."""
 
@@ -125,7 +126,6 @@ VLLM_REFUSED = {
     "--enable-lora": _NO_LORA, "--lora-modules": _NO_LORA, "--max-loras": _NO_LORA, "--max-lora-rank": _NO_LORA,
     "--tokenizer-mode": "the tokenizer is the checkpoint's, through transformers (auto)",
     "--enable-log-requests": "requests are not logged",
-    "--max-log-len": "requests are not logged",
     "--uvicorn-log-level": "the server is Hypercorn; LLMSERVE_LOG_LEVEL sets the log level",
     "--response-role": "the answer's role is always assistant",
     "--limit-mm-per-prompt": "text only: no image, audio or video inputs",
@@ -133,19 +133,21 @@ VLLM_REFUSED = {
     "--enable-expert-parallel": "a mixture of experts is split by --tensor-parallel-size",
     "--rope-scaling": "the rope scaling is the checkpoint's config.json's",
     "--compilation-config": "CUDA graphs are llmserve's own (--enforce-eager turns them off); nothing is compiled",
+    "--optimization-level": "CUDA graphs are llmserve's own (--enforce-eager turns them off); nothing is compiled",
     "--override-generation-config": "the sampling defaults are the checkpoint's generation_config.json "
                                     "(--generation-config none: OpenAI's); a request sets its own",
 }
 """vLLM's flags for what llmserve does not do: refused, saying so, rather than unrecognized."""
 
-VLLM_REFUSED_BUT = {"--pipeline-parallel-size": "1", "--tokenizer-mode": "auto"}
-"""The value of a refused flag that asks for what llmserve does: taken."""
+VLLM_REFUSED_BUT = {"--pipeline-parallel-size": ("1",), "--tokenizer-mode": ("auto", "hf"),
+                    "--response-role": ("assistant",), "--cpu-offload-gb": ("0",)}
+"""The values of a refused flag that ask for what llmserve does: taken."""
 
 VLLM_VALUES = {"--dtype": {"half": "float16", "float": "float32"}, "--generation-config": {"vllm": "none"},
                "--load-format": {"safetensors": "auto"}}
 """vLLM's names for values llmserve spells otherwise."""
 
-VLLM_NAMES = {"--scheduling-policy": "--policy", "-O": "--compilation-config"}
+VLLM_NAMES = {"--scheduling-policy": "--policy", "-O": "--optimization-level"}
 """vLLM's names for flags llmserve spells otherwise."""
 
 
@@ -163,6 +165,10 @@ def vllm_spellings(argv: list[str]) -> list[str]:
     for i, arg in enumerate(argv):
         if arg == "--":
             return out + argv[i:]
+        if arg.startswith("-O") and len(arg) > 2 and arg[2] != "=" and not any(c.isspace() for c in arg):
+            # -O3: vLLM's -O and its value in one
+            out += ["--optimization-level", arg[2:]]
+            continue
         name, eq, value = arg.partition("=")
         if name.startswith("-") and not any(c.isspace() for c in name):
             if name.startswith("--"):
@@ -191,7 +197,7 @@ def parse_serve(argv: list[str], prog: str = "llmserve serve",
             raise ValueError(f"--config {args.config}: {exc}") from exc
     for flag, why in VLLM_REFUSED.items():
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None and value != VLLM_REFUSED_BUT.get(flag):
+        if value is not None and value not in VLLM_REFUSED_BUT.get(flag, ()):
             raise ValueError(f"{flag}: {why}")
     given = overrides(args)
     if args.disable_log_stats:

@@ -249,8 +249,9 @@ class StepResult:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     """req_id -> the logprobs of each token it produced this step (one; with drafts kept, one per
     token), for the requests that asked for them."""
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    """req_id -> one entry per prompt position computed this step that has a next prompt token."""
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    """req_id -> (the first position, one entry per prompt position computed this step that has a
+    next prompt token): a preempted request computes its prompt again, from position 0."""
     failed: dict[str, str] = field(default_factory=dict)
     """Requests the step could not compute or sample, by error: they end with it (the others of
     the step carry on)."""

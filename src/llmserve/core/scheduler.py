@@ -60,6 +60,8 @@ class Request:
     queue_time_s: float | None = None
     group: str | None = None
     held_prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs_had: int = 0
+    """Prompt positions whose logprobs came (a preempted request computes them again: not twice)."""
     prepared: dict = field(default_factory=dict)
     retract: int = 0
     """Computed tokens the KV manager is to take back with the next proposal (jump-forward
@@ -344,9 +346,11 @@ class Scheduler:
     def on_result(self, result: StepResult) -> EngineOutputs:
         """Append sampled tokens, apply token-level stop conditions, and report to the request actor."""
         updates = self.fail(result.failed).updates if result.failed else []
-        for req_id, prompt_lps in result.prompt_logprobs.items():
-            if req_id in self.requests:
-                self.requests[req_id].held_prompt_logprobs.extend(prompt_lps)
+        for req_id, (start, prompt_lps) in result.prompt_logprobs.items():
+            req = self.requests.get(req_id)
+            if req is not None and start + len(prompt_lps) > req.prompt_logprobs_had:
+                req.held_prompt_logprobs.extend(prompt_lps[max(req.prompt_logprobs_had - start, 0):])
+                req.prompt_logprobs_had = start + len(prompt_lps)
         probe = result.step_id == self.spec_control.probe_step
         if probe:
             self.spec_control.probed(len(result.drafts), sum(1 for d in result.drafts.values() if d))

@@ -131,9 +131,10 @@ def to_token_logprobs(token_ids: list[int], parts: tuple[torch.Tensor, ...], ks:
 
 def prompt_logprobs(plan: StepPlan, qsl: np.ndarray, hidden: torch.Tensor, seqs: dict,
                     compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                    to_device: Callable[[np.ndarray], torch.Tensor]) -> dict[str, list[TokenLogprobs]]:
+                    to_device: Callable[[np.ndarray], torch.Tensor]) -> dict[str, tuple[int, list[TokenLogprobs]]]:
     """The logprobs of each prompt token given the ones before it, for the prompt positions a step
-    computed (`hidden`, rows by `qsl`), per request of the plan that asked (`seqs`: their SeqStates)."""
+    computed (`hidden`, rows by `qsl`), per request of the plan that asked (`seqs`: their SeqStates):
+    (the first of those positions, one entry a position)."""
     out = {}
     for i, req_id in enumerate(plan.req_ids):
         state = seqs[req_id]
@@ -147,5 +148,5 @@ def prompt_logprobs(plan: StepPlan, qsl: np.ndarray, hidden: torch.Tensor, seqs:
             logprobs = torch.log_softmax(compute_logits(h), -1, dtype=torch.float32)
             nxt = state.prompt_ids[start + 1:end + 1]
             parts = gather_logprobs(logprobs, to_device(np.array(nxt, dtype=np.int64)), k)
-            out[req_id] = to_token_logprobs(nxt, parts, [k] * len(nxt))
+            out[req_id] = (start, to_token_logprobs(nxt, parts, [k] * len(nxt)))
     return out

@@ -419,24 +419,24 @@ class OpenAIServing:
         k = job.body.prompt_logprobs
         for i in sorted(finals):
             out = finals[i]
+            prompt_lps = None if k is None or job.kind != "completion" else self._prompt_logprobs(out, k)
             for c in out.outputs:
                 choices += self._choice(job, i, out, c, c.text, c.token_ids, c.logprobs or [], c.finish_reason,
                                         first=True)
-                if k is not None and job.kind == "completion":  # (vLLM's places: a choice's, chat's response's)
-                    choices[-1]["prompt_logprobs"] = self._prompt_logprobs(job, out, k)
+                if prompt_lps is not None:  # (vLLM's places: each completion choice, a chat response)
+                    choices[-1]["prompt_logprobs"] = prompt_lps
         response = {"id": job.id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
                     "created": job.created, "model": self.model_name, "choices": choices,
                     "usage": self._usage(job, finals.values())}
         if k is not None and job.kind == "chat":
-            response["prompt_logprobs"] = self._prompt_logprobs(job, finals[0], k)
+            response["prompt_logprobs"] = self._prompt_logprobs(finals[0], k)
         return response
 
-    def _prompt_logprobs(self, job: _Job, out: RequestOutput, k: int) -> list[dict[str, dict] | None]:
+    def _prompt_logprobs(self, out: RequestOutput, k: int) -> list[dict[str, dict] | None]:
         """vLLM's prompt_logprobs: per prompt position (None at the first), token id -> its logprob,
         rank and text, for the prompt's token and the k most likely there."""
-        as_ids = job.body.return_tokens_as_token_ids
         return [None if entry is None else
-                {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self._piece(t, entry, as_ids)}
+                {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self._piece(t, entry)}
                  for t, lp in entry.items() if lp.rank <= k or t == tid}
                 for tid, entry in zip(out.prompt_token_ids, out.prompt_logprobs or [])]
 
@@ -618,9 +618,11 @@ class OpenAIServing:
             prompt_text = out.prompt if out.prompt is not None else self._decode(out.prompt_token_ids)
             text = prompt_text + text
             if lps is not None and out.prompt_logprobs is not None:
-                prompt_lps = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, k,
-                                                       job.body.return_tokens_as_token_ids)
-                lps = self._merge_logprobs(prompt_lps, lps, len(prompt_text))
+                as_ids = job.body.return_tokens_as_token_ids
+                prompt_lps = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, k, as_ids)
+                # the completion's offsets go on from the prompt's: its text's, or its "token_id:N" names'
+                shift = sum(map(len, prompt_lps["tokens"])) if as_ids else len(prompt_text)
+                lps = self._merge_logprobs(prompt_lps, lps, shift)
         return [{"index": index, "text": text, "logprobs": lps, "finish_reason": finish}]
 
     def _decode(self, ids: list[int]) -> str:
@@ -666,10 +668,11 @@ class OpenAIServing:
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs], k: int,
                        as_ids: bool = False) -> dict:
-        def item(t: int, lp: float, entry: PositionLogprobs) -> dict:
-            piece = self._piece(t, entry, as_ids)
-            return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
+        def item(t: int, lp: float, entry: PositionLogprobs, chosen: bool = False) -> dict:
+            piece = self._piece(t, entry, as_ids)  # (the chosen token's bytes: its text's, as vLLM gives them)
+            text = self._piece(t, entry) if chosen and as_ids else piece
+            return {"token": piece, "logprob": lp, "bytes": list(text.encode())}
 
-        return {"content": [{**item(tid, entry[tid].logprob, entry),
+        return {"content": [{**item(tid, entry[tid].logprob, entry, chosen=True),
                              "top_logprobs": [item(t, lp, entry) for t, lp in self._top(entry, k)]}
                             for tid, entry in zip(token_ids, logprobs)]}
