@@ -147,33 +147,28 @@ VLLM_VALUES = {"--dtype": {"half": "float16", "float": "float32"}, "--generation
                "--load-format": {"safetensors": "auto"}}
 """vLLM's names for values llmserve spells otherwise."""
 
-VLLM_NAMES = {"--scheduling-policy": "--policy", "-O": "--optimization-level"}
-"""vLLM's names for flags llmserve spells otherwise."""
-
-
-VLLM_SHORT = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size", "-pp": "--pipeline-parallel-size",
-              "-q": "--quantization"}
-"""vLLM's short forms of its flags."""
+VLLM_NAMES = {"--scheduling-policy": "--policy", "-O": "--optimization-level", "-tp": "--tensor-parallel-size",
+              "-dp": "--data-parallel-size", "-pp": "--pipeline-parallel-size", "-q": "--quantization"}
+"""vLLM's names for flags llmserve spells otherwise, its short forms among them."""
 
 
 def vllm_spellings(argv: list[str]) -> list[str]:
     """argv with vLLM's other spellings of a flag made ours: underscores in its name
-    (`--max_model_len`, `--max_model_len=512`), the short forms (`-tp 2`, `-tp=2`), its other
-    names (VLLM_NAMES) and its names for some values (VLLM_VALUES: `--dtype half`). Other values
+    (`--max_model_len`, `--max_model_len=512`), its other names (VLLM_NAMES: `-tp 2`, `-tp=2`,
+    `-O3`) and its names for some values (VLLM_VALUES: `--dtype half`). Other values
     stay as typed: one with a space in it (argparse takes "--a b" as a value), and all after "--"."""
     out: list[str] = []
     for i, arg in enumerate(argv):
         if arg == "--":
             return out + argv[i:]
         if arg.startswith("-O") and len(arg) > 2 and arg[2] != "=" and not any(c.isspace() for c in arg):
-            # -O3: vLLM's -O and its value in one
-            out += ["--optimization-level", arg[2:]]
+            out += [VLLM_NAMES["-O"], arg[2:]]  # -O3: vLLM's -O and its value in one
             continue
         name, eq, value = arg.partition("=")
         if name.startswith("-") and not any(c.isspace() for c in name):
             if name.startswith("--"):
                 name = "--" + name[2:].replace("_", "-")
-            name = VLLM_NAMES.get(name, VLLM_SHORT.get(name, name))
+            name = VLLM_NAMES.get(name, name)
         elif out and out[-1] in VLLM_VALUES and not eq:  # the value of the flag before
             name = VLLM_VALUES[out[-1]].get(name, name)
         if eq and name in VLLM_VALUES:

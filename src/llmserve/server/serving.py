@@ -28,6 +28,7 @@ from llmserve.config import ServerConfig
 from llmserve.engine import Frontend
 from llmserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from llmserve.sampling_params import REQUEST_FIELDS, SamplingParams
+from llmserve.server.logprobs import LogprobsFormat
 from llmserve.server.metrics import Metrics
 from llmserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest,
                                       _SamplingFields)
@@ -178,6 +179,8 @@ class OpenAIServing:
         self.limits = limits
         self.tool_parser = tool_parser
         """server.tool_call_parser's factory: what tool_choice auto reads the model's calls with."""
+        self.logprobs = LogprobsFormat(
+            lambda t: self._decode([t]) if self.tokenizer is not None else f"token_id:{t}")
         self.queued = 0
         """Sequences admitted that have no first output yet: what max_waiting_requests bounds,
         counted here, where requests are admitted, so that a burst cannot overshoot it."""
@@ -419,7 +422,7 @@ class OpenAIServing:
         k = job.body.prompt_logprobs
         for i in sorted(finals):
             out = finals[i]
-            prompt_lps = None if k is None or job.kind != "completion" else self._prompt_logprobs(out, k)
+            prompt_lps = None if k is None or job.kind != "completion" else self.logprobs.prompt(out, k)
             for c in out.outputs:
                 choices += self._choice(job, i, out, c, c.text, c.token_ids, c.logprobs or [], c.finish_reason,
                                         first=True)
@@ -429,16 +432,8 @@ class OpenAIServing:
                     "created": job.created, "model": self.model_name, "choices": choices,
                     "usage": self._usage(job, finals.values())}
         if k is not None and job.kind == "chat":
-            response["prompt_logprobs"] = self._prompt_logprobs(finals[0], k)
+            response["prompt_logprobs"] = self.logprobs.prompt(finals[0], k)
         return response
-
-    def _prompt_logprobs(self, out: RequestOutput, k: int) -> list[dict[str, dict] | None]:
-        """vLLM's prompt_logprobs: per prompt position (None at the first), token id -> its logprob,
-        rank and text, for the prompt's token and the k most likely there."""
-        return [None if entry is None else
-                {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self._piece(t, entry)}
-                 for t, lp in entry.items() if lp.rank <= k or t == tid}
-                for tid, entry in zip(out.prompt_token_ids, out.prompt_logprobs or [])]
 
     async def _beam_response(self, job: _Job) -> dict[str, Any]:
         """The n best beams of each prompt as its choices (llmserve/beam_search.py): each step's
@@ -580,17 +575,9 @@ class OpenAIServing:
             k = job.params.logprobs or 0
             as_ids = job.body.return_tokens_as_token_ids
             entry = {"index": index,
-                     "logprobs": None if c.logprobs is None else self._chat_logprobs(token_ids, logprobs, k, as_ids),
+                     "logprobs": None if c.logprobs is None else self.logprobs.chat(token_ids, logprobs, k, as_ids),
                      "finish_reason": finish}
-            reasoning = None
-            if job.reasoning is not None:  # the thinking first, apart; the rest is read as before
-                if job.body.stream:
-                    split = job.splits.setdefault(index, ReasoningSplit(job.reasoning))
-                    reasoning, text = split.feed(text, final=finish is not None)
-                else:
-                    reasoning, text = split_reasoning(job.reasoning, text)
-                reasoning = reasoning if reasoning and job.include_reasoning else None
-            thinking = {} if reasoning is None else {"reasoning": reasoning, "reasoning_content": reasoning}
+            thinking, text = self._thinking(job, index, text, final=finish is not None)
             if job.tools is None and job.body.stream:
                 entry["delta"] = {**thinking, **({"content": text} if text else {})}
                 return [entry]
@@ -613,66 +600,33 @@ class OpenAIServing:
         k = job.params.logprobs or 0
         lps = None
         if c.logprobs is not None:
-            lps = self._completion_logprobs(token_ids, logprobs, offset, k, job.body.return_tokens_as_token_ids)
+            lps = self.logprobs.completion(token_ids, logprobs, offset, k, job.body.return_tokens_as_token_ids)
         if job.echo and first:
             prompt_text = out.prompt if out.prompt is not None else self._decode(out.prompt_token_ids)
             text = prompt_text + text
             if lps is not None and out.prompt_logprobs is not None:
                 as_ids = job.body.return_tokens_as_token_ids
-                prompt_lps = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, k, as_ids)
+                prompt_lps = self.logprobs.completion(out.prompt_token_ids, out.prompt_logprobs, 0, k, as_ids)
                 # the completion's offsets go on from the prompt's: its text's, or its "token_id:N" names'
                 shift = sum(map(len, prompt_lps["tokens"])) if as_ids else len(prompt_text)
-                lps = self._merge_logprobs(prompt_lps, lps, shift)
+                lps = self.logprobs.merged(prompt_lps, lps, shift)
         return [{"index": index, "text": text, "logprobs": lps, "finish_reason": finish}]
+
+    @staticmethod
+    def _thinking(job: _Job, index: int, text: str, final: bool) -> tuple[dict[str, str], str]:
+        """A chat choice's reasoning fields (`reasoning`, and `reasoning_content` for clients of
+        vLLM before it renamed it; none without a reasoning parser or with include_reasoning
+        false) and `text` less its reasoning, to read as before; streamed, split as it comes."""
+        if job.reasoning is None:
+            return {}, text
+        if job.body.stream:
+            split = job.splits.setdefault(index, ReasoningSplit(job.reasoning))
+            reasoning, text = split.feed(text, final=final)
+        else:
+            reasoning, text = split_reasoning(job.reasoning, text)
+        if not reasoning or not job.include_reasoning:
+            return {}, text
+        return {"reasoning": reasoning, "reasoning_content": reasoning}, text
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
-
-    def _piece(self, token_id: int, entry: PositionLogprobs | None, as_id: bool = False) -> str:
-        """A token as logprobs name it: its text, or with vLLM's return_tokens_as_token_ids
-        (`as_id`: clients that read ids, where a token's text can be ambiguous) "token_id:N"."""
-        if as_id:
-            return f"token_id:{token_id}"
-        if entry is not None and token_id in entry and entry[token_id].decoded_token is not None:
-            return entry[token_id].decoded_token
-        return self._decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
-
-    def _top(self, entry: PositionLogprobs, k: int) -> list[tuple[int, float]]:
-        """The k most likely (token id, logprob) at one position; the entry also holds the chosen token."""
-        return [(t, lp.logprob) for lp, t in sorted(((lp, t) for t, lp in entry.items() if lp.rank <= k),
-                                                     key=lambda x: x[0].rank)]
-
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs | None], offset: int,
-                             k: int, as_ids: bool = False) -> dict:
-        tokens, token_lps, tops, offsets = [], [], [], []
-        pos = offset
-        for tid, entry in zip(token_ids, logprobs):
-            piece = self._piece(tid, entry, as_ids)
-            tokens.append(piece)
-            offsets.append(pos)
-            pos += len(piece)
-            if entry is None:  # the first prompt token has nothing before it
-                token_lps.append(None)
-                tops.append(None)
-                continue
-            token_lps.append(entry[tid].logprob)
-            tops.append({self._piece(t, entry, as_ids): lp for t, lp in self._top(entry, k)})
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-    @staticmethod
-    def _merge_logprobs(prompt: dict, completion: dict, shift: int) -> dict:
-        return {"tokens": prompt["tokens"] + completion["tokens"],
-                "token_logprobs": prompt["token_logprobs"] + completion["token_logprobs"],
-                "top_logprobs": prompt["top_logprobs"] + completion["top_logprobs"],
-                "text_offset": prompt["text_offset"] + [o + shift for o in completion["text_offset"]]}
-
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs], k: int,
-                       as_ids: bool = False) -> dict:
-        def item(t: int, lp: float, entry: PositionLogprobs, chosen: bool = False) -> dict:
-            piece = self._piece(t, entry, as_ids)  # (the chosen token's bytes: its text's, as vLLM gives them)
-            text = self._piece(t, entry) if chosen and as_ids else piece
-            return {"token": piece, "logprob": lp, "bytes": list(text.encode())}
-
-        return {"content": [{**item(tid, entry[tid].logprob, entry, chosen=True),
-                             "top_logprobs": [item(t, lp, entry) for t, lp in self._top(entry, k)]}
-                            for tid, entry in zip(token_ids, logprobs)]}
