@@ -3,7 +3,9 @@ engine process, stopped the way a signal stops it."""
 
 from __future__ import annotations
 
-import socket
+import os
+import re
+import subprocess
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,10 +24,20 @@ from llmserve.server.run import serve
 MODEL = "llmserve-builtin"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def launched(argv: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str, str]:
+    """`llmserve` in a child process with `--port 0`, appended to argv: the system picks a free port
+    at bind time (a port picked here beforehand can be taken by then, by a Ray worker of a test in
+    parallel, say). Returns the process, its URL from the "serving" line of its log, and the log
+    up to that line; the caller stops the process."""
+    proc = subprocess.Popen([*argv, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={"PYTHONUNBUFFERED": "1", **(env or os.environ)})
+    log = []
+    for line in proc.stdout:
+        log.append(line)
+        if found := re.search(r"\bserving\s.*\burl=(http://\S+)", line):
+            return proc, found[1], "".join(log)
+    proc.wait()
+    raise AssertionError(f"exited ({proc.returncode}) before serving:\n{''.join(log)}")
 
 
 @dataclass
@@ -46,7 +58,6 @@ def running_server(engine_process: bool = False, model: str = "builtin", model_o
                    **server_opts):
     """server_opts: [server] keys, and the sections "cache", "scheduler", "speculative" and
     "parallel" as dicts; model_opts: [model] keys. With data_parallel_size > 1, replicas."""
-    port = free_port()
     sections = {name: server_opts.pop(name, {}) for name in ("cache", "scheduler", "speculative", "parallel")}
     config = EngineConfig.from_dict({
         "model": {"model": model, "device": "cpu", "dtype": "float32", **(model_opts or {})},
@@ -54,7 +65,7 @@ def running_server(engine_process: bool = False, model: str = "builtin", model_o
         "scheduler": {"log_interval_s": 0, **sections["scheduler"]},
         "speculative": sections["speculative"],
         "parallel": sections["parallel"],
-        "server": {"port": port, **server_opts},
+        "server": {"port": 0, **server_opts},  # the server takes a free port and reports it
     })
     if config.parallel.data_parallel_size > 1:
         engine = ReplicatedEngine(config)
@@ -62,7 +73,7 @@ def running_server(engine_process: bool = False, model: str = "builtin", model_o
         engine = ProcessEngine(config) if engine_process else Engine(config)
     with start_blocking_portal("asyncio") as portal:
         stop = portal.call(anyio.Event)
-        future, _ = portal.start_task(partial(serve, config, stop=stop, handle_signals=False, engine=engine))
+        future, port = portal.start_task(partial(serve, config, stop=stop, handle_signals=False, engine=engine))
         try:
             yield Server(f"http://127.0.0.1:{port}", engine)
         finally:

@@ -19,7 +19,7 @@ import llmserve
 from llmserve.cli import parse_serve, serve_parser
 from llmserve.cli_flags import field_docs, flags, make_flags, overrides, sections
 from llmserve.config import EngineConfig
-from servers import free_port, wait_for
+from servers import launched
 
 SAMPLES = {bool: None, int: ("7", 7), float: ("0.5", 0.5), str: ("x", "x"), list: ("a.example, b", ["a.example", "b"])}
 """Per flag type: what is typed and the value it must give (bool: --x or --no-x, below)."""
@@ -208,23 +208,10 @@ def test_start_up_failures_are_one_line(argv, status, message):
 
 
 def test_llmserve_serve_builtin_serves_with_the_flags(tmp_path):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llmserve.cli", "serve", "builtin", "--port", str(port),
-                             "--device", "cpu", "--log-interval-s", "0", "--served-model-name", "m", "--api-key", "k",
-                             "--max-model-len", "256"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)})
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            return httpx.get(f"{url}/health").status_code == 200
-        except httpx.TransportError:
-            return False
-
+    proc, url, _ = launched([sys.executable, "-m", "llmserve.cli", "serve", "builtin", "--device", "cpu",
+                             "--log-interval-s", "0", "--served-model-name", "m", "--api-key", "k",
+                             "--max-model-len", "256"], env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
-        wait_for(healthy, timeout=60)
         assert httpx.get(f"{url}/v1/models").status_code == 401  # --api-key reached the server
         models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k"}).json()
         assert [(m["id"], m.get("max_model_len")) for m in models["data"]] == [("m", 256)]

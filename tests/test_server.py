@@ -27,7 +27,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine import BUILTIN_MODEL_DIR
 from llmserve.engine_process import ProcessEngine
 from llmserve.server.run import serve
-from servers import MODEL, free_port, running_server, wait_for
+from servers import MODEL, launched, running_server, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -606,12 +606,12 @@ def test_full_queue_answers_503_with_retry_after():
 def test_server_stops_with_an_error_when_its_engine_process_dies():
     config = EngineConfig.from_dict({"model": {"model": "builtin", "device": "cpu", "dtype": "float32"},
                                      "cache": {"num_blocks": 64, "block_size": 16},
-                                     "server": {"port": free_port(), "engine_process": True}})
+                                     "server": {"port": 0, "engine_process": True}})
     engine = ProcessEngine(config)
-    url = f"http://127.0.0.1:{config.server.port}"
     body = {"model": MODEL, "prompt": "The list type", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with start_blocking_portal("asyncio") as portal:
-        future, _ = portal.start_task(partial(serve, config, handle_signals=False, engine=engine))
+        future, port = portal.start_task(partial(serve, config, handle_signals=False, engine=engine))
+        url = f"http://127.0.0.1:{port}"
         with httpx.Client(timeout=30) as http, http.stream("POST", f"{url}/v1/completions", json=body) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
@@ -632,21 +632,10 @@ def test_server_stops_with_an_error_when_its_engine_process_dies():
 
 
 def test_llmserve_command_serves_the_builtin_model_and_stops_on_sigterm(tmp_path):
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "llmserve.cli", "--config", str(ROOT / "config.example.toml"),
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    proc, url, log = launched([sys.executable, "-m", "llmserve.cli", "--config", str(ROOT / "config.example.toml")])
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-            time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        assert httpx.get(f"{url}/health").status_code == 200
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "The list type"}],
                                                max_tokens=20, temperature=0)
         words = reply.choices[0].message.content.split()
@@ -659,7 +648,7 @@ def test_llmserve_command_serves_the_builtin_model_and_stops_on_sigterm(tmp_path
         chunks += list(stream)
         assert chunks[-1].choices[0].finish_reason == "length"
         assert proc.wait(timeout=30) == 0
-        log = proc.stdout.read()
+        log += proc.stdout.read()
         assert "serving" in log and "llmserve-builtin" in log and "shutting down" in log
     finally:
         if proc.poll() is None:
@@ -670,24 +659,13 @@ def test_llmserve_command_serves_the_builtin_model_and_stops_on_sigterm(tmp_path
 
 def launch(tmp_path, **server) -> tuple[subprocess.Popen, str]:
     """`llmserve --config` on the built-in model with these [server] keys; temporary files (the
-    engine's socket) under tmp_path. Returns once /health answers."""
-    port = free_port()
-    keys = "\n".join(f"{k} = {json.dumps(v)}" for k, v in {"port": port, **server}.items())
+    engine's socket) under tmp_path. Returns once it serves."""
+    keys = "\n".join(f"{k} = {json.dumps(v)}" for k, v in server.items())
     (tmp_path / "config.toml").write_text(f'[model]\nmodel = "builtin"\ndevice = "cpu"\n[scheduler]\n'
                                           f'log_interval_s = 0\n[server]\n{keys}\n')
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "llmserve.cli", "--config", str(tmp_path / "config.toml")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-        time.sleep(0.2)
+    proc, url, _ = launched([sys.executable, "-m", "llmserve.cli", "--config", str(tmp_path / "config.toml")],
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
+    return proc, url
 
 
 LONG_STREAM = {"model": MODEL, "prompt": "The list type", "max_tokens": 400, "n": 16, "ignore_eos": True,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import tomllib
 from pathlib import Path
@@ -265,18 +264,16 @@ def _missing_model(config: EngineConfig) -> str | None:
 
 
 def _port_in_use(host: str, port: int) -> str | None:
-    """Bind host:port the way Hypercorn will (server/run.py: family from the address, SO_REUSEADDR),
-    and let go at once: Hypercorn binds only after the model has loaded, minutes later for a large
-    one. Another process may still take the port in between; this catches the common case."""
+    """Bind host:port the way the server will, and let go at once: the server binds only after the
+    model has loaded, minutes later for a large one. Another process may still take the port in
+    between; this catches the common case."""
     if port == 0:
         return None
-    host = host.replace("[", "").replace("]", "")
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            return f"cannot listen on {host} port {port}: {exc.strerror or exc}"
+    from llmserve.server.run import bound_socket
+    try:
+        bound_socket(host, port).close()
+    except OSError as exc:
+        return f"cannot listen on {host.replace('[', '').replace(']', '')} port {port}: {exc.strerror or exc}"
     return None
 
 

@@ -14,6 +14,7 @@ Shutdown (SIGINT/SIGTERM, or `stop` set):
 from __future__ import annotations
 
 import signal
+import socket
 
 import anyio
 import structlog
@@ -35,7 +36,8 @@ closes their connections."""
 
 async def serve(config: EngineConfig, *, stop: anyio.Event | None = None, handle_signals: bool = True,
                 engine: Frontend | None = None, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-    """Run until `stop` is set or a signal arrives. Reports started (with the bound port) once listening."""
+    """Run until `stop` is set or a signal arrives. Reports started, with the port it listens on
+    (server.port, or the one the system chose for port 0), once it accepts connections."""
     if engine is None:
         if config.parallel.data_parallel_size > 1:
             engine = ReplicatedEngine(config)
@@ -47,7 +49,6 @@ async def serve(config: EngineConfig, *, stop: anyio.Event | None = None, handle
     cut = anyio.Event()  # the grace period ends now
     grace = config.server.shutdown_grace_s
     hc = HypercornConfig()
-    hc.bind = [f"{config.server.host}:{config.server.port}"]
     hc.graceful_timeout = grace + FLUSH_S
     hc.websocket_max_message_size = config.server.max_body_bytes
     # A burst of new connections (1,000 streams at once) overflowed Hypercorn's default listen
@@ -103,15 +104,34 @@ async def serve(config: EngineConfig, *, stop: anyio.Event | None = None, handle
             engine.stop()
             tg.cancel_scope.cancel()
 
+        sock = bound_socket(config.server.host, config.server.port)
+        port = sock.getsockname()[1]
+        hc.bind = [f"fd://{sock.detach()}"]  # Hypercorn owns the socket from here on, and listens on it
         tg.start_soon(shut_down)
         tg.start_soon(http)
-        await _until_listening(config.server.host, config.server.port)
-        log.info("serving", url=f"http://{config.server.host}:{config.server.port}", model=served_model_name(config),
+        await _until_listening(config.server.host, port)
+        log.info("serving", url=f"http://{config.server.host}:{port}", model=served_model_name(config),
                  device=str(engine.device), kv_tokens=engine.kv_tokens,
                  max_model_len=engine.max_model_len)
-        task_status.started()
+        task_status.started(port)
     if failure:
         raise failure[0]
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """The listening address, bound here rather than by Hypercorn so that port 0 takes a free port
+    and the server can tell which. Hypercorn's way: the family from the address, SO_REUSEADDR, and
+    TCP_NODELAY, which the accepted connections inherit."""
+    host = host.replace("[", "").replace("]", "")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 async def _until_listening(host: str, port: int, timeout: float = 60.0) -> None:
