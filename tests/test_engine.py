@@ -256,6 +256,22 @@ def test_generate_rejects_bad_input_and_keeps_serving(checkpoint):
         assert kv.num_free_blocks() == kv.pool.num_blocks
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(checkpoint):
+    with LLM(checkpoint("llama"), dtype="float32", device="cpu", max_model_len=64, log_interval_s=0) as llm:
+        long = list(range(1, 100))
+        cut, end = llm.generate([{"prompt_token_ids": long}, {"prompt_token_ids": long[-10:]}],
+                                [SamplingParams(max_tokens=5, temperature=0, truncate_prompt_tokens=10),
+                                 SamplingParams(max_tokens=5, temperature=0)], use_tqdm=False)
+        assert cut.prompt_token_ids == long[-10:] and cut.outputs[0].token_ids == end.outputs[0].token_ids
+        (most,) = llm.generate({"prompt_token_ids": long}, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1),
+                               use_tqdm=False)
+        assert most.prompt_token_ids == long[-63:]
+        with pytest.raises(ValueError, match="truncate_prompt_tokens is 64; max_model_len is 64"):
+            llm.generate({"prompt_token_ids": long}, SamplingParams(truncate_prompt_tokens=64), use_tqdm=False)
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be"):
+            SamplingParams(truncate_prompt_tokens=0)
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("temperature", -0.1, r"temperature must be in \[0, 100\]"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\]"),

@@ -157,6 +157,47 @@ def test_vllms_prompt_logprobs(server):
     assert err.value.body["param"] == "prompt_logprobs"
 
 
+def test_vllms_truncate_prompt_tokens(server):
+    """A prompt keeps its last k tokens: the output is the cut prompt's, echo shows the cut prompt,
+    usage counts what was kept; -1 keeps what the context lets a prompt have; more is a 400."""
+    c = server.client()
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "The list type is a sequence of items"}).json()["tokens"]
+    assert len(ids) > 4
+    cut = c.completions.create(model=MODEL, prompt="The list type is a sequence of items", max_tokens=6,
+                               temperature=0, echo=True, extra_body={"truncate_prompt_tokens": 4})
+    alone = c.completions.create(model=MODEL, prompt=ids[-4:], max_tokens=6, temperature=0, echo=True)
+    assert cut.choices[0].text == alone.choices[0].text and cut.usage.prompt_tokens == 4
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 300}], max_tokens=1,
+                                     extra_body={"truncate_prompt_tokens": -1})
+    assert chat.usage.prompt_tokens == server.engine.max_model_len - 1
+    for value, match in ((server.engine.max_model_len, "at most"), (0, "an integer >= 1, or -1")):
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a", "truncate_prompt_tokens": value})
+        assert r.status_code == 400 and match in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_vllms_add_special_tokens(checkpoint, tmp_path):
+    """Completions add the tokenizer's special tokens (a BOS here) unless told not to; chat adds
+    them only when told to (its template writes its own)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+    model = tmp_path / "bos"
+    shutil.copytree(checkpoint("llama"), model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)])
+    tok.save_pretrained(model)
+    with running_server(model=str(model)) as s:
+        def prompt_tokens(path: str, **body) -> int:
+            r = httpx.post(f"{s.url}/v1/{path}", json={"max_tokens": 1, **body})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens"]
+        plain = prompt_tokens("completions", prompt="a b c", add_special_tokens=False)
+        assert prompt_tokens("completions", prompt="a b c") == plain + 1
+        messages = [{"role": "user", "content": "a b c"}]
+        chat = prompt_tokens("chat/completions", messages=messages)
+        assert prompt_tokens("chat/completions", messages=messages, add_special_tokens=True) == chat + 1
+
+
 def test_echo_with_max_tokens_0_scores_the_prompt(server):
     """lm-eval-harness's loglikelihood request: the prompt's own logprobs, nothing generated. Scored
     after a greedy continuation, its tokens carry the logprobs they were sampled with, each the top-1."""

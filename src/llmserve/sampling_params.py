@@ -10,7 +10,8 @@ MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_pe
 """The fields a checkpoint's generation_config.json may default for requests that leave them unset."""
 REQUEST_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "logit_bias", "stop", "stop_token_ids", "include_stop_str_in_output",
-                  "ignore_eos", "min_tokens", "skip_special_tokens", "allowed_token_ids", "bad_words")
+                  "ignore_eos", "min_tokens", "skip_special_tokens", "allowed_token_ids", "bad_words",
+                  "truncate_prompt_tokens")
 """The fields an HTTP request sets under their own names, with these defaults and types (the
 server's request bodies are derived from them). max_tokens, logprobs and prompt_logprobs are
 each endpoint's own (named, defaulted or derived differently)."""
@@ -144,6 +145,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, a regex, a choice or a grammar (decoding strategy
     `structured_outputs`)."""
+    truncate_prompt_tokens: int | None = None
+    """A longer prompt keeps only its last this many tokens (-1: as many as the context lets a prompt
+    have, max_model_len - 1), where it would otherwise be refused; its usage counts those kept."""
     extra_args: dict | None = None
     """Parameters for plugins: a third-party decoding strategy selects its requests by them."""
 
@@ -193,6 +197,11 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_range(name, getattr(self, name), integer=True)
+        if self.truncate_prompt_tokens is not None and (
+                type(self.truncate_prompt_tokens) is not int or not (self.truncate_prompt_tokens >= 1
+                                                                     or self.truncate_prompt_tokens == -1)):
+            _fail("truncate_prompt_tokens", "an integer >= 1, or -1 (the longest prompt the context takes)",
+                  self.truncate_prompt_tokens)
         if self.allowed_token_ids is not None and not (
                 isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
                 and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)):

@@ -166,13 +166,26 @@ class RequestActor:
     def _tokenize(self, sub: Submit, encoded: list[int] | None = None) -> tuple[str | None, list[int], array]:
         """(prompt text, the token ids outputs show, the engine's copy: int64 in one buffer, which
         the garbage collector does not scan as it scans a list's items). `encoded`: the text's ids,
-        tokenized already."""
+        tokenized already. A prompt cut to its last truncate_prompt_tokens has no text: outputs
+        decode what was kept."""
+        keep = sub.params.truncate_prompt_tokens
+        if keep is not None:
+            longest = self.max_model_len - 1
+            if keep > longest:
+                raise ValueError(f"truncate_prompt_tokens is {keep}; max_model_len is {self.max_model_len}, so a "
+                                 f"prompt may keep at most {longest} tokens (-1 keeps that many)")
+            keep = longest if keep == -1 else keep
         if isinstance(sub.prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids instead")
             ids = encoded if encoded is not None else self._encode(sub)
+            if keep is not None and len(ids) > keep:
+                ids = ids[-keep:]
+                return None, ids, array("q", ids)
             return sub.prompt, ids, array("q", ids)
         ids = sub.prompt if type(sub.prompt) is list else list(sub.prompt)
+        if keep is not None and len(ids) > keep:
+            ids = ids[-keep:]
         # C-level passes (a Python check per token, times a batch's prompts, delays its first
         # step); bools are ints to array() but not token ids.
         error = ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
@@ -191,8 +204,8 @@ class RequestActor:
         if not ids:
             raise ValueError("prompt must not be empty")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens long; max_model_len is {self.max_model_len}, "
-                             f"so a prompt may have at most {self.max_model_len - 1} tokens")
+            raise ValueError(f"prompt is {len(ids)} tokens long; max_model_len is {self.max_model_len}, so a prompt "
+                             f"may have at most {self.max_model_len - 1} tokens (truncate_prompt_tokens keeps its end)")
         if strict_length and params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens is {params.max_tokens} but the prompt has {len(ids)} tokens and "
                              f"max_model_len is {self.max_model_len}: at most {self.max_model_len - len(ids)} remain")

@@ -260,6 +260,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True
+    """vLLM's: the tokenizer's special tokens (a BOS) around each text prompt."""
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -359,6 +361,9 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     (with continue_final_message: the whole message, not only its continuation)."""
     include_reasoning: bool = True
     """vLLM's: false leaves the thinking a reasoning parser tells apart out of the answer."""
+    add_special_tokens: bool = False
+    """vLLM's: the tokenizer's special tokens around the rendered messages, on top of those the
+    template writes (off, as the template writes its own BOS)."""
     # OpenAI fields this server does not implement: a 400 naming each when set (unsupported())
     functions: Any = None
     function_call: Any = None

@@ -244,7 +244,8 @@ class OpenAIServing:
             prompt_lp = max(prompt_lp or 0, body.prompt_logprobs)
         params = self._params(body, 1 if score else body.max_tokens, body.logprobs, prompt_lp)
         return _Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, params, body,
-                    echo=body.echo, score_prompt=score, beam=self._beam(body, body.max_tokens))
+                    echo=body.echo, score_prompt=score, add_special_tokens=body.add_special_tokens,
+                    beam=self._beam(body, body.max_tokens))
 
     def chat_job(self, body: ChatCompletionRequest) -> _Job:
         self._check_model(body)
@@ -268,7 +269,7 @@ class OpenAIServing:
         return _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [prompt], params, body,
                     echo_content=last.text() if body.echo and last.role == "assistant" else "",
                     reasoning=self._reasoning(params, prompt), include_reasoning=body.include_reasoning,
-                    add_special_tokens=False, tools=tool_plan, beam=self._beam(body, max_tokens))
+                    add_special_tokens=body.add_special_tokens, tools=tool_plan, beam=self._beam(body, max_tokens))
 
     def _reasoning(self, params: SamplingParams, prompt: str) -> ReasoningFormat | None:
         """How a chat request's choices are split into reasoning and content (server.reasoning_parser),
