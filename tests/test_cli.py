@@ -44,6 +44,8 @@ def test_every_config_field_has_a_documented_flag_that_sets_it():
             if flag.kind is bool:
                 default = getattr(klass(), field.name)
                 argv, value = [flag.option.replace("--", "--no-", 1) if default else flag.option], not default
+            elif flag.several:
+                argv, value = [flag.option, "a, b", "c"], ["a, b", "c"]
             else:
                 typed, value = SAMPLES[flag.kind]
                 argv = [flag.option, typed]
@@ -148,6 +150,8 @@ def test_vllms_other_spellings_of_a_flag_are_taken():
     # values stay as typed: after "=", with a space in them, after "--"
     assert parse_serve(["--prompt", "--what_is x_y?"])[1].prompt == ["--what_is x_y?"]
     assert parse_serve(["--served-model-name=my_model"])[0].server.served_model_name == "my_model"
+    several = parse_serve(["m", "--served-model-name", "a", "org/b", "--api-key", "k,1", "k2"])[0].server
+    assert (several.served_model_name, several.api_key) == (["a", "org/b"], ["k,1", "k2"])  # each value whole
     assert parse_serve(["--", "-q_dir"])[0].model.model == "-q_dir"
     with pytest.raises(ValueError, match="^--pipeline-parallel-size: "):
         parse_serve(["m", "-pp", "2"])

@@ -618,6 +618,20 @@ def test_vllms_api_key_variable_guards_the_server_too(monkeypatch):
         assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": "Bearer vk"}).status_code == 200
 
 
+def test_several_served_names_and_api_keys():
+    """vLLM's lists: a request may name any served name (responses report the first) and carry any key."""
+    with running_server(served_model_name=["main", "org/alias"], api_key=["k1", "k2"]) as s:
+        for key in ("k1", "k2"):
+            out = s.client(api_key=key).completions.create(model="org/alias", prompt="x", max_tokens=1)
+            assert out.model == "main"
+        with pytest.raises(openai.AuthenticationError):
+            s.client(api_key="k3").completions.create(model="main", prompt="x", max_tokens=1)
+        with pytest.raises(openai.NotFoundError):
+            s.client(api_key="k1").completions.create(model=MODEL, prompt="x", max_tokens=1)
+        assert [m.id for m in s.client(api_key="k2").models.list()] == ["main", "org/alias"]
+        assert s.client(api_key="k2").models.retrieve("org/alias").id == "org/alias"
+
+
 def test_full_queue_answers_503_with_retry_after():
     with running_server(max_waiting_requests=1, scheduler={"max_num_seqs": 1}) as s:
         body = {"model": MODEL, "prompt": "The list type", "max_tokens": 300, "ignore_eos": True}

@@ -8,6 +8,8 @@ arguments: `max_model_len` in [model] is `--max-model-len N`. Types come from th
                                              out keeps the file's value or the default)
     list[str]              --x a,b,c        (comma-separated, or a JSON list as vLLM takes it: '["a", "b"]';
                                              --x '' gives the empty list)
+    str | list[str]        --x a [b ...]    (one value or several, each whole, as vLLM's
+                                             --served-model-name and --api-key take them)
 
 A field name found in more than one section, or in a section of _PREFIXED, is spelled with its
 section first: `--plugins-block`. The help of a flag is the docstring that follows the field in
@@ -48,6 +50,8 @@ class Flag:
     kind: type
     """bool, int, float, str or list (of str)."""
     help: str
+    several: bool = False
+    """A list given as separate values (`str | list[str]`), not one comma-separated value."""
 
 
 def sections() -> dict[str, type]:
@@ -74,17 +78,20 @@ def field_docs(klass: type) -> dict[str, str]:
     return docs
 
 
-def _kind(annotation: Any) -> type:
-    """The flag's value type from a field's annotation, `X | None` read as X."""
+def _kind(annotation: Any) -> tuple[type, bool]:
+    """The flag's value type from a field's annotation, `X | None` read as X; and whether it takes
+    several values (`str | list[str]`, a list)."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if args == [str, list[str]]:
+            return list, True
         if len(args) != 1:
             raise TypeError(f"no flag type for the annotation {annotation}")
         annotation = args[0]
     kind = typing.get_origin(annotation) or annotation
     if kind not in (bool, int, float, str, list):
         raise TypeError(f"no flag type for the annotation {annotation}")
-    return kind
+    return kind, False
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -114,7 +121,8 @@ def make_flags(secs: dict[str, type]) -> tuple[Flag, ...]:
                 else str(default).lower() if isinstance(default, bool) else default
             text = f"{docs[f.name]} " if f.name in docs else ""  # tests require a docstring for each
             text += f"[{section}] {f.name}, default {shown}."
-            out.append(Flag(section, f.name, option, _kind(hints[f.name]), text))
+            kind, several = _kind(hints[f.name])
+            out.append(Flag(section, f.name, option, kind, text, several))
     return tuple(out)
 
 
@@ -143,6 +151,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                               "help": flag.help.replace("%", "%%")}
         if flag.kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
+        elif flag.several:
+            kw.update(nargs="+", metavar=flag.name.upper())
         elif flag.kind is list:
             kw.update(type=_comma_list, metavar="A,B")
         else:
@@ -157,5 +167,6 @@ def overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     for flag in flags():
         dest = f"{flag.section}.{flag.name}"
         if dest in given:
-            out.setdefault(flag.section, {})[flag.name] = given[dest]
+            value = given[dest]
+            out.setdefault(flag.section, {})[flag.name] = value[0] if flag.several and len(value) == 1 else value
     return out

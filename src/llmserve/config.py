@@ -182,17 +182,18 @@ class ServerConfig:
     """Address to listen on (0.0.0.0: every IPv4 interface)."""
     port: int = 8000
     """TCP port to listen on."""
-    served_model_name: str | None = None
-    """Name clients pass as `model`; the checkpoint directory's name when unset."""
+    served_model_name: str | list[str] | None = None
+    """Name clients pass as `model`; the checkpoint directory's name when unset. Several names (a
+    list): a request may use any of them; responses and metrics report the first."""
     chat_template: str | None = None
     """A Jinja chat template, or the path of a file holding one, used in place of the tokenizer's
     (a base checkpoint has none)."""
     metrics_prefix: str = "llmserve_"
     """How /metrics names its series: "llmserve_" (llmserve_num_requests_waiting) or "vllm:"
     (vllm:num_requests_waiting, vLLM's own names, for dashboards written for vLLM)."""
-    api_key: str | None = None
+    api_key: str | list[str] | None = None
     """Required as `Authorization: Bearer KEY` when set (or when LLMSERVE_API_KEY, else vLLM's
-    VLLM_API_KEY, is set)."""
+    VLLM_API_KEY, is set). Several keys (a list): any of them is taken."""
     protect_health_metrics: bool = False
     """Also require the key for /health and /metrics."""
     allowed_hosts: list[str] = field(default_factory=list)
@@ -254,6 +255,11 @@ class ServerConfig:
 
         _check(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "server",
                "reasoning_parser", f"one of {sorted(REASONING_PARSERS)}", self.reasoning_parser)
+        for name in ("served_model_name", "api_key"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value != "") or (
+                isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)), "server", name,
+                "a non-empty string or a non-empty list of them", value)
         for name in ("allowed_hosts", "allowed_origins"):
             value = getattr(self, name)
             _check(isinstance(value, list) and all(isinstance(v, str) and v for v in value), "server", name,

@@ -97,12 +97,25 @@ async def _first(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
     return rest()
 
 
-def served_model_name(config: EngineConfig) -> str:
-    if config.server.served_model_name:
-        return config.server.served_model_name
+def served_model_names(config: EngineConfig) -> list[str]:
+    """The names a request's `model` may give; responses and metrics report the first."""
+    names = config.server.served_model_name
+    if names:
+        return [names] if isinstance(names, str) else list(names)
     if config.model.model in ("builtin", str(BUILTIN_MODEL_DIR)):
-        return "llmserve-builtin"
-    return os.path.basename(os.path.normpath(config.model.model)) or "model"
+        return ["llmserve-builtin"]
+    return [os.path.basename(os.path.normpath(config.model.model)) or "model"]
+
+
+def served_model_name(config: EngineConfig) -> str:
+    return served_model_names(config)[0]
+
+
+def api_keys(config: EngineConfig) -> list[str]:
+    """server.api_key, or else LLMSERVE_API_KEY, or else VLLM_API_KEY (a deployment moved from vLLM
+    must not come up without its key); none: the API is open."""
+    keys = config.server.api_key or os.environ.get("LLMSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
+    return [keys] if isinstance(keys, str) else list(keys or [])
 
 
 def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | None = None) -> Quart:
@@ -113,11 +126,11 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
     app.config["RESPONSE_TIMEOUT"] = None  # a long generation streams for as long as it takes
     app.config["BODY_TIMEOUT"] = 60
     draining = draining or anyio.Event()
-    model_name = served_model_name(config)
+    names = served_model_names(config)
+    model_name = names[0]
     metrics = Metrics(engine, model_name, cfg.metrics_prefix, config)
-    serving = OpenAIServing(engine, model_name, metrics, cfg, tool_parser(config))  # unknown: a start-up error
-    # (VLLM_API_KEY too: a deployment moved from vLLM must not come up without its key)
-    gate = Gate(cfg, cfg.api_key or os.environ.get("LLMSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None)
+    serving = OpenAIServing(engine, names, metrics, cfg, tool_parser(config))  # unknown: a start-up error
+    gate = Gate(cfg, api_keys(config))
     sockets_of: Counter[str] = Counter()  # open WebSockets per client address
     app.extensions["llmserve"] = {"engine": engine, "metrics": metrics, "serving": serving}
 
@@ -236,19 +249,23 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
 
     # `root` is the checkpoint's path, as vLLM reports it: clients that load the tokenizer by what
     # the server says (lm-eval, guidellm) find it there
-    card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "llmserve",
-            "root": resolve_model_dir(config.model.model), "parent": None}
+    created = int(time.time())
+
+    def card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "llmserve",
+                "root": resolve_model_dir(config.model.model), "parent": None, "max_model_len": engine.max_model_len}
 
     @app.get("/v1/models")
     async def models():
-        return _json({"object": "list", "data": [{**card, "max_model_len": engine.max_model_len}]})
+        return _json({"object": "list", "data": [card(name) for name in names]})
 
     @app.get("/v1/models/<path:model_id>")  # a path: served names often hold a slash ("org/name")
     async def model(model_id: str):
-        if model_id != model_name:
-            raise APIError(f"The model '{model_id}' does not exist: this server serves '{model_name}'", status=404,
+        if model_id not in names:
+            served = ", ".join(f"'{n}'" for n in names)
+            raise APIError(f"The model '{model_id}' does not exist: this server serves {served}", status=404,
                            param="model", code="model_not_found")
-        return _json({**card, "max_model_len": engine.max_model_len})
+        return _json(card(model_id))
 
     # ---- operations --------------------------------------------------------------------------------
 

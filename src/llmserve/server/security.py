@@ -55,8 +55,8 @@ def _origin(value: str) -> str:
 
 
 class Gate:
-    def __init__(self, cfg: ServerConfig, api_key: str | None) -> None:
-        self.api_key = api_key
+    def __init__(self, cfg: ServerConfig, api_keys: list[str]) -> None:
+        self.api_keys = [key.encode() for key in api_keys]
         self.protect_health_metrics = cfg.protect_health_metrics
         self.any_host = "*" in cfg.allowed_hosts
         self.hosts = frozenset(host_name(h) for h in cfg.allowed_hosts or LOOPBACK_NAMES)
@@ -98,15 +98,14 @@ class Gate:
         return self.any_origin or _origin(origin) in self.origins
 
     def _guarded(self, path: str) -> bool:
-        return self.api_key is not None and (self.protect_health_metrics or path not in OPEN_PATHS)
+        return bool(self.api_keys) and (self.protect_health_metrics or path not in OPEN_PATHS)
 
     def _authorized(self, headers: Mapping[str, str], subprotocols: Iterable[str]) -> bool:
         scheme, _, token = headers.get("Authorization", "").partition(" ")
         tokens = [token] if scheme.lower() == "bearer" else []
         tokens += [p.removeprefix(WS_KEY_PREFIX) for p in subprotocols if p.startswith(WS_KEY_PREFIX)]
-        expected = self.api_key.encode()
-        # every candidate compared in constant time: no early exit reveals which one failed
-        return any([hmac.compare_digest(t.encode(), expected) for t in tokens])
+        # every candidate against every key, each in constant time: no early exit reveals which failed
+        return any([hmac.compare_digest(t.encode(), key) for t in tokens for key in self.api_keys])
 
     # ---- answers ------------------------------------------------------------------------------
 

@@ -169,12 +169,14 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 class OpenAIServing:
-    def __init__(self, engine: Frontend, model_name: str, metrics: Metrics, limits: ServerConfig,
+    def __init__(self, engine: Frontend, model_names: list[str], metrics: Metrics, limits: ServerConfig,
                  tool_parser: ToolParserFactory) -> None:
         self.chat_template = load_chat_template(limits.chat_template)
         """server.chat_template's text (None: the tokenizer's own)."""
         self.engine = engine
-        self.model_name = model_name
+        self.model_names = model_names
+        self.model_name = model_names[0]
+        """What responses report as their model (vLLM's: the first served name)."""
         self.metrics = metrics
         self.limits = limits
         self.tool_parser = tool_parser
@@ -192,7 +194,7 @@ class OpenAIServing:
     # ---- preparing a request -------------------------------------------------------------------
 
     def _check_model(self, body: _SamplingFields) -> None:
-        if body.model is not None and body.model != self.model_name:
+        if body.model is not None and body.model not in self.model_names:
             raise APIError(f"The model `{body.model}` does not exist.", status=404, param="model",
                            code="model_not_found")
 
