@@ -157,6 +157,38 @@ def test_llmserve_register_tool_parsers():
                 pm.unregister(plugin)
 
 
+def test_llmserve_register_reasoning_parsers():
+    """A plugin's parser, by its tags, is what server.reasoning_parser selects: the server splits
+    a choice by it (the output forced into its tags by a regex)."""
+    from llmserve.server.reasoning import ReasoningFormat
+    from servers import running_server
+
+    class Reg:
+        @hookimpl
+        def llmserve_register_reasoning_parsers(self, register):
+            register("seed", ReasoningFormat(starts_inside=False, open="<seed:think>", close="</seed:think>"))
+
+    pm = get_plugin_manager()
+    reg, clash = Reg(), Reg()
+    pm.register(reg, name="reg")
+    try:
+        assert {"seed", "qwen3", "deepseek_r1", "mistral"} <= set(Plugins().reasoning_parsers())
+        assert {r["name"]: r["reasoning_parsers"] for r in Plugins().describe()}["reg"] == ["seed"]
+        with running_server(reasoning_parser="seed") as s:
+            out = s.client().chat.completions.create(
+                model="llmserve-builtin", messages=[{"role": "user", "content": "A list"}], max_tokens=40,
+                extra_body={"structured_outputs": {"regex": "<seed:think>[a-z]{3,8}</seed:think>[a-z]{2,6}"}})
+            message = out.choices[0].message
+            assert message.model_extra["reasoning"].isalpha() and message.content.isalpha()
+        pm.register(clash, name="clash")
+        with pytest.raises(RuntimeError, match="'seed' registered by both"):
+            Plugins().reasoning_parsers()
+    finally:
+        for plugin in (reg, clash):
+            if pm.is_registered(plugin):
+                pm.unregister(plugin)
+
+
 def test_misspelled_hook_implementation_fails_loudly():
     pm = pluggy.PluginManager("llmserve")
     pm.add_hookspecs(hookspecs)
@@ -267,7 +299,7 @@ def test_third_party_package_is_discovered_selectable_and_runs(example_installed
         "hooks": ["llmserve_register_decoding_strategies", "llmserve_register_models",
                   "llmserve_register_quantization_methods"],
         "quantization_methods": ["int4-rtn"], "decoding_strategies": ["allowed_token_ids"], "tool_parsers": [],
-        "proposers": [], "models": ["ExampleLlamaForCausalLM"]}
+        "reasoning_parsers": [], "proposers": [], "models": ["ExampleLlamaForCausalLM"]}
     generate = run_with(example_installed, f"""
 import json, torch
 from llmserve import LLM, SamplingParams

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from itertools import chain
 
 import pytest
 
-from llmserve.server.reasoning import REASONING_PARSERS, ReasoningSplit, split_reasoning
+from llmserve.plugin_manager import Plugins
+from llmserve.server.reasoning import ReasoningFormat, ReasoningSplit, split_reasoning
+
+PARSERS = Plugins().reasoning_parsers()
 
 CASES = {  # text: (qwen3's (reasoning, content), deepseek_r1's)
     "<think>\nI reason\n</think>\n\nThe answer": (("I reason", "The answer"), ("I reason", "The answer")),
@@ -21,12 +25,24 @@ CASES = {  # text: (qwen3's (reasoning, content), deepseek_r1's)
 }
 
 
+def in_tags(fmt: ReasoningFormat, text: str) -> str:
+    """A case's text with <think> tags, and the tags' beginnings at its end, in fmt's tags."""
+    text = text.replace("</think>", fmt.close).replace("<think>", fmt.open)
+    for tag, other in (("</think>", fmt.close), ("<think>", fmt.open)):
+        for n in range(len(tag) - 1, 0, -1):
+            if text.endswith(tag[:n]):
+                return text[:-n] + other[:n]
+    return text
+
+
 @pytest.mark.parametrize("text", CASES)
 def test_a_choice_splits_alike_whole_and_in_any_pieces(text):
     """Every way of cutting the text into three pieces (tags cut anywhere) adds up to the split
     of the whole text."""
-    for name, expected in zip(("qwen3", "deepseek_r1"), CASES[text]):
-        fmt = REASONING_PARSERS[name]
+    for name, expected, fmt in chain(zip(("qwen3", "deepseek_r1"), CASES[text], map(PARSERS.get, ("qwen3", "deepseek_r1"))),
+                                     [("mistral", CASES[text][0], PARSERS["mistral"])]):
+        if fmt.open != "<think>":  # the same cases in the format's own tags
+            text, expected = in_tags(fmt, text), tuple(None if e is None else in_tags(fmt, e) for e in expected)
         assert split_reasoning(fmt, text) == expected, name
         for a, b in itertools.combinations_with_replacement(range(len(text) + 1), 2):
             split, reasoning, content = ReasoningSplit(fmt), "", ""
@@ -40,9 +56,18 @@ def test_a_choice_splits_alike_whole_and_in_any_pieces(text):
 def test_the_prompt_says_where_a_choice_begins():
     """A prompt that left `<think>` open (a thinking-only template) starts the choice inside its
     reasoning; one that ends with a closed tag (thinking off) makes all of it content."""
-    qwen3, r1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek_r1"]
+    qwen3, r1 = PARSERS["qwen3"], PARSERS["deepseek_r1"]
     assert qwen3.after("user: hi\nassistant: <think>\n") == r1
     assert split_reasoning(qwen3.after("assistant: <think>\n"), "R\n</think>\n\nC") == ("R", "C")
     assert qwen3.after("assistant: <think>\n\n</think>\n\n") is None
     assert r1.after("<think>a</think>b user: hi assistant:") == r1
     assert qwen3.after("<think>a</think>b user: hi assistant:") == qwen3
+    mistral = PARSERS["mistral"]
+    assert mistral.after("[INST]hi[/INST][THINK]") == mistral.inside(True)
+    assert mistral.after("[INST]hi[/INST]<think>") == mistral
+
+
+
+def test_a_format_has_two_tags():
+    with pytest.raises(ValueError, match="two different non-empty strings"):
+        ReasoningFormat(starts_inside=False, open="", close="</x>")

@@ -317,7 +317,7 @@ def test_chat_template_variables_and_a_continued_final_message(tmp_path):
         assert s.idle()
 
 
-def test_a_reasoning_parser_reports_the_thinking_apart_from_the_answer(tmp_path):
+def test_a_reasoning_parser_reports_the_thinking_apart_from_the_answer(tmp_path, capsys):
     """server.reasoning_parser "qwen3": a choice's `<think>...</think>` is its `reasoning` (and
     `reasoning_content`), the rest its content, streamed or not; include_reasoning false leaves it
     out; an assistant message's thinking sent back reaches the template."""
@@ -364,8 +364,15 @@ def test_a_reasoning_parser_reports_the_thinking_apart_from_the_answer(tmp_path)
         free = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A list"}], max_tokens=5,
                                          temperature=0)  # no </think> written: all thinking, no answer
         assert free.choices[0].message.content is None and free.choices[0].message.model_extra["reasoning"]
-    with pytest.raises(ValueError, match="server.reasoning_parser must be one of"):
-        EngineConfig.from_dict({"server": {"reasoning_parser": "nope"}})
+    with pytest.raises(ValueError, match=r"server.reasoning_parser 'nope' is not available; registered parsers: "
+                                         r"\['deepseek_r1', 'mistral', 'qwen3'\]"):
+        with running_server(reasoning_parser="nope"):
+            pass
+    from llmserve.cli import main
+    capsys.readouterr()
+    assert main(["serve", "builtin", "--device", "cpu", "--reasoning-parser", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "server.reasoning_parser 'nope' is not available" in err[0]
 
 
 @pytest.mark.parametrize("kwargs,error,param", [

@@ -241,9 +241,11 @@ def _serve(argv: list[str], prog: str, positional: bool) -> int:
 
     from llmserve.plugin_manager import PluginError
     from llmserve.server.run import serve
+    from llmserve.server.reasoning import reasoning_format
     from llmserve.server.tool_calls import tool_parser
     try:  # before anything starts: an unknown parser is a usage error
         tool_parser(config)
+        reasoning_format(config)
     except (ValueError, PluginError) as exc:
         return _fail(prog, str(exc), 2)
     anyio.run(serve, config, backend="asyncio")
@@ -307,6 +309,7 @@ def _plugins(argv: list[str]) -> int:
         provides = [f"quantization: {', '.join(row['quantization_methods'])}"] if row["quantization_methods"] else []
         provides += [f"decoding: {', '.join(row['decoding_strategies'])}"] if row["decoding_strategies"] else []
         provides += [f"tool parsers: {', '.join(row['tool_parsers'])}"] if row["tool_parsers"] else []
+        provides += [f"reasoning parsers: {', '.join(row['reasoning_parsers'])}"] if row["reasoning_parsers"] else []
         provides += [f"proposers: {', '.join(row['proposers'])}"] if row["proposers"] else []
         provides += [f"models: {', '.join(row['models'])}"] if row["models"] else []
         provides += [f"hooks: {', '.join(row['hooks'])}"]

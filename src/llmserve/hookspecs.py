@@ -115,3 +115,21 @@ def llmserve_register_tool_parsers(register: Callable[[str, Any], None]) -> None
 
     :param register: callback taking the parser's name and its factory.
     """
+
+
+# ---- Reasoning parsers (the chat API) ---------------------------------------------------------
+
+@hookspec
+def llmserve_register_reasoning_parsers(register: Callable[[str, Any], None]) -> None:
+    """Register reasoning parsers by calling ``register(name, ReasoningFormat(...))``.
+
+    A parser tells a chat choice's thinking from its answer by the tags the model writes around
+    it (`llmserve.server.reasoning.ReasoningFormat`: ``open`` and ``close``, and ``starts_inside``
+    where the chat template opens the tag in the prompt, so that a choice begins inside it); the
+    thinking is reported as the message's ``reasoning``. Selected by
+    ``server.reasoning_parser = "name"`` (``--reasoning-parser``); built-in: ``qwen3``,
+    ``deepseek_r1``, ``mistral``. Called for every plugin; a name registered twice is a start-up
+    error naming both plugins.
+
+    :param register: callback taking the parser's name and its format.
+    """

@@ -37,6 +37,7 @@ DEFAULT_PLUGINS = {
     "structured_outputs": "llmserve.plugins.structured_outputs",
     "token_masks": "llmserve.plugins.token_masks",
     "hermes": "llmserve.plugins.hermes",
+    "reasoning": "llmserve.plugins.reasoning",
     "ngram": "llmserve.plugins.ngram",
     "draft_model": "llmserve.plugins.draft_model",
 }
@@ -153,11 +154,17 @@ class Plugins:
         """name -> factory(tools) -> ToolParser."""
         return {name: obj for name, (obj, _) in self._registry(self.pm.hook.llmserve_register_tool_parsers).items()}
 
+    def reasoning_parsers(self) -> dict[str, Any]:
+        """name -> ReasoningFormat."""
+        return {name: obj for name, (obj, _) in
+                self._registry(self.pm.hook.llmserve_register_reasoning_parsers).items()}
+
     def describe(self) -> list[dict[str, Any]]:
         """One row per plugin, loaded or skipped: name, source, hooks, what it registers, status."""
         quant = self._registry(self.pm.hook.llmserve_register_quantization_methods)
         decoding = self._registry(self.pm.hook.llmserve_register_decoding_strategies)
         parsers = self._registry(self.pm.hook.llmserve_register_tool_parsers)
+        reasoning = self._registry(self.pm.hook.llmserve_register_reasoning_parsers)
         proposers = self._registry(self.pm.hook.llmserve_register_proposers)
         models = self._registry(self.pm.hook.llmserve_register_models)
         sources = getattr(self.pm, "sources", {})
@@ -169,9 +176,11 @@ class Plugins:
                          "quantization_methods": sorted(m for m, (_, p) in quant.items() if p == name),
                          "decoding_strategies": sorted(d for d, (_, p) in decoding.items() if p == name),
                          "tool_parsers": sorted(t for t, (_, p) in parsers.items() if p == name),
+                         "reasoning_parsers": sorted(t for t, (_, p) in reasoning.items() if p == name),
                          "proposers": sorted(t for t, (_, p) in proposers.items() if p == name),
                          "models": sorted(t for t, (_, p) in models.items() if p == name)})
         for name, why in getattr(self.pm, "skipped", {}).items():
             rows.append({"name": name, "source": "", "status": why, "hooks": [], "quantization_methods": [],
-                         "decoding_strategies": [], "tool_parsers": [], "proposers": [], "models": []})
+                         "decoding_strategies": [], "tool_parsers": [], "reasoning_parsers": [], "proposers": [],
+                         "models": []})
         return rows

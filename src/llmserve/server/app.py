@@ -30,6 +30,7 @@ from llmserve.server.metrics import Metrics
 from llmserve.server.openapi import openapi_document
 from llmserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, decode_body, parse)
+from llmserve.server.reasoning import reasoning_format
 from llmserve.server.responses import ResponsesRequest, ResponseWriter, responses_error
 from llmserve.server.security import Gate
 from llmserve.server.serving import OpenAIServing
@@ -129,7 +130,8 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
     names = served_model_names(config)
     model_name = names[0]
     metrics = Metrics(engine, model_name, cfg.metrics_prefix, config)
-    serving = OpenAIServing(engine, names, metrics, cfg, tool_parser(config))  # unknown: a start-up error
+    # an unknown tool-call or reasoning parser: a start-up error
+    serving = OpenAIServing(engine, names, metrics, cfg, tool_parser(config), reasoning_format(config))
     gate = Gate(cfg, api_keys(config))
     sockets_of: Counter[str] = Counter()  # open WebSockets per client address
     app.extensions["llmserve"] = {"engine": engine, "metrics": metrics, "serving": serving}

@@ -32,7 +32,7 @@ from llmserve.server.logprobs import LogprobsFormat
 from llmserve.server.metrics import Metrics
 from llmserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest,
                                       _SamplingFields)
-from llmserve.server.reasoning import REASONING_PARSERS, ReasoningFormat, ReasoningSplit, split_reasoning
+from llmserve.server.reasoning import ReasoningFormat, ReasoningSplit, split_reasoning
 from llmserve.server.tool_calls import ChoiceCalls, ToolPlan, plan, template_messages, template_tools
 from llmserve.tool_parsers import ToolParserFactory
 
@@ -170,7 +170,7 @@ def load_chat_template(value: str | None) -> str | None:
 
 class OpenAIServing:
     def __init__(self, engine: Frontend, model_names: list[str], metrics: Metrics, limits: ServerConfig,
-                 tool_parser: ToolParserFactory) -> None:
+                 tool_parser: ToolParserFactory, reasoning: ReasoningFormat | None = None) -> None:
         self.chat_template = load_chat_template(limits.chat_template)
         """server.chat_template's text (None: the tokenizer's own)."""
         self.engine = engine
@@ -181,6 +181,8 @@ class OpenAIServing:
         self.limits = limits
         self.tool_parser = tool_parser
         """server.tool_call_parser's factory: what tool_choice auto reads the model's calls with."""
+        self.reasoning = reasoning
+        """server.reasoning_parser's format: how chat choices' thinking is told from their answer."""
         self.logprobs = LogprobsFormat(
             lambda t: self._decode([t]) if self.tokenizer is not None else f"token_id:{t}")
         self.queued = 0
@@ -277,9 +279,8 @@ class OpenAIServing:
         """How a chat request's choices are split into reasoning and content (server.reasoning_parser),
         as its prompt leaves off; an output a grammar writes (structured outputs, a required or
         named tool call) begins as content: it thinks only where it writes the opening tag itself."""
-        fmt = REASONING_PARSERS.get(self.limits.reasoning_parser)
-        fmt = None if fmt is None else fmt.after(prompt)
-        return fmt if fmt is None or params.structured_outputs is None else ReasoningFormat(starts_inside=False)
+        fmt = None if self.reasoning is None else self.reasoning.after(prompt)
+        return fmt if fmt is None or params.structured_outputs is None else fmt.inside(False)
 
     def _beam(self, body: _SamplingFields, max_tokens: int | None) -> BeamSearchParams | None:
         """use_beam_search's parameters, or a 400 naming a field beam search cannot honour."""
