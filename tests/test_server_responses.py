@@ -4,6 +4,7 @@ to the unstreamed response, the length limit, text.format, function tools (and a
 continued with their calls and outputs), logprobs, cached tokens, and 400s that name the field."""
 
 import json
+import shutil
 
 import httpx
 import jsonschema
@@ -12,6 +13,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from servers import MODEL, running_server
 
+from llmserve.engine import BUILTIN_MODEL_DIR
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.protocol import APIError
 from llmserve.server.responses import ResponsesRequest, ResponseWriter
@@ -178,9 +180,11 @@ def test_the_openapi_document_states_the_body(server):
 
 # ---- the writer, alone ------------------------------------------------------------------------------
 
-def chunk(content=None, calls=None, finish=None):
+def chunk(content=None, calls=None, finish=None, reasoning=None):
     """A chat stream chunk, as OpenAIServing.stream sends them."""
     delta = {"content": content} if content is not None else {}
+    if reasoning is not None:
+        delta.update(reasoning=reasoning, reasoning_content=reasoning)
     if calls:
         delta["tool_calls"] = calls
     return {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
@@ -210,6 +214,28 @@ def test_text_after_a_call_is_a_message_item_of_its_own():
     pydantic.TypeAdapter(list[ResponseStreamEvent]).validate_python(events, strict=True)
 
 
+def test_thinking_is_a_reasoning_item_before_the_answer():
+    w = ResponseWriter(ResponsesRequest.model_validate({"input": "x"}), MODEL, SamplingParams(),
+                       count_tokens=lambda text: len(text.split()))
+    events = w.feed(chunk(reasoning="I should ")) + w.feed(chunk(reasoning="say hi"))
+    events += w.feed(chunk("Hi", finish="stop"))
+    events += w.feed({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12,
+                                               "prompt_tokens_details": {"cached_tokens": 0}}})
+    events += w.finish()
+    output = events[-1]["response"]["output"]
+    assert [(item["type"], item["status"]) for item in output] == [("reasoning", "completed"), ("message", "completed")]
+    assert output[0]["content"] == [{"type": "reasoning_text", "text": "I should say hi"}] and output[0]["summary"] == []
+    assert output[0]["id"].startswith("rs_") and output[1]["content"][0]["text"] == "Hi"
+    assert events[-1]["response"]["usage"]["output_tokens_details"]["reasoning_tokens"] == 4
+    types = [e["type"] for e in events]
+    assert types[:4] == ["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+                         "response.reasoning_text.delta"]
+    assert types[4:7] == ["response.reasoning_text.done", "response.content_part.done", "response.output_item.done"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "I should say hi"
+    pydantic.TypeAdapter(list[ResponseStreamEvent]).validate_python(events, strict=True)
+    Response.model_validate(events[-1]["response"], strict=True)
+
+
 def test_a_failed_stream_ends_with_an_error_event_and_response_failed():
     w = writer()
     events = w.feed(chunk("")) + w.feed(chunk("Hel"))
@@ -222,6 +248,38 @@ def test_a_failed_stream_ends_with_an_error_event_and_response_failed():
     assert failed["output"][0]["content"][0]["text"] == "Hel"
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     pydantic.TypeAdapter(list[ResponseStreamEvent]).validate_python(events, strict=True)
+
+
+def test_a_reasoning_parser_gives_reasoning_items_and_takes_them_back(tmp_path):
+    """Under deepseek_r1 the built-in model's output, which writes no </think>, is all thinking: a
+    reasoning item holding chat's `reasoning` for the same messages, streamed alike; a reasoning item
+    sent back reaches the template with the assistant turn after it."""
+    model = tmp_path / "thinker"
+    shutil.copytree(BUILTIN_MODEL_DIR, model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.reasoning_content %}({{ m.reasoning_content }}){% endif %}"
+        "{{ m['content'] }}\n\n{% endfor %}")
+    with running_server(model=str(model), reasoning_parser="deepseek_r1") as s:
+        c = s.client()
+        kw = dict(model=model.name, max_output_tokens=12, temperature=0.0)
+        r = c.responses.create(input="The os module", **kw)
+        expected = c.chat.completions.create(model=model.name, messages=[{"role": "user", "content": "The os module"}],
+                                             max_completion_tokens=12, temperature=0.0).choices[0].message
+        assert [item.type for item in r.output] == ["reasoning"] and r.status == "incomplete"
+        assert r.output[0].content[0].text == expected.model_extra["reasoning"] and r.output_text == ""
+        assert 0 < r.usage.output_tokens_details.reasoning_tokens <= 12
+        events = list(c.responses.create(input="The os module", stream=True, **kw))
+        final = events[-1].response.output
+        assert [item.type for item in final] == ["reasoning"] and final[0].content == r.output[0].content
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
+            r.output[0].content[0].text
+        items = [{"role": "user", "content": "Hi"},
+                 {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+                 {"role": "assistant", "content": "yes"}, {"role": "user", "content": "B"}]
+        with_thought = c.responses.create(input=items, **kw).usage.input_tokens
+        without = c.responses.create(input=[items[0], *items[2:]], **kw).usage.input_tokens
+        hm = httpx.post(f"{s.url}/tokenize", json={"prompt": "(hm)", "add_special_tokens": False}).json()["count"]
+        assert with_thought == without + hm
 
 
 # ---- text.format ----------------------------------------------------------------------------------
@@ -308,7 +366,13 @@ def test_a_tool_conversation_continues_from_its_call_and_output(server):
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "Look:"},
                                               {"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
      "input[0].content[1]"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"},
+                {"role": "assistant", "content": "Hi"}]}, "input[0].encrypted_content"),
+    ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]},
+                {"role": "user", "content": "Hi"}]}, "input[0]"),
+    ({"input": [{"type": "reasoning", "summary": [], "content": [{"type": "output_text", "text": "t"}]},
+                {"role": "assistant", "content": "Hi"}]}, "input[0].content[0]"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
     ({"input": [{"role": "robot", "content": "Hi"}]}, "input[0].role"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),

@@ -220,9 +220,9 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
         try:  # the chat job names the fields as chat has them: the client is told the Responses names
             job = serving.chat_job(chat)
             job.cached_in_usage = True
-            job.reasoning = None  # (its reasoning items are not built here: the text stays as it is)
             serving.admit(job)
-            writer = ResponseWriter(body, model_name, job.params)
+            writer = ResponseWriter(body, model_name, job.params,
+                                    lambda text: len(engine.tokenizer.encode(text, add_special_tokens=False)))
             if body.stream:
                 chunks = await _first(serving.stream(job))
                 return Response(_response_events(writer, chunks, metrics), content_type="text/event-stream",

@@ -9,11 +9,15 @@ gives the stream's events, so a streamed response ends in exactly the object the
 request returns:
 
     chat chunk                          the response
+    delta.reasoning                     a reasoning item (server.reasoning_parser), reasoning_text deltas
     delta.content                       a message item (opened at its first text), output_text deltas
     delta.tool_calls[i] with its id     a function_call item (call_id: the chat call's id)
     delta.tool_calls[i].arguments       function_call_arguments deltas
     finish_reason "length"              status "incomplete", incomplete_details.reason "max_output_tokens"
     the usage chunk                     usage
+
+A reasoning item sent back in `input` gives its text to the assistant turn that follows it (the
+chat message's `reasoning`, which the template gets).
 
 Nothing is stored, so what needs stored state (previous_response_id, conversation, item
 references) is refused, as are built-in tools, non-text input and background runs.
@@ -24,7 +28,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -88,11 +92,32 @@ class FunctionCallOutputItem(_Request):
     output: str | list[dict[str, Any]]
 
 
+class ReasoningItem(_Request):
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+
+    def text(self, where: str) -> str:
+        """Its reasoning_text parts' text (or, with none, its summary's): what the model thought."""
+        if self.encrypted_content is not None:
+            raise APIError(f"{where}.encrypted_content: this server writes no encrypted reasoning and cannot read "
+                           "it; send the reasoning as content", param=f"{where}.encrypted_content")
+        parts, kind = (self.content, "reasoning_text") if self.content else (self.summary, "summary_text")
+        texts = []
+        for j, part in enumerate(parts):
+            if part.get("type") != kind or not isinstance(part.get("text"), str):
+                name = "content" if parts is self.content else "summary"
+                raise APIError(f"{where}.{name}[{j}] must be a {kind} part with its text",
+                               param=f"{where}.{name}[{j}]")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
 class ResponsesRequest(_AdvisoryFields):
     model_config = _STRICT
     model: str | None = None
     input: str | list[dict[str, Any]]
-    """A user message's text, or items: messages, function_call and function_call_output."""
+    """A user message's text, or items: messages, function_call, function_call_output and reasoning."""
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -172,8 +197,13 @@ class ResponsesRequest(_AdvisoryFields):
         if not self.input:
             raise APIError("input must hold at least one item", param="input")
         calls: dict[str, str] = {}  # call_id -> function name, of the calls so far
+        thought: tuple[str, str] | None = None  # a reasoning item's (where, text), for the turn it led to
         for i, raw in enumerate(self.input):
             where, kind = f"input[{i}]", raw.get("type", "message")
+            if thought is not None and not (kind == "function_call" or kind == "message"
+                                            and raw.get("role") == "assistant"):
+                raise APIError(f"{thought[0]}: a reasoning item goes before the assistant message or function_call "
+                               "it led to", param=thought[0])
             if kind == "message":
                 item = _validated(MessageItem, raw, where)
                 messages.append(ChatMessage(role=item.role, content=_text(item.content, f"{where}.content")))
@@ -182,10 +212,16 @@ class ResponsesRequest(_AdvisoryFields):
                 arguments = json_arguments(item.arguments, f"{where}.arguments")
                 call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=arguments))
                 calls[item.call_id] = item.name
-                if messages and messages[-1].role == "assistant":  # the calls of the turn that wrote it
+                if messages and messages[-1].role == "assistant" and thought is None:  # the turn that wrote it
                     messages[-1].tool_calls = (messages[-1].tool_calls or []) + [call]
                 else:
                     messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+            elif kind == "reasoning":
+                if thought is not None:
+                    raise APIError(f"{where}: a second reasoning item in a row (one goes before each assistant "
+                                   "turn)", param=where)
+                thought = where, _validated(ReasoningItem, raw, where).text(where)
+                continue
             elif kind == "function_call_output":
                 item = _validated(FunctionCallOutputItem, raw, where)
                 if item.call_id not in calls:
@@ -197,8 +233,13 @@ class ResponsesRequest(_AdvisoryFields):
                 raise APIError(f"{where}: an item_reference names a stored item; this server stores none "
                                "(send the item itself)", param=where)
             else:
-                raise APIError(f"{where}.type: items of type {kind!r} are not supported (message, function_call "
-                               "and function_call_output are)", param=f"{where}.type")
+                raise APIError(f"{where}.type: items of type {kind!r} are not supported (message, function_call, "
+                               "function_call_output and reasoning are)", param=f"{where}.type")
+            if thought is not None:
+                messages[-1].reasoning, thought = thought[1], None
+        if thought is not None:
+            raise APIError(f"{thought[0]}: a reasoning item goes before the assistant message or function_call it "
+                           "led to", param=thought[0])
         return messages
 
     def chat_tools(self) -> list[ToolDefinition] | None:
@@ -297,6 +338,21 @@ class _Message:
 
 
 @dataclass(slots=True, eq=False)
+class _Reasoning:
+    """A reasoning item with one reasoning_text part (no summary: the model writes none)."""
+    id: str
+    text: str = ""
+    status: str = "in_progress"
+
+    def part(self) -> dict[str, Any]:
+        return {"type": "reasoning_text", "text": self.text}
+
+    def item(self, content: bool = True) -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.id, "summary": [], "content": [self.part()] if content else [],
+                "status": self.status}
+
+
+@dataclass(slots=True, eq=False)
 class _FunctionCall:
     id: str
     call_id: str
@@ -313,12 +369,15 @@ class ResponseWriter:
     """One response, built from its chat job's chunks: the response object and the stream's
     events. Every event is a new dict (what an event shows stays as it was when sent)."""
 
-    def __init__(self, body: ResponsesRequest, model: str, params: SamplingParams) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, params: SamplingParams,
+                 count_tokens: Callable[[str], int] = lambda text: 0) -> None:
         self.body, self.model, self.params = body, model, params
+        self.count_tokens = count_tokens
+        """Tokens of a text as the tokenizer encodes it: usage's reasoning_tokens, of the reasoning items."""
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
-        self.items: list[_Message | _FunctionCall] = []
-        self.open: _Message | _FunctionCall | None = None
+        self.items: list[_Message | _Reasoning | _FunctionCall] = []
+        self.open: _Message | _Reasoning | _FunctionCall | None = None
         """The item being written: the last one, until the output moves on or ends."""
         self.calls: dict[int, _FunctionCall] = {}
         """The chat stream's tool-call index -> its item."""
@@ -375,15 +434,18 @@ class ResponseWriter:
         events: list[dict[str, Any]] = []
         if chunk.get("usage") is not None:
             usage = chunk["usage"]
+            reasoning = sum(self.count_tokens(item.text) for item in self.items if isinstance(item, _Reasoning))
             self.usage = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                           "total_tokens": usage["total_tokens"],
                           "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                                                    "cache_write_tokens": 0},
-                          "output_tokens_details": {"reasoning_tokens": 0}}
+                          "output_tokens_details": {"reasoning_tokens": min(reasoning, usage["completion_tokens"])}}
         for choice in chunk["choices"]:
             delta = choice["delta"]
             if choice.get("logprobs"):
                 self.logprobs += choice["logprobs"]["content"]
+            if delta.get("reasoning"):
+                events += self._reasoning(delta["reasoning"])
             if delta.get("content"):
                 events += self._text(delta["content"])
             for call in delta.get("tool_calls") or []:
@@ -413,10 +475,10 @@ class ResponseWriter:
         self.sequence += 1
         return {"type": kind, "sequence_number": self.sequence - 1, **fields}
 
-    def _where(self, item: _Message | _FunctionCall) -> dict[str, Any]:
+    def _where(self, item: _Message | _Reasoning | _FunctionCall) -> dict[str, Any]:
         return {"item_id": item.id, "output_index": self.items.index(item)}
 
-    def _open(self, item: _Message | _FunctionCall) -> list[dict[str, Any]]:
+    def _open(self, item: _Message | _Reasoning | _FunctionCall) -> list[dict[str, Any]]:
         events = self._close("completed")
         self.items.append(item)
         self.open = item
@@ -437,6 +499,10 @@ class ResponseWriter:
         if isinstance(item, _FunctionCall):
             return [self._event("response.function_call_arguments.done", **where, arguments=item.arguments),
                     self._event("response.output_item.done", output_index=where["output_index"], item=item.item())]
+        if isinstance(item, _Reasoning):
+            return [self._event("response.reasoning_text.done", **where, content_index=0, text=item.text),
+                    self._event("response.content_part.done", **where, content_index=0, part=item.part()),
+                    self._event("response.output_item.done", output_index=where["output_index"], item=item.item())]
         return [self._event("response.output_text.done", **where, content_index=0, text=item.text,
                             logprobs=list(item.logprobs)),
                 self._event("response.content_part.done", **where, content_index=0, part=item.part()),
@@ -453,6 +519,17 @@ class ResponseWriter:
         message.logprobs += logprobs
         return events + [self._event("response.output_text.delta", **self._where(message), content_index=0,
                                      delta=text, logprobs=logprobs)]
+
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+        item = self.open
+        events = []
+        if not isinstance(item, _Reasoning):
+            item = _Reasoning(f"rs_{uuid.uuid4().hex}")
+            events += self._open(item)
+        self.logprobs = []  # (output_text's logprobs are its own text's)
+        item.text += text
+        return events + [self._event("response.reasoning_text.delta", **self._where(item), content_index=0,
+                                     delta=text)]
 
     def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         events = []
