@@ -205,6 +205,9 @@ def test_a_port_in_use_fails_in_one_line_before_the_model_loads(tmp_path):
     (["--model", "/no/such/checkpoint"], 1, "llmserve: error: model directory '/no/such/checkpoint' does not exist"),
     (["serve", "--max-num-seqs", "0"], 2, "llmserve serve: error: scheduler.max_num_seqs must be >= 1, got 0"),
     (["serv"], 2, "llmserve: error: unknown command 'serv'; commands: serve, bench, plugins (llmserve --help)"),
+    (["serve", "builtin", "--ssl-certfile", "/no/cert.pem", "--ssl-keyfile", "/no/key.pem"], 1,
+     "llmserve serve: error: cannot use --ssl-certfile /no/cert.pem with --ssl-keyfile /no/key.pem: "
+     "[Errno 2] No such file or directory"),
 ])
 def test_start_up_failures_are_one_line(argv, status, message):
     proc = llmserve_cli(*argv)

@@ -639,6 +639,49 @@ def test_several_served_names_and_api_keys():
         assert s.client(api_key="k2").models.retrieve("org/alias").id == "org/alias"
 
 
+def test_vllms_serving_switches():
+    """--enable-prompt-tokens-details, --enable-force-include-usage, --return-tokens-as-token-ids
+    and --enable-request-id-headers, each as vLLM has it."""
+    with running_server(enable_prompt_tokens_details=True, enable_force_include_usage=True,
+                        return_tokens_as_token_ids=True, enable_request_id_headers=True) as s:
+        c = s.client()
+        prompt = "The list type is a mutable sequence of items, and the tuple type is an immutable one " * 2
+        first = c.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        again = c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, logprobs=1)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert again.usage.prompt_tokens_details.cached_tokens >= 16  # its first blocks, from the cache
+        assert all(re.fullmatch(r"token_id:\d+", t) for t in again.choices[0].logprobs.tokens)
+        as_text = c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, logprobs=1,
+                                       extra_body={"return_tokens_as_token_ids": False})
+        assert not any(t.startswith("token_id:") for t in as_text.choices[0].logprobs.tokens)
+        chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=3, stream=True))
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+        given = httpx.get(f"{s.url}/v1/models", headers={"X-Request-Id": "abc-1"})
+        assert given.headers["X-Request-Id"] == "abc-1"
+        assert re.fullmatch("[0-9a-f]{32}", httpx.get(f"{s.url}/health").headers["X-Request-Id"])
+    with running_server() as s:  # the defaults: none of it
+        out = s.client().completions.create(model=MODEL, prompt="The list", max_tokens=2, logprobs=1)
+        assert out.usage.prompt_tokens_details is None and "X-Request-Id" not in httpx.get(f"{s.url}/health").headers
+        assert not any(t.startswith("token_id:") for t in out.choices[0].logprobs.tokens)
+        chunks = list(s.client().completions.create(model=MODEL, prompt="The list", max_tokens=2, stream=True))
+        assert all(chunk.usage is None for chunk in chunks)
+
+
+def test_https_with_a_certificate(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    with running_server(ssl_certfile=str(cert), ssl_keyfile=str(key)) as s:
+        url = s.url.replace("http://", "https://")
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "The list", "max_tokens": 2}, verify=str(cert))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        with pytest.raises(httpx.TransportError):  # it speaks TLS only
+            httpx.get(f"{s.url}/health")
+
+
 def test_full_queue_answers_503_with_retry_after():
     with running_server(max_waiting_requests=1, scheduler={"max_num_seqs": 1}) as s:
         body = {"model": MODEL, "prompt": "The list type", "max_tokens": 300, "ignore_eos": True}

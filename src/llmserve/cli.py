@@ -135,11 +135,29 @@ VLLM_REFUSED = {
     "--optimization-level": "CUDA graphs are llmserve's own (--enforce-eager turns them off); nothing is compiled",
     "--override-generation-config": "the sampling defaults are the checkpoint's generation_config.json "
                                     "(--generation-config none: OpenAI's); a request sets its own",
+    "--max-logprobs": "a request may ask for at most 20 logprobs a token (OpenAI's limit)",
+    "--preemption-mode": "preempted requests are computed again (recompute), never swapped to the CPU",
+    "--num-scheduler-steps": "a step is planned while the one before runs (async scheduling), one token a step",
+    "--tokenizer-pool-size": "the server's tokenizer runs on worker threads, long prompts off the event loop",
+    "--api-server-count": "one HTTP server process; --data-parallel-size replicas share it",
+    "--chat-template-content-format": "a message's text parts reach the template joined, as one string",
+    "--kv-transfer-config": "no disaggregated prefill: prefill and decode run on the same GPUs",
+    "--hf-overrides": "the checkpoint's config.json is used as it is",
+    "--max-seq-len-to-capture": "CUDA graphs hold decode steps whatever their context length",
+    "--cuda-graph-sizes": "CUDA graphs are captured for a ladder of decode batch sizes (1, 2, 4, 8, then every 16) "
+                          "up to --max-num-seqs, and of mixed steps' token counts",
+    "--root-path": "the API is served at the root: a proxy in front strips its prefix",
+    "--middleware": "no ASGI middleware is loaded; a plugin adds what the engine does",
+    "--allowed-local-media-path": "text only: no image, audio or video inputs",
+    "--ssl-ca-certs": "client certificates are not checked: use --api-key",
+    "--enable-server-load-tracking": "/metrics reports the requests running and waiting",
 }
 """vLLM's flags for what llmserve does not do: refused, saying so, rather than unrecognized."""
 
 VLLM_REFUSED_BUT = {"--pipeline-parallel-size": ("1",), "--tokenizer-mode": ("auto", "hf"),
-                    "--response-role": ("assistant",), "--cpu-offload-gb": ("0",)}
+                    "--response-role": ("assistant",), "--cpu-offload-gb": ("0",), "--max-logprobs": ("20",),
+                    "--preemption-mode": ("recompute",), "--num-scheduler-steps": ("1",),
+                    "--api-server-count": ("1",), "--chat-template-content-format": ("auto", "string")}
 """The values of a refused flag that ask for what llmserve does: taken."""
 
 VLLM_VALUES = {"--dtype": {"half": "float16", "float": "float32"}, "--generation-config": {"vllm": "none"},
@@ -147,7 +165,8 @@ VLLM_VALUES = {"--dtype": {"half": "float16", "float": "float32"}, "--generation
 """vLLM's names for values llmserve spells otherwise."""
 
 VLLM_NAMES = {"--scheduling-policy": "--policy", "-O": "--optimization-level", "-tp": "--tensor-parallel-size",
-              "-dp": "--data-parallel-size", "-pp": "--pipeline-parallel-size", "-q": "--quantization"}
+              "-dp": "--data-parallel-size", "-pp": "--pipeline-parallel-size", "-q": "--quantization",
+              "--disable-frontend-multiprocessing": "--no-engine-process"}
 """vLLM's names for flags llmserve spells otherwise, its short forms among them."""
 
 
@@ -234,7 +253,7 @@ def _serve(argv: list[str], prog: str, positional: bool) -> int:
     configure_logging()
     if args.prompt:
         return _generate(prog, config, args)
-    problem = _port_in_use(config.server.host, config.server.port)
+    problem = _port_in_use(config.server.host, config.server.port) or _unusable_certificate(config)
     if problem:
         return _fail(prog, problem, 1)
     import anyio
@@ -276,6 +295,20 @@ def _port_in_use(host: str, port: int) -> str | None:
         bound_socket(host, port).close()
     except OSError as exc:
         return f"cannot listen on {host.replace('[', '').replace(']', '')} port {port}: {exc.strerror or exc}"
+    return None
+
+
+def _unusable_certificate(config: EngineConfig) -> str | None:
+    """server.ssl_certfile and ssl_keyfile, loaded as the server will load them once the model is
+    ready: a wrong path or a key of another certificate is found now, in one line."""
+    cfg = config.server
+    if cfg.ssl_certfile is None:
+        return None
+    import ssl
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cfg.ssl_certfile, cfg.ssl_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        return f"cannot use --ssl-certfile {cfg.ssl_certfile} with --ssl-keyfile {cfg.ssl_keyfile}: {exc}"
     return None
 
 

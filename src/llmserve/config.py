@@ -238,6 +238,21 @@ class ServerConfig:
     of a registered reasoning parser (a plugin's; built-in: "qwen3", `<think>...</think>` first;
     "deepseek_r1", the template opens `<think>` and the choice begins inside it; "mistral",
     `[THINK]...[/THINK]`); the thinking is reported as `reasoning`, not content. Unset: all is content."""
+    enable_prompt_tokens_details: bool = False
+    """Chat and completions usage also states prompt_tokens_details.cached_tokens, the prompt
+    tokens the prefix cache held (off by default, as in vLLM: usage then does not depend on which
+    requests ran before; the Responses API always states them)."""
+    enable_force_include_usage: bool = False
+    """Every streamed chat or completions request ends with a usage chunk, as if it had asked with
+    stream_options.include_usage."""
+    return_tokens_as_token_ids: bool = False
+    """Logprobs name each token "token_id:N" unless a request says otherwise (its own field)."""
+    enable_request_id_headers: bool = False
+    """Each response carries X-Request-Id: the request's own header, else a new id."""
+    ssl_certfile: str | None = None
+    """Serve HTTPS (and WSS) with this certificate chain (PEM), with ssl_keyfile."""
+    ssl_keyfile: str | None = None
+    """The private key (PEM) of ssl_certfile."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "server", "port", "in [0, 65535]", self.port)
@@ -254,6 +269,8 @@ class ServerConfig:
                "the name of a registered tool-call parser", self.tool_call_parser)
         _check(self.reasoning_parser is None or isinstance(self.reasoning_parser, str) and self.reasoning_parser != "",
                "server", "reasoning_parser", "the name of a registered reasoning parser", self.reasoning_parser)
+        _check((self.ssl_certfile is None) == (self.ssl_keyfile is None), "server", "ssl_keyfile",
+               "set together with ssl_certfile", self.ssl_keyfile)
         for name in ("served_model_name", "api_key"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, str) and value != "") or (

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from collections import Counter
 from functools import partial
 from collections.abc import AsyncIterator
@@ -154,8 +155,10 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
         gate.check(websocket.path, websocket.headers, websocket.requested_subprotocols)
 
     @app.after_request
-    async def add_cors(response: Response) -> Response:
+    async def add_headers(response: Response) -> Response:
         response.headers.update(gate.cors_headers(request.headers.get("Origin")))
+        if cfg.enable_request_id_headers:
+            response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         return response
 
     async def body_json() -> Any:

@@ -56,6 +56,7 @@ async def serve(config: EngineConfig, *, stop: anyio.Event | None = None, handle
     hc.backlog = 4096
     hc.accesslog = None
     hc.errorlog = "-"
+    hc.certfile, hc.keyfile = config.server.ssl_certfile, config.server.ssl_keyfile
 
     async def watch_signals(scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -110,7 +111,8 @@ async def serve(config: EngineConfig, *, stop: anyio.Event | None = None, handle
         tg.start_soon(shut_down)
         tg.start_soon(http)
         await _until_listening(config.server.host, port)
-        log.info("serving", url=f"http://{config.server.host}:{port}", model=served_model_name(config),
+        scheme = "https" if hc.ssl_enabled else "http"
+        log.info("serving", url=f"{scheme}://{config.server.host}:{port}", model=served_model_name(config),
                  device=str(engine.device), kv_tokens=engine.kv_tokens,
                  max_model_len=engine.max_model_len)
         task_status.started(port)

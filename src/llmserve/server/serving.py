@@ -92,8 +92,9 @@ class _Job:
     """use_beam_search: its parameters (max_tokens None: to the context's end, set per job)."""
     cached_in_usage: bool = False
     """usage also states prompt_tokens_details.cached_tokens, the prompt tokens the prefix cache
-    held: the Responses API reports them; chat and completions leave them out, so that their usage
-    does not depend on which requests ran before."""
+    held: the Responses API reports them; chat and completions leave them out (unless
+    server.enable_prompt_tokens_details), so that their usage does not depend on which requests
+    ran before."""
 
 
 class _Filled:
@@ -247,9 +248,9 @@ class OpenAIServing:
         if body.prompt_logprobs is not None:
             prompt_lp = max(prompt_lp or 0, body.prompt_logprobs)
         params = self._params(body, 1 if score else body.max_tokens, body.logprobs, prompt_lp)
-        return _Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, params, body,
-                    echo=body.echo, score_prompt=score, add_special_tokens=body.add_special_tokens,
-                    beam=self._beam(body, body.max_tokens))
+        return self._settled(_Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, params, body,
+                                  echo=body.echo, score_prompt=score, add_special_tokens=body.add_special_tokens,
+                                  beam=self._beam(body, body.max_tokens)))
 
     def chat_job(self, body: ChatCompletionRequest) -> _Job:
         self._check_model(body)
@@ -270,10 +271,18 @@ class OpenAIServing:
                               constraint=tool_plan and tool_plan.constraint)
         prompt = self.render_chat(body, tools)
         last = body.messages[-1]
-        return _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [prompt], params, body,
-                    echo_content=last.text() if body.echo and last.role == "assistant" else "",
-                    reasoning=self._reasoning(params, prompt), include_reasoning=body.include_reasoning,
-                    add_special_tokens=body.add_special_tokens, tools=tool_plan, beam=self._beam(body, max_tokens))
+        return self._settled(_Job(
+            "chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [prompt], params, body,
+            echo_content=last.text() if body.echo and last.role == "assistant" else "",
+            reasoning=self._reasoning(params, prompt), include_reasoning=body.include_reasoning,
+            add_special_tokens=body.add_special_tokens, tools=tool_plan, beam=self._beam(body, max_tokens)))
+
+    def _settled(self, job: _Job) -> _Job:
+        """The job with the server's settings in place of what its request left out."""
+        if self.limits.return_tokens_as_token_ids and "return_tokens_as_token_ids" not in job.body.model_fields_set:
+            job.body.return_tokens_as_token_ids = True
+        job.cached_in_usage = self.limits.enable_prompt_tokens_details
+        return job
 
     def _reasoning(self, params: SamplingParams, prompt: str) -> ReasoningFormat | None:
         """How a chat request's choices are split into reasoning and content (server.reasoning_parser),
@@ -497,10 +506,11 @@ class OpenAIServing:
         return finals
 
     async def stream(self, job: _Job) -> AsyncIterator[dict[str, Any]]:
-        """Chunk objects, in order; the last one carries usage when stream_options.include_usage,
-        and every one the request's usage so far with vLLM's stream_options.continuous_usage_stats
+        """Chunk objects, in order; the last one carries usage when stream_options.include_usage (or
+        server.enable_force_include_usage), and every one the request's usage so far with vLLM's stream_options.continuous_usage_stats
         (all its prompts and choices together: a chunk may carry several choices)."""
         finals: dict[int, RequestOutput] = {}
+        with_usage = job.body.include_usage_in_stream() or self.limits.enable_force_include_usage
         continuous = job.body.include_usage_in_stream() and job.body.stream_options.continuous_usage_stats
         so_far = [0, 0]  # with continuous usage: the prompt tokens of the prompts begun, the completion tokens
 
@@ -531,7 +541,7 @@ class OpenAIServing:
                                      "logprobs": None, "finish_reason": None} for k in range(job.params.n)])
                 for choices in _rounds(self._new_choices(job, i, out)):
                     yield chunk_of(choices)
-        if job.body.include_usage_in_stream():
+        if with_usage:
             chunk = self._chunk(job, [])
             chunk["usage"] = self._usage(job, finals.values())
             yield chunk
