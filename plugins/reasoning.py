@@ -11,4 +11,3 @@ from llmserve.server.reasoning import ReasoningFormat
 def llmserve_register_reasoning_parsers(register) -> None:
     register("qwen3", ReasoningFormat(starts_inside=False))  # Qwen3, QwQ: "<think>...</think>" leads, or not at all
     register("deepseek_r1", ReasoningFormat(starts_inside=True))  # its template opens <think> in the prompt
-    register("mistral", ReasoningFormat(starts_inside=False, open="[THINK]", close="[/THINK]"))  # Magistral

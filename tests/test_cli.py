@@ -152,6 +152,9 @@ def test_vllms_other_spellings_of_a_flag_are_taken():
     assert parse_serve(["--served-model-name=my_model"])[0].server.served_model_name == "my_model"
     several = parse_serve(["m", "--served-model-name", "a", "org/b", "--api-key", "k,1", "k2"])[0].server
     assert (several.served_model_name, several.api_key) == (["a", "org/b"], ["k,1", "k2"])  # each value whole
+    with pytest.raises(ValueError, match="--api-key took 'builtin' as one of its values: give MODEL before"):
+        parse_serve(["--api-key", "k1", "k2", "builtin"])  # (vLLM's nargs: MODEL after them is one of them)
+    assert parse_serve(["--api-key", "k1", "k2", "--", "builtin"])[0].server.api_key == ["k1", "k2"]
     assert parse_serve(["--", "-q_dir"])[0].model.model == "-q_dir"
     with pytest.raises(ValueError, match="^--pipeline-parallel-size: "):
         parse_serve(["m", "-pp", "2"])

@@ -168,11 +168,16 @@ def test_llmserve_register_reasoning_parsers():
         def llmserve_register_reasoning_parsers(self, register):
             register("seed", ReasoningFormat(starts_inside=False, open="<seed:think>", close="</seed:think>"))
 
+    class Wrong:
+        @hookimpl
+        def llmserve_register_reasoning_parsers(self, register):
+            register("mine", {"open": "<r>", "close": "</r>"})
+
     pm = get_plugin_manager()
     reg, clash = Reg(), Reg()
     pm.register(reg, name="reg")
     try:
-        assert {"seed", "qwen3", "deepseek_r1", "mistral"} <= set(Plugins().reasoning_parsers())
+        assert {"seed", "qwen3", "deepseek_r1"} <= set(Plugins().reasoning_parsers())
         assert {r["name"]: r["reasoning_parsers"] for r in Plugins().describe()}["reg"] == ["seed"]
         with running_server(reasoning_parser="seed") as s:
             out = s.client().chat.completions.create(
@@ -183,10 +188,14 @@ def test_llmserve_register_reasoning_parsers():
         pm.register(clash, name="clash")
         with pytest.raises(RuntimeError, match="'seed' registered by both"):
             Plugins().reasoning_parsers()
+        pm.unregister(clash)
+        pm.register(Wrong(), name="wrong")
+        with pytest.raises(PluginError, match="plugin 'wrong' registered the reasoning parser 'mine' as a dict"):
+            Plugins().reasoning_parsers()
     finally:
-        for plugin in (reg, clash):
-            if pm.is_registered(plugin):
-                pm.unregister(plugin)
+        for name in ("reg", "clash", "wrong"):
+            if pm.get_plugin(name) is not None:
+                pm.unregister(name=name)
 
 
 def test_misspelled_hook_implementation_fails_loudly():

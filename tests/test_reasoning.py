@@ -11,6 +11,8 @@ from llmserve.plugin_manager import Plugins
 from llmserve.server.reasoning import ReasoningFormat, ReasoningSplit, split_reasoning
 
 PARSERS = Plugins().reasoning_parsers()
+BRACKETS = ReasoningFormat(starts_inside=False, open="[THINK]", close="[/THINK]")
+"""A format of other tags: the same cases, in them."""
 
 CASES = {  # text: (qwen3's (reasoning, content), deepseek_r1's)
     "<think>\nI reason\n</think>\n\nThe answer": (("I reason", "The answer"), ("I reason", "The answer")),
@@ -40,7 +42,7 @@ def test_a_choice_splits_alike_whole_and_in_any_pieces(text):
     """Every way of cutting the text into three pieces (tags cut anywhere) adds up to the split
     of the whole text."""
     for name, expected, fmt in chain(zip(("qwen3", "deepseek_r1"), CASES[text], map(PARSERS.get, ("qwen3", "deepseek_r1"))),
-                                     [("mistral", CASES[text][0], PARSERS["mistral"])]):
+                                     [("brackets", CASES[text][0], BRACKETS)]):
         if fmt.open != "<think>":  # the same cases in the format's own tags
             text, expected = in_tags(fmt, text), tuple(None if e is None else in_tags(fmt, e) for e in expected)
         assert split_reasoning(fmt, text) == expected, name
@@ -62,9 +64,8 @@ def test_the_prompt_says_where_a_choice_begins():
     assert qwen3.after("assistant: <think>\n\n</think>\n\n") is None
     assert r1.after("<think>a</think>b user: hi assistant:") == r1
     assert qwen3.after("<think>a</think>b user: hi assistant:") == qwen3
-    mistral = PARSERS["mistral"]
-    assert mistral.after("[INST]hi[/INST][THINK]") == mistral.inside(True)
-    assert mistral.after("[INST]hi[/INST]<think>") == mistral
+    assert BRACKETS.after("[INST]hi[/INST][THINK]") == BRACKETS.inside(True)
+    assert BRACKETS.after("[INST]hi[/INST]<think>") == BRACKETS
 
 
 

@@ -365,7 +365,7 @@ def test_a_reasoning_parser_reports_the_thinking_apart_from_the_answer(tmp_path,
                                          temperature=0)  # no </think> written: all thinking, no answer
         assert free.choices[0].message.content is None and free.choices[0].message.model_extra["reasoning"]
     with pytest.raises(ValueError, match=r"server.reasoning_parser 'nope' is not available; registered parsers: "
-                                         r"\['deepseek_r1', 'mistral', 'qwen3'\]"):
+                                         r"\['deepseek_r1', 'qwen3'\]"):
         with running_server(reasoning_parser="nope"):
             pass
     from llmserve.cli import main
@@ -626,11 +626,17 @@ def test_vllms_api_key_variable_guards_the_server_too(monkeypatch):
 
 
 def test_several_served_names_and_api_keys():
-    """vLLM's lists: a request may name any served name (responses report the first) and carry any key."""
+    """vLLM's lists: a request may name any served name (its response reports that one; the first
+    where it names none) and carry any key."""
     with running_server(served_model_name=["main", "org/alias"], api_key=["k1", "k2"]) as s:
         for key in ("k1", "k2"):
             out = s.client(api_key=key).completions.create(model="org/alias", prompt="x", max_tokens=1)
-            assert out.model == "main"
+            assert out.model == "org/alias"
+        unnamed = httpx.post(f"{s.url}/v1/chat/completions", headers={"Authorization": "Bearer k1"},
+                             json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+        assert unnamed.json()["model"] == "main"
+        r = s.client(api_key="k2").responses.create(model="org/alias", input="x", max_output_tokens=1)
+        assert r.model == "org/alias"
         with pytest.raises(openai.AuthenticationError):
             s.client(api_key="k3").completions.create(model="main", prompt="x", max_tokens=1)
         with pytest.raises(openai.NotFoundError):

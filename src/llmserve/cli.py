@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tomllib
 from pathlib import Path
 
 from llmserve import __version__
-from llmserve.cli_flags import add_config_flags, overrides
+from llmserve.cli_flags import add_config_flags, flags, overrides
 from llmserve.config import EngineConfig
 
 COMMANDS = {
@@ -220,6 +221,13 @@ def parse_serve(argv: list[str], prog: str = "llmserve serve",
     if args.speculative_config is not None:
         given["speculative"] = {**args.speculative_config, **given.get("speculative", {})}
     model = getattr(args, "model_arg", None)
+    if positional and model is None:
+        for flag in flags():
+            values = vars(args).get(f"{flag.section}.{flag.name}")
+            if flag.several and isinstance(values, list) and len(values) > 1 and (
+                    values[-1] == "builtin" or os.path.isdir(values[-1])):
+                raise ValueError(f"{flag.option} took {values[-1]!r} as one of its values: give MODEL before the "
+                                 f"flags (or end {flag.option}'s values with --)")
     if model is not None:
         if given.get("model", {}).get("model", model) != model:
             raise ValueError(f"the model is given twice: {model!r} and --model {given['model']['model']!r}")

@@ -184,7 +184,7 @@ class ServerConfig:
     """TCP port to listen on."""
     served_model_name: str | list[str] | None = None
     """Name clients pass as `model`; the checkpoint directory's name when unset. Several names (a
-    list): a request may use any of them; responses and metrics report the first."""
+    list): a request may use any of them, and its response reports that one; metrics carry the first."""
     chat_template: str | None = None
     """A Jinja chat template, or the path of a file holding one, used in place of the tokenizer's
     (a base checkpoint has none)."""
@@ -236,8 +236,7 @@ class ServerConfig:
     reasoning_parser: str | None = None
     """How chat choices' thinking is told from their answer (vLLM's --reasoning-parser): the name
     of a registered reasoning parser (a plugin's; built-in: "qwen3", `<think>...</think>` first;
-    "deepseek_r1", the template opens `<think>` and the choice begins inside it; "mistral",
-    `[THINK]...[/THINK]`); the thinking is reported as `reasoning`, not content. Unset: all is content."""
+    "deepseek_r1", the template opens `<think>` and the choice begins inside it); the thinking is reported as `reasoning`, not content. Unset: all is content."""
     enable_prompt_tokens_details: bool = False
     """Chat and completions usage also states prompt_tokens_details.cached_tokens, the prompt
     tokens the prefix cache held (off by default, as in vLLM: usage then does not depend on which

@@ -128,7 +128,8 @@ def llmserve_register_reasoning_parsers(register: Callable[[str, Any], None]) ->
     where the chat template opens the tag in the prompt, so that a choice begins inside it); the
     thinking is reported as the message's ``reasoning``. Selected by
     ``server.reasoning_parser = "name"`` (``--reasoning-parser``); built-in: ``qwen3``,
-    ``deepseek_r1``, ``mistral``. Called for every plugin; a name registered twice is a start-up
+    ``deepseek_r1``. The tags must reach the text: a tokenizer that marks them special drops them
+    from it unless a request sends ``skip_special_tokens: false``. Called for every plugin; a name registered twice is a start-up
     error naming both plugins.
 
     :param register: callback taking the parser's name and its format.

@@ -155,9 +155,15 @@ class Plugins:
         return {name: obj for name, (obj, _) in self._registry(self.pm.hook.llmserve_register_tool_parsers).items()}
 
     def reasoning_parsers(self) -> dict[str, Any]:
-        """name -> ReasoningFormat."""
-        return {name: obj for name, (obj, _) in
-                self._registry(self.pm.hook.llmserve_register_reasoning_parsers).items()}
+        """name -> ReasoningFormat; a PluginError naming the plugin that registered something else."""
+        from llmserve.server.reasoning import ReasoningFormat
+
+        found = self._registry(self.pm.hook.llmserve_register_reasoning_parsers)
+        for name, (obj, plugin) in found.items():
+            if not isinstance(obj, ReasoningFormat):
+                raise PluginError(f"plugin {plugin!r} registered the reasoning parser {name!r} as a "
+                                  f"{type(obj).__name__}, not a llmserve.server.reasoning.ReasoningFormat")
+        return {name: obj for name, (obj, _) in found.items()}
 
     def describe(self) -> list[dict[str, Any]]:
         """One row per plugin, loaded or skipped: name, source, hooks, what it registers, status."""

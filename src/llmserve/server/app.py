@@ -224,7 +224,7 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
             job = serving.chat_job(chat)
             job.cached_in_usage = True
             serving.admit(job)
-            writer = ResponseWriter(body, model_name, job.params,
+            writer = ResponseWriter(body, job.model, job.params,
                                     lambda text: len(engine.tokenizer.encode(text, add_special_tokens=False)))
             if body.stream:
                 chunks = await _first(serving.stream(job))

@@ -9,7 +9,6 @@ through the `llmserve_register_reasoning_parsers` hook; the built-in ones (plugi
                   "C"                  (thinking off: no tag first)   none            C
     deepseek_r1   "R</think>C" or "<think>R</think>C" (its template   R               C
                   opens the tag in the prompt)
-    mistral       "[THINK]R[/THINK]C"  (Magistral)                    R               C
 
 Where the prompt itself opened the tag, the choice begins inside its reasoning; where it ends with
 a closed one (thinking switched off), all of it is content. An output a grammar constrains

@@ -17,7 +17,8 @@ request returns:
     the usage chunk                     usage
 
 A reasoning item sent back in `input` gives its text to the assistant turn that follows it (the
-chat message's `reasoning`, which the template gets).
+chat message's `reasoning`, which the template gets); followed by none (a response cut short in
+its thinking), to an empty assistant turn of its own.
 
 Nothing is stored, so what needs stored state (previous_response_id, conversation, item
 references) is refused, as are built-in tools, non-text input and background runs.
@@ -47,7 +48,7 @@ _NOTHING_TO_INCLUDE = frozenset({
     "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
     "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
     "reasoning.encrypted_content"})
-"""`include` values about items this server never has (built-in tool calls, images, reasoning):
+"""`include` values about items this server never has (built-in tool calls, images, encrypted reasoning):
 accepted, and there is nothing for them to add."""
 
 
@@ -197,13 +198,14 @@ class ResponsesRequest(_AdvisoryFields):
         if not self.input:
             raise APIError("input must hold at least one item", param="input")
         calls: dict[str, str] = {}  # call_id -> function name, of the calls so far
-        thought: tuple[str, str] | None = None  # a reasoning item's (where, text), for the turn it led to
+        thought: str | None = None  # reasoning items' text, for the assistant turn they led to
         for i, raw in enumerate(self.input):
             where, kind = f"input[{i}]", raw.get("type", "message")
-            if thought is not None and not (kind == "function_call" or kind == "message"
+            if thought is not None and not (kind in ("function_call", "reasoning") or kind == "message"
                                             and raw.get("role") == "assistant"):
-                raise APIError(f"{thought[0]}: a reasoning item goes before the assistant message or function_call "
-                               "it led to", param=thought[0])
+                # thinking that led to no answer (a response cut short in it): a turn of its own
+                messages.append(ChatMessage(role="assistant", content="", reasoning=thought))
+                thought = None
             if kind == "message":
                 item = _validated(MessageItem, raw, where)
                 messages.append(ChatMessage(role=item.role, content=_text(item.content, f"{where}.content")))
@@ -217,10 +219,7 @@ class ResponsesRequest(_AdvisoryFields):
                 else:
                     messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
             elif kind == "reasoning":
-                if thought is not None:
-                    raise APIError(f"{where}: a second reasoning item in a row (one goes before each assistant "
-                                   "turn)", param=where)
-                thought = where, _validated(ReasoningItem, raw, where).text(where)
+                thought = (thought or "") + _validated(ReasoningItem, raw, where).text(where)
                 continue
             elif kind == "function_call_output":
                 item = _validated(FunctionCallOutputItem, raw, where)
@@ -236,10 +235,9 @@ class ResponsesRequest(_AdvisoryFields):
                 raise APIError(f"{where}.type: items of type {kind!r} are not supported (message, function_call, "
                                "function_call_output and reasoning are)", param=f"{where}.type")
             if thought is not None:
-                messages[-1].reasoning, thought = thought[1], None
+                messages[-1].reasoning, thought = thought, None
         if thought is not None:
-            raise APIError(f"{thought[0]}: a reasoning item goes before the assistant message or function_call it "
-                           "led to", param=thought[0])
+            messages.append(ChatMessage(role="assistant", content="", reasoning=thought))
         return messages
 
     def chat_tools(self) -> list[ToolDefinition] | None:
@@ -320,6 +318,19 @@ def responses_error(error: APIError) -> APIError:
 
 
 # ---- the response ---------------------------------------------------------------------------------
+
+def _writing(entries: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """Of the logprob entries of the tokens since the last text, those that wrote `text`, the
+    answer's first text after the thinking: the longest run at their end whose bytes end it (the
+    ones before were the closing tag's, or the thinking's)."""
+    want, have, n = text.encode(), b"", 0
+    for entry in reversed(entries):
+        piece = bytes(entry["bytes"]) if entry.get("bytes") is not None else entry["token"].encode()
+        if len(have) + len(piece) > len(want) or not want.endswith(piece + have):
+            break
+        have, n = piece + have, n + 1
+    return entries[len(entries) - n:]
+
 
 @dataclass(slots=True, eq=False)  # an item is itself: output_index is found by identity
 class _Message:
@@ -447,7 +458,11 @@ class ResponseWriter:
             if delta.get("reasoning"):
                 events += self._reasoning(delta["reasoning"])
             if delta.get("content"):
+                if isinstance(self.open, _Reasoning):  # the answer begins after the thinking
+                    self.logprobs = _writing(self.logprobs, delta["content"])
                 events += self._text(delta["content"])
+            elif delta.get("reasoning"):
+                self.logprobs = []  # the thinking's tokens: output_text has no text of theirs
             for call in delta.get("tool_calls") or []:
                 events += self._call(call)
             self.finish_reason = choice["finish_reason"] or self.finish_reason
@@ -526,7 +541,6 @@ class ResponseWriter:
         if not isinstance(item, _Reasoning):
             item = _Reasoning(f"rs_{uuid.uuid4().hex}")
             events += self._open(item)
-        self.logprobs = []  # (output_text's logprobs are its own text's)
         item.text += text
         return events + [self._event("response.reasoning_text.delta", **self._where(item), content_index=0,
                                      delta=text)]

@@ -18,8 +18,10 @@ import socket
 
 import anyio
 import structlog
-from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.app_wrappers import ASGIWrapper
+from hypercorn.asyncio.run import worker_serve
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.config import Sockets
 
 from llmserve.config import EngineConfig
 from llmserve.distributed.replicas import ReplicatedEngine
@@ -94,36 +96,40 @@ async def serve(config: EngineConfig, *, stop: anyio.Event | None = None, handle
             log.error("engine failed; shutting down", error=str(exc))
             stop.set()
 
-    async with anyio.create_task_group() as tg:
-        if handle_signals:  # from the start: a signal during start-up cancels it, cleaning up
-            tg.start_soon(watch_signals, tg.cancel_scope)
-        await tg.start(run_engine)
-        started = True
+    # Bound now, so the port is claimed while the model loads; listened on once the engine runs.
+    sock = bound_socket(config.server.host, config.server.port)
+    port = sock.getsockname()[1]
+    sockets = Sockets([sock], [], []) if hc.ssl_enabled else Sockets([], [sock], [])
+    try:
+        async with anyio.create_task_group() as tg:
+            if handle_signals:  # from the start: a signal during start-up cancels it, cleaning up
+                tg.start_soon(watch_signals, tg.cancel_scope)
+            await tg.start(run_engine)
+            started = True
 
-        async def http() -> None:
-            await hypercorn_serve(app, hc, shutdown_trigger=stop.wait)
-            engine.stop()
-            tg.cancel_scope.cancel()
+            async def http() -> None:
+                await worker_serve(ASGIWrapper(app), hc, sockets=sockets, shutdown_trigger=stop.wait)
+                engine.stop()
+                tg.cancel_scope.cancel()
 
-        sock = bound_socket(config.server.host, config.server.port)
-        port = sock.getsockname()[1]
-        hc.bind = [f"fd://{sock.detach()}"]  # Hypercorn owns the socket from here on, and listens on it
-        tg.start_soon(shut_down)
-        tg.start_soon(http)
-        await _until_listening(config.server.host, port)
-        scheme = "https" if hc.ssl_enabled else "http"
-        log.info("serving", url=f"{scheme}://{config.server.host}:{port}", model=served_model_name(config),
-                 device=str(engine.device), kv_tokens=engine.kv_tokens,
-                 max_model_len=engine.max_model_len)
-        task_status.started(port)
+            tg.start_soon(shut_down)
+            tg.start_soon(http)
+            host = config.server.host.replace("[", "").replace("]", "")
+            await _until_listening(host, port)
+            url = f"{'https' if hc.ssl_enabled else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
+            log.info("serving", url=url, model=served_model_name(config), device=str(engine.device),
+                     kv_tokens=engine.kv_tokens, max_model_len=engine.max_model_len)
+            task_status.started(port)
+    finally:
+        sock.close()  # (Hypercorn closed it if it served; a start-up that failed leaves it here)
     if failure:
         raise failure[0]
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
     """The listening address, bound here rather than by Hypercorn so that port 0 takes a free port
-    and the server can tell which. Hypercorn's way: the family from the address, SO_REUSEADDR, and
-    TCP_NODELAY, which the accepted connections inherit."""
+    and the server can tell which (Hypercorn is handed the socket). Hypercorn's way: the family
+    from the address, SO_REUSEADDR, and TCP_NODELAY, which the accepted connections inherit."""
     host = host.replace("[", "").replace("]", "")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:

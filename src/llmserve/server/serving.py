@@ -70,6 +70,8 @@ class _Job:
     prompts: list[str | list[int]]
     params: SamplingParams
     body: _SamplingFields
+    model: str = ""
+    """The served name the response reports: the request's, else the first."""
     echo: bool = False
     echo_content: str = ""
     """chat's echo: the last message's content, which each choice's content begins with."""
@@ -176,8 +178,8 @@ class OpenAIServing:
         """server.chat_template's text (None: the tokenizer's own)."""
         self.engine = engine
         self.model_names = model_names
-        self.model_name = model_names[0]
-        """What responses report as their model (vLLM's: the first served name)."""
+        """The names a request may give as its model; a response reports the one its request gave
+        (the first where it gave none), as vLLM's do."""
         self.metrics = metrics
         self.limits = limits
         self.tool_parser = tool_parser
@@ -282,6 +284,7 @@ class OpenAIServing:
         if self.limits.return_tokens_as_token_ids and "return_tokens_as_token_ids" not in job.body.model_fields_set:
             job.body.return_tokens_as_token_ids = True
         job.cached_in_usage = self.limits.enable_prompt_tokens_details
+        job.model = job.body.model or self.model_names[0]
         return job
 
     def _reasoning(self, params: SamplingParams, prompt: str) -> ReasoningFormat | None:
@@ -442,7 +445,7 @@ class OpenAIServing:
                 if prompt_lps is not None:  # (vLLM's places: each completion choice, a chat response)
                     choices[-1]["prompt_logprobs"] = prompt_lps
         response = {"id": job.id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
-                    "created": job.created, "model": self.model_name, "choices": choices,
+                    "created": job.created, "model": job.model, "choices": choices,
                     "usage": self._usage(job, finals.values())}
         if k is not None and job.kind == "chat":
             response["prompt_logprobs"] = self.logprobs.prompt(finals[0], k)
@@ -481,7 +484,7 @@ class OpenAIServing:
             for c in out.outputs:
                 choices += self._choice(job, i, out, c, c.text, c.token_ids, [], c.finish_reason, first=True)
         return {"id": job.id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
-                "created": job.created, "model": self.model_name, "choices": choices,
+                "created": job.created, "model": job.model, "choices": choices,
                 "usage": self._usage(job, finals)}
 
     async def _finals(self, job: _Job, prompts: list[list[int]], params: SamplingParams,
@@ -569,7 +572,7 @@ class OpenAIServing:
 
     def _chunk(self, job: _Job, choices: list[dict]) -> dict[str, Any]:
         return {"id": job.id, "object": "text_completion" if job.kind == "completion" else "chat.completion.chunk",
-                "created": job.created, "model": self.model_name, "choices": choices}
+                "created": job.created, "model": job.model, "choices": choices}
 
     def _usage(self, job: _Job, finals) -> dict[str, Any]:
         prompt = sum(len(o.prompt_token_ids) for o in finals)
