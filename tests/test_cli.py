@@ -21,7 +21,8 @@ from llmserve.cli_flags import field_docs, flags, make_flags, overrides, section
 from llmserve.config import EngineConfig
 from servers import launched
 
-SAMPLES = {bool: None, int: ("7", 7), float: ("0.5", 0.5), str: ("x", "x"), list: ("a.example, b", ["a.example", "b"])}
+SAMPLES = {bool: None, int: ("7", 7), float: ("0.5", 0.5), str: ("x", "x"), list: ("a.example, b", ["a.example", "b"]),
+           dict: ('{"temperature": 0.5}', {"temperature": 0.5})}
 """Per flag type: what is typed and the value it must give (bool: --x or --no-x, below)."""
 
 

@@ -256,6 +256,15 @@ def test_requests_leaving_sampling_unset_take_the_checkpoints_generation_config(
         assert texts() == greedy
         assert texts(temperature=1.0) == greedy  # top_k 1 still from the file
         assert texts(extra_body={"top_k": -1}) != greedy  # temperature 0.8 from the file, no filter
+    # vLLM's --override-generation-config: its keys over the file's (top_k 1 lifted, the file's temperature kept)
+    with running_server(model=str(model), model_opts={"override_generation_config": {"top_k": -1, "top_p": 0.9}}) as s:
+        assert s.engine.sampling_defaults == {"temperature": 0.8, "top_k": -1, "top_p": 0.9}
+        client = s.client()
+        assert texts() != greedy and texts(extra_body={"top_k": 1}) == greedy
+    for bad, match in (({"max_new_tokens": 5}, "an object of temperature, top_p"),
+                       ({"top_p": 0}, r"model.override_generation_config: top_p must be in \(0, 1\]")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig.from_dict({"model": {"override_generation_config": bad}})
 
 
 def test_chat_template_variables_and_a_continued_final_message(tmp_path):
@@ -278,6 +287,14 @@ def test_chat_template_variables_and_a_continued_final_message(tmp_path):
         no_thinking = render(chat_template_kwargs={"enable_thinking": False})
         assert no_thinking == "A list\n\nis a sequence\n\nAnswer: (no thinking)"
         assert render(add_generation_prompt=False, continue_final_message=True) == "A list\n\nis a sequence"
+    # vLLM's --default-chat-template-kwargs: every request's, unless its own say otherwise
+    with running_server(model=str(model), default_chat_template_kwargs={"enable_thinking": False}) as s:
+        assert render() == "A list\n\nis a sequence\n\nAnswer: (no thinking)"
+        assert render(chat_template_kwargs={"enable_thinking": True}) == "A list\n\nis a sequence\n\nAnswer:"
+    with pytest.raises(ValueError, match="server.default_chat_template_kwargs: tokenize cannot be set there"):
+        with running_server(model=str(model), default_chat_template_kwargs={"tokenize": True}):
+            pass
+    with running_server(model=str(model)) as s:
         c = s.client()
         usage = lambda **extra: c.chat.completions.create(  # noqa: E731
             model=model.name, messages=msgs, max_tokens=2, extra_body=extra).usage.prompt_tokens

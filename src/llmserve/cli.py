@@ -25,7 +25,7 @@ import tomllib
 from pathlib import Path
 
 from llmserve import __version__
-from llmserve.cli_flags import add_config_flags, flags, overrides
+from llmserve.cli_flags import add_config_flags, flags, json_object, overrides
 from llmserve.config import EngineConfig
 
 COMMANDS = {
@@ -77,7 +77,7 @@ def serve_parser(prog: str = "llmserve serve", positional: bool = True) -> argpa
                         help='checkpoint directory or "builtin" (the same as --model)')
     ap.add_argument("--config", metavar="FILE", help="TOML file (see config.example.toml); flags override its values")
     ap.add_argument("--version", action="version", version=f"llmserve {__version__}")
-    ap.add_argument("--speculative-config", metavar="JSON", type=_json_object,
+    ap.add_argument("--speculative-config", metavar="JSON", type=json_object,
                     help='the [speculative] section as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                          '(the --speculative-* flags override its keys)')
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -134,8 +134,6 @@ VLLM_REFUSED = {
     "--rope-scaling": "the rope scaling is the checkpoint's config.json's",
     "--compilation-config": "CUDA graphs are llmserve's own (--enforce-eager turns them off); nothing is compiled",
     "--optimization-level": "CUDA graphs are llmserve's own (--enforce-eager turns them off); nothing is compiled",
-    "--override-generation-config": "the sampling defaults are the checkpoint's generation_config.json "
-                                    "(--generation-config none: OpenAI's); a request sets its own",
     "--max-logprobs": "a request may ask for at most 20 logprobs a token (OpenAI's limit)",
     "--preemption-mode": "preempted requests are computed again (recompute), never swapped to the CPU",
     "--num-scheduler-steps": "a step is planned while the one before runs (async scheduling), one token a step",
@@ -237,16 +235,6 @@ def parse_serve(argv: list[str], prog: str = "llmserve serve",
             raise ValueError(f"--config {args.config}: [{section}] is not a table")
         data[section] = {**data.get(section, {}), **values}
     return EngineConfig.from_dict(data), args
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
 
 
 def _serve(argv: list[str], prog: str, positional: bool) -> int:

@@ -10,6 +10,7 @@ arguments: `max_model_len` in [model] is `--max-model-len N`. Types come from th
                                              --x '' gives the empty list)
     str | list[str]        --x a [b ...]    (one value or several, each whole, as vLLM's
                                              --served-model-name and --api-key take them)
+    dict[str, Any]         --x '{"k": 1}'   (a JSON object, as vLLM takes its dict flags)
 
 A field name found in more than one section, or in a section of _PREFIXED, is spelled with its
 section first: `--plugins-block`. The help of a flag is the docstring that follows the field in
@@ -48,7 +49,7 @@ class Flag:
     option: str
     """The flag as typed: "--max-model-len"."""
     kind: type
-    """bool, int, float, str or list (of str)."""
+    """bool, int, float, str, list (of str) or dict (a JSON object)."""
     help: str
     several: bool = False
     """A list given as separate values (`str | list[str]`), not one comma-separated value."""
@@ -89,7 +90,7 @@ def _kind(annotation: Any) -> tuple[type, bool]:
             raise TypeError(f"no flag type for the annotation {annotation}")
         annotation = args[0]
     kind = typing.get_origin(annotation) or annotation
-    if kind not in (bool, int, float, str, list):
+    if kind not in (bool, int, float, str, list, dict):
         raise TypeError(f"no flag type for the annotation {annotation}")
     return kind, False
 
@@ -140,6 +141,17 @@ def _comma_list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+def json_object(text: str) -> dict:
+    """A flag's JSON object ('{"temperature": 0.6}')."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """Add every config flag, one argument group per section. Flags left out are absent from the
     namespace (argparse.SUPPRESS), which is how `overrides` tells them from defaults."""
@@ -155,6 +167,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             kw.update(nargs="+", metavar=flag.name.upper())
         elif flag.kind is list:
             kw.update(type=_comma_list, metavar="A,B")
+        elif flag.kind is dict:
+            kw.update(type=json_object, metavar="JSON")
         else:
             kw.update(type=flag.kind, metavar=flag.name.upper())
         groups[flag.section].add_argument(flag.option, **kw)

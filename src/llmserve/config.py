@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmserve.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -46,12 +48,22 @@ class ModelConfig:
     """auto: requests that leave temperature, top_p, top_k, min_p or repetition_penalty unset take the
     checkpoint's generation_config.json values (as transformers' generate and vLLM do) | none: the
     OpenAI API's defaults (temperature 1, no filters, no penalty)."""
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
+    """Sampling defaults set here, over generation_config's (vLLM's --override-generation-config
+    '{"temperature": 0.6}'): any of temperature, top_p, top_k, min_p, repetition_penalty."""
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "model", "dtype", f"one of {_DTYPES}", self.dtype)
         _check(self.load_format in ("auto", "dummy"), "model", "load_format", "'auto' or 'dummy'", self.load_format)
         _check(self.generation_config in ("auto", "none"), "model", "generation_config", "'auto' or 'none'",
                self.generation_config)
+        overrides = self.override_generation_config
+        _check(isinstance(overrides, dict) and set(overrides) <= set(MODEL_DEFAULT_FIELDS), "model",
+               "override_generation_config", f"an object of {', '.join(MODEL_DEFAULT_FIELDS)}", overrides)
+        try:
+            SamplingParams(**overrides)
+        except ValueError as exc:
+            raise ValueError(f"model.override_generation_config: {exc}") from None
         _check(self.max_model_len is None or self.max_model_len >= 2, "model", "max_model_len", ">= 2", self.max_model_len)
         _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"), "model", "device",
                "'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
@@ -233,6 +245,9 @@ class ServerConfig:
     tool_call_parser: str = "hermes"
     """How chat requests with tool_choice "auto" read tool calls from the output: the name of a
     registered tool-call parser (a plugin's; built-in: hermes, the Hermes/Qwen `<tool_call>` format)."""
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Chat template variables every chat request gets unless its chat_template_kwargs sets them
+    (vLLM's --default-chat-template-kwargs '{"enable_thinking": false}')."""
     reasoning_parser: str | None = None
     """How chat choices' thinking is told from their answer (vLLM's --reasoning-parser): the name
     of a registered reasoning parser (a plugin's; built-in: "qwen3", `<think>...</think>` first;

@@ -137,15 +137,16 @@ def resolve_model_dir(name: str) -> str:
 
 def resolve_sampling_defaults(config: EngineConfig) -> dict[str, float | int]:
     """What requests leaving a sampling value unset take instead of the OpenAI default (the
-    checkpoint's generation_config.json under model.generation_config = "auto"), checked once here."""
-    if config.model.generation_config == "none":
-        return {}
-    try:
-        defaults = sampling_defaults(config.model.model)
-        SamplingParams(**defaults)
-    except ValueError as exc:
-        raise ValueError(f"{config.model.model}/generation_config.json: {exc}") from None
-    return defaults
+    checkpoint's generation_config.json under model.generation_config = "auto", then
+    model.override_generation_config over it), checked once here."""
+    defaults = {}
+    if config.model.generation_config == "auto":
+        try:
+            defaults = sampling_defaults(config.model.model)
+            SamplingParams(**defaults)
+        except ValueError as exc:
+            raise ValueError(f"{config.model.model}/generation_config.json: {exc}") from None
+    return {**defaults, **config.model.override_generation_config}
 
 
 def resolve_quantization(name: str | None, spec: ModelSpec, plugins: Plugins) -> QuantizationMethod:

@@ -176,6 +176,9 @@ class OpenAIServing:
                  tool_parser: ToolParserFactory, reasoning: ReasoningFormat | None = None) -> None:
         self.chat_template = load_chat_template(limits.chat_template)
         """server.chat_template's text (None: the tokenizer's own)."""
+        if reserved := sorted(limits.default_chat_template_kwargs.keys() & _RENDER_ARGUMENTS):
+            raise ValueError(f"server.default_chat_template_kwargs: {', '.join(reserved)} cannot be set there "
+                             "(arguments of the rendering, not template variables)")
         self.engine = engine
         self.model_names = model_names
         """The names a request may give as its model; a response reports the one its request gave
@@ -324,7 +327,7 @@ class OpenAIServing:
         if body.continue_final_message and body.add_generation_prompt:
             raise APIError("continue_final_message needs add_generation_prompt false (the last message is "
                            "continued, no new one begins)", param="continue_final_message")
-        variables = body.chat_template_kwargs or {}
+        variables = {**self.limits.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
         if reserved := sorted(variables.keys() & _RENDER_ARGUMENTS):
             raise APIError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set there (arguments of the "
                            "rendering, not template variables)", param="chat_template_kwargs")
