@@ -692,6 +692,27 @@ def test_vllms_serving_switches():
         assert all(chunk.usage is None for chunk in chunks)
 
 
+def test_vllms_request_id(server):
+    """The response's id is made of the request's request_id, else its X-Request-Id header; a
+    request under the id of one still running is refused."""
+    c = server.client()
+    out = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                    extra_body={"request_id": "trace-7"})
+    assert out.id == "chatcmpl-trace-7"
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                   headers={"X-Request-Id": "from-proxy"})
+    assert r.json()["id"] == "cmpl-from-proxy"
+    body = {"prompt": "The list", "max_tokens": 400, "n": 8, "ignore_eos": True, "stream": True, "request_id": "twice"}
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.url}/v1/completions", json=body) as first:
+        lines = first.iter_lines()  # (kept: a dropped iterator closes the stream)
+        assert next(lines).startswith("data: ")
+        again = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+        assert again.status_code == 400 and again.json()["error"]["param"] == "request_id", again.text
+        events = [line for line in lines if line]  # the first one was not hurt
+    assert events[-1] == "data: [DONE]" and '"finish_reason": "length"' in events[-2]
+    assert c.completions.create(model=MODEL, prompt="Hi", max_tokens=1, extra_body={"request_id": "twice"}).choices
+
+
 def test_https_with_a_certificate(tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),

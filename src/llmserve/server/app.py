@@ -208,13 +208,19 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
                             headers={"Cache-Control": "no-cache"})
         return _json(await serving.full_response(job))
 
+    def with_request_id(body):
+        """vLLM's: a request without its own request_id takes the X-Request-Id header's."""
+        if body.request_id is None and (header := request.headers.get("X-Request-Id")):
+            body.request_id = header[:256]
+        return body
+
     @app.post("/v1/completions")
     async def completions():
-        return await respond(serving.completion_job(parse(CompletionRequest, await body_json())))
+        return await respond(serving.completion_job(with_request_id(parse(CompletionRequest, await body_json()))))
 
     @app.post("/v1/chat/completions")
     async def chat_completions():
-        return await respond(serving.chat_job(parse(ChatCompletionRequest, await body_json())))
+        return await respond(serving.chat_job(with_request_id(parse(ChatCompletionRequest, await body_json()))))
 
     @app.post("/v1/responses")
     async def responses():

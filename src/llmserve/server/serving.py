@@ -253,7 +253,8 @@ class OpenAIServing:
         if body.prompt_logprobs is not None:
             prompt_lp = max(prompt_lp or 0, body.prompt_logprobs)
         params = self._params(body, 1 if score else body.max_tokens, body.logprobs, prompt_lp)
-        return self._settled(_Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, params, body,
+        job_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
+        return self._settled(_Job("completion", job_id, int(time.time()), prompts, params, body,
                                   echo=body.echo, score_prompt=score, add_special_tokens=body.add_special_tokens,
                                   beam=self._beam(body, body.max_tokens)))
 
@@ -277,7 +278,7 @@ class OpenAIServing:
         prompt = self.render_chat(body, tools)
         last = body.messages[-1]
         return self._settled(_Job(
-            "chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [prompt], params, body,
+            "chat", f"chatcmpl-{body.request_id or uuid.uuid4().hex}", int(time.time()), [prompt], params, body,
             echo_content=last.text() if body.echo and last.role == "assistant" else "",
             reasoning=self._reasoning(params, prompt), include_reasoning=body.include_reasoning,
             add_special_tokens=body.add_special_tokens, tools=tool_plan, beam=self._beam(body, max_tokens)))
@@ -399,7 +400,11 @@ class OpenAIServing:
             await self.engine.submit(subs)
             while not all(finished):
                 for i in await filled.take():
-                    out = subs[i].slot.take()  # the newest output since the last take
+                    try:
+                        out = subs[i].slot.take()  # the newest output since the last take
+                    except Exception:  # refused or failed: the engine has ended it (and an id it refused
+                        finished[i] = True  # as in use is another request's: not to be aborted)
+                        raise
                     finished[i] = out.finished
                     self._unqueue(job, i, out)
                     timers[i].update(out)
