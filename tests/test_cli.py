@@ -156,6 +156,8 @@ def test_vllms_other_spellings_of_a_flag_are_taken():
     with pytest.raises(ValueError, match="--api-key took 'builtin' as one of its values: give MODEL before"):
         parse_serve(["--api-key", "k1", "k2", "builtin"])  # (vLLM's nargs: MODEL after them is one of them)
     assert parse_serve(["--api-key", "k1", "k2", "--", "builtin"])[0].server.api_key == ["k1", "k2"]
+    assert parse_serve(["--model", "builtin", "--served-model-name", "a", "builtin"])[0].server.served_model_name == \
+        ["a", "builtin"]  # MODEL given as --model: the names are names
     assert parse_serve(["--", "-q_dir"])[0].model.model == "-q_dir"
     with pytest.raises(ValueError, match="^--pipeline-parallel-size: "):
         parse_serve(["m", "-pp", "2"])

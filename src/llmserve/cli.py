@@ -219,7 +219,7 @@ def parse_serve(argv: list[str], prog: str = "llmserve serve",
     if args.speculative_config is not None:
         given["speculative"] = {**args.speculative_config, **given.get("speculative", {})}
     model = getattr(args, "model_arg", None)
-    if positional and model is None:
+    if positional and model is None and "model" not in given.get("model", {}):
         for flag in flags():
             values = vars(args).get(f"{flag.section}.{flag.name}")
             if flag.several and isinstance(values, list) and len(values) > 1 and (
@@ -281,9 +281,9 @@ def _missing_model(config: EngineConfig) -> str | None:
 
 
 def _port_in_use(host: str, port: int) -> str | None:
-    """Bind host:port the way the server will, and let go at once: the server binds only after the
-    model has loaded, minutes later for a large one. Another process may still take the port in
-    between; this catches the common case."""
+    """Bind host:port the way the server will, and let go at once: the server binds it once its
+    plugins and configuration are read, after the heavy imports. Another process may still take
+    the port in between; this catches the common case before any of that."""
     if port == 0:
         return None
     from llmserve.server.run import bound_socket

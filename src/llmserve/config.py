@@ -59,7 +59,9 @@ class ModelConfig:
                self.generation_config)
         overrides = self.override_generation_config
         _check(isinstance(overrides, dict) and set(overrides) <= set(MODEL_DEFAULT_FIELDS), "model",
-               "override_generation_config", f"an object of {', '.join(MODEL_DEFAULT_FIELDS)}", overrides)
+               "override_generation_config", f"an object of {', '.join(MODEL_DEFAULT_FIELDS)} (no max_new_tokens: "
+               "a request's max_tokens sets its length, a chat request without one runs to the context's end)",
+               overrides)
         try:
             SamplingParams(**overrides)
         except ValueError as exc:
@@ -283,6 +285,12 @@ class ServerConfig:
                "the name of a registered tool-call parser", self.tool_call_parser)
         _check(self.reasoning_parser is None or isinstance(self.reasoning_parser, str) and self.reasoning_parser != "",
                "server", "reasoning_parser", "the name of a registered reasoning parser", self.reasoning_parser)
+        kwargs = self.default_chat_template_kwargs
+        _check(isinstance(kwargs, dict), "server", "default_chat_template_kwargs", "an object", kwargs)
+        if kwargs:
+            from llmserve.server.serving import RENDER_ARGUMENTS
+            _check(not kwargs.keys() & RENDER_ARGUMENTS, "server", "default_chat_template_kwargs",
+                   "template variables, not arguments of the rendering", sorted(kwargs.keys() & RENDER_ARGUMENTS))
         _check((self.ssl_certfile is None) == (self.ssl_keyfile is None), "server", "ssl_keyfile",
                "set together with ssl_certfile", self.ssl_keyfile)
         for name in ("served_model_name", "api_key"):

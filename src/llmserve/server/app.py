@@ -209,8 +209,8 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
         return _json(await serving.full_response(job))
 
     def with_request_id(body):
-        """vLLM's: a request without its own request_id takes the X-Request-Id header's."""
-        if body.request_id is None and (header := request.headers.get("X-Request-Id")):
+        """vLLM's: the X-Request-Id header, where there is one, names the request (over its request_id)."""
+        if header := request.headers.get("X-Request-Id"):
             body.request_id = header[:256]
         return body
 

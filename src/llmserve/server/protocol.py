@@ -208,8 +208,8 @@ class _SamplingFields(_SamplingParamsFields, _AdvisoryFields):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """vLLM's: each prompt position's logprob and the k most likely there (not streamed)."""
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
-    """vLLM's: what the response's id is made of ("cmpl-ID", "chatcmpl-ID"; else the X-Request-Id
-    header's value, else a new id); while a request runs under it, another is refused."""
+    """vLLM's: what the response's id is made of ("cmpl-ID", "chatcmpl-ID"), unless an X-Request-Id
+    header names the request; without either, a new id. Requests may share one."""
     use_beam_search: bool = False
     """vLLM's: the n best beams of a beam search (llmserve/beam_search.py) as the choices."""
     length_penalty: float = 1.0

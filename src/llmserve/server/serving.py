@@ -39,7 +39,8 @@ from llmserve.tool_parsers import ToolParserFactory
 log = structlog.get_logger("llmserve.server")
 
 # apply_chat_template's own parameters: chat_template_kwargs holds template variables only.
-_RENDER_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
+RENDER_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
+"""apply_chat_template's own arguments: not template variables (chat_template_kwargs cannot set them)."""
 
 
 @dataclass(slots=True)
@@ -72,6 +73,9 @@ class _Job:
     body: _SamplingFields
     model: str = ""
     """The served name the response reports: the request's, else the first."""
+    key: str = ""
+    """What its prompts' engine ids begin with: its id, unique unless the client named it
+    (request_id), then with a suffix of its own: two requests under one name stay apart."""
     echo: bool = False
     echo_content: str = ""
     """chat's echo: the last message's content, which each choice's content begins with."""
@@ -176,9 +180,6 @@ class OpenAIServing:
                  tool_parser: ToolParserFactory, reasoning: ReasoningFormat | None = None) -> None:
         self.chat_template = load_chat_template(limits.chat_template)
         """server.chat_template's text (None: the tokenizer's own)."""
-        if reserved := sorted(limits.default_chat_template_kwargs.keys() & _RENDER_ARGUMENTS):
-            raise ValueError(f"server.default_chat_template_kwargs: {', '.join(reserved)} cannot be set there "
-                             "(arguments of the rendering, not template variables)")
         self.engine = engine
         self.model_names = model_names
         """The names a request may give as its model; a response reports the one its request gave
@@ -289,6 +290,7 @@ class OpenAIServing:
             job.body.return_tokens_as_token_ids = True
         job.cached_in_usage = self.limits.enable_prompt_tokens_details
         job.model = job.body.model or self.model_names[0]
+        job.key = job.id if job.body.request_id is None else f"{job.id}-{uuid.uuid4().hex[:12]}"
         return job
 
     def _reasoning(self, params: SamplingParams, prompt: str) -> ReasoningFormat | None:
@@ -329,7 +331,7 @@ class OpenAIServing:
             raise APIError("continue_final_message needs add_generation_prompt false (the last message is "
                            "continued, no new one begins)", param="continue_final_message")
         variables = {**self.limits.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
-        if reserved := sorted(variables.keys() & _RENDER_ARGUMENTS):
+        if reserved := sorted(variables.keys() & RENDER_ARGUMENTS):
             raise APIError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set there (arguments of the "
                            "rendering, not template variables)", param="chat_template_kwargs")
         if body.chat_template is not None:
@@ -390,7 +392,7 @@ class OpenAIServing:
         still fails the whole request before anything is sent. Leaving early aborts the prompts
         that have not finished."""
         filled = _Filled()
-        subs = [Submit(f"{job.id}-{i}", prompt, job.params, OutputSlot(partial(filled.put, i)),
+        subs = [Submit(f"{job.key}-{i}", prompt, job.params, OutputSlot(partial(filled.put, i)),
                        job.body.priority, job.add_special_tokens, strict_length=True)
                 for i, prompt in enumerate(job.prompts)]
         timers = [self.metrics.timer(job.params) for _ in subs]
@@ -499,30 +501,33 @@ class OpenAIServing:
                       step: int) -> list[RequestOutput]:
         """One beam-search step: the finished outputs of `prompts`, in order (aborted if left early)."""
         filled = _Filled()
-        subs = [Submit(f"{job.id}-beam{step}-{i}", prompt, params, OutputSlot(partial(filled.put, i)),
+        subs = [Submit(f"{job.key}-beam{step}-{i}", prompt, params, OutputSlot(partial(filled.put, i)),
                        job.body.priority, strict_length=True, final_only=True) for i, prompt in enumerate(prompts)]
         finals: list[RequestOutput | None] = [None] * len(subs)
+        ended = [False] * len(subs)
         try:
             await self.engine.submit(subs)
             while None in finals:
                 for i in await filled.take():
+                    ended[i] = True  # finished, or refused or failed (then the engine ended it)
                     finals[i] = subs[i].slot.take()
         except Exception as exc:
             raise _api_error(exc) from None
         finally:
             with anyio.CancelScope(shield=True):
-                for sub, out in zip(subs, finals):
-                    if out is None:
+                for sub, done in zip(subs, ended):
+                    if not done:
                         await self.engine.abort(sub.req_id)
         return finals
 
     async def stream(self, job: _Job) -> AsyncIterator[dict[str, Any]]:
         """Chunk objects, in order; the last one carries usage when stream_options.include_usage (or
-        server.enable_force_include_usage), and every one the request's usage so far with vLLM's stream_options.continuous_usage_stats
-        (all its prompts and choices together: a chunk may carry several choices)."""
+        server.enable_force_include_usage), and every one the request's usage so far with vLLM's
+        stream_options.continuous_usage_stats (all its prompts and choices together: a chunk may
+        carry several choices)."""
         finals: dict[int, RequestOutput] = {}
         with_usage = job.body.include_usage_in_stream() or self.limits.enable_force_include_usage
-        continuous = job.body.include_usage_in_stream() and job.body.stream_options.continuous_usage_stats
+        continuous = with_usage and bool(job.body.stream_options and job.body.stream_options.continuous_usage_stats)
         so_far = [0, 0]  # with continuous usage: the prompt tokens of the prompts begun, the completion tokens
 
         def counted(i: int, out: RequestOutput) -> None:  # (kept up to date: a chunk does not sum all outputs)
