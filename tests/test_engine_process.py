@@ -6,6 +6,7 @@ import os
 import pickle
 import signal
 import struct
+import time
 
 import anyio
 import pytest
@@ -191,6 +192,20 @@ async def test_start_up_error_is_raised_by_run(checkpoint):
     with pytest.raises(ValueError, match="max_model_len 128 needs 32 KV blocks"):
         await engine.run()
     assert not engine.running
+
+
+@pytest.mark.parametrize("after_s", [0.2, 3.0])  # the child importing, then building its engine
+async def test_a_start_up_cancelled_ends_the_child_at_once(checkpoint, after_s):
+    """A signal during start-up cancels run: the child, still importing or building its engine
+    (it reads its socket only once that is done), is ended then and there, not waited for."""
+    engine = ProcessEngine(config(checkpoint("llama")))
+    start = time.monotonic()
+    with anyio.move_on_after(after_s):
+        await engine.run()
+    assert time.monotonic() - start < after_s + 5  # (it waited 30 s for the child, then killed it)
+    assert engine.pid is not None and not engine.running
+    with pytest.raises(ProcessLookupError):
+        os.kill(engine.pid, 0)
 
 
 async def test_a_dead_child_stops_the_frontend(checkpoint):

@@ -184,12 +184,14 @@ class ProcessEngine(Frontend):
                 process = await anyio.open_process([sys.executable, "-m", "llmserve.engine_process", path],
                                                    stdin=None, stdout=None, stderr=None, env=_child_env())
                 self.pid = process.pid
+                built = False
                 try:
                     # the request actor prepares requests for the decoding strategies (compiles
                     # grammars) here, while the child builds its engine
                     self.strategies = await anyio.to_thread.run_sync(
                         lambda: Plugins.from_config(self.config.plugins).decoding_strategies())
                     wire = await self._start(listener, process)
+                    built = True
                     async with wire.stream:
                         # the tokenizer loaded meanwhile (or raises its error now); the engine
                         # process, which has none, stops requests at its end-of-sequence id too
@@ -199,6 +201,8 @@ class ProcessEngine(Frontend):
                         await self._run(wire, process, task_status)
                 finally:
                     with anyio.CancelScope(shield=True):
+                        if not built:  # (importing, or building its engine: it reads its socket only after)
+                            _end(process)
                         await _reap(process)
 
     async def _start(self, listener: anyio.abc.SocketListener, process: anyio.abc.Process) -> Wire:
@@ -271,6 +275,14 @@ async def _forward(inbox: ObjectReceiveStream, wire: Wire) -> None:
     async with inbox:
         async for msg in inbox:
             await wire.send(_queued(inbox, [msg]))
+
+
+def _end(process: anyio.abc.Process) -> None:
+    """Stop a child that has no engine yet: nothing of its work is worth waiting for."""
+    try:
+        process.terminate()
+    except ProcessLookupError:  # it exited already
+        pass
 
 
 async def _reap(process: anyio.abc.Process) -> None:
