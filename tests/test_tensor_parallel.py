@@ -142,6 +142,64 @@ def test_a_rank_that_dies_ends_the_engine_at_once(checkpoint):
     assert llm.engine.runner._procs == []  # rank 0 was stopped with it
 
 
+def test_ranks_end_with_an_engine_process_that_is_killed(checkpoint):
+    """Whatever ends the engine process (SIGKILL here: no clean-up of its own), its ranks follow:
+    while they start, one in the rendezvous waiting for a peer that no longer answers (stopped
+    here), which would wait there for half an hour; and once they serve."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    script = (f"from llmserve import LLM\n"
+              f"llm = LLM({checkpoint('llama')!r}, dtype='float32', device='cpu', tensor_parallel_size=2, "
+              f"log_interval_s=0)\nprint('ready', flush=True)\nimport time; time.sleep(600)\n")
+
+    def children(pid: int) -> list[int]:
+        return [p for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if _parent(p) == pid]
+
+    for starting in (True, False):
+        engine = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        try:
+            if not starting:
+                assert engine.stdout.readline().strip() == "ready"
+            ranks, deadline = [], time.monotonic() + 60
+            while len(ranks) < 2 or not all(children(rank) for rank in ranks):  # each past its imports, watched
+                assert time.monotonic() < deadline, "no rank is watched"
+                ranks = children(engine.pid)
+                time.sleep(0.01)
+            if starting:
+                os.kill(max(ranks), signal.SIGSTOP)  # (rank 1) rank 0 waits for it
+            engine.send_signal(signal.SIGKILL)
+            engine.wait()
+            deadline = time.monotonic() + 5
+            while any(_alive(pid) for pid in ranks):
+                assert time.monotonic() < deadline, f"a rank outlived its engine (starting: {starting})"
+                time.sleep(0.05)
+        finally:
+            engine.kill()
+            for pid in ranks:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_a_model_that_does_not_divide_is_refused_before_ranks_start(checkpoint):
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must divide evenly over tensor_parallel_size 3"):
         LLM(checkpoint("llama"), dtype="float32", device="cpu", tensor_parallel_size=3)

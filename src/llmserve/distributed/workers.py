@@ -188,8 +188,8 @@ class ProcessRanks(RankRunner):
         # again in each rank, as a script without a __main__ guard would notice).
         for rank in range(size):
             here, there = socket.socketpair()
-            proc = subprocess.Popen([sys.executable, "-m", "llmserve.distributed", str(there.fileno())],
-                                    pass_fds=(there.fileno(),))
+            proc = subprocess.Popen([sys.executable, "-m", "llmserve.distributed", str(there.fileno()),
+                                     str(os.getpid())], pass_fds=(there.fileno(),))
             there.close()
             conn = Connection(here.detach())
             conn.send_bytes(pickle.dumps((rank, size, f"file://{self._store}/store", config, max_model_len)))
