@@ -199,10 +199,12 @@ class ProcessEngine(Frontend):
                         await wire.send(("eos", None if tokenizer is None else tokenizer.eos_token_id))
                         freeze_heap()
                         await self._run(wire, process, task_status)
+                except anyio.get_cancelled_exc_class():
+                    if not built:  # importing, or building its engine: it reads its socket only after
+                        _end(process)
+                    raise
                 finally:
                     with anyio.CancelScope(shield=True):
-                        if not built:  # (importing, or building its engine: it reads its socket only after)
-                            _end(process)
                         await _reap(process)
 
     async def _start(self, listener: anyio.abc.SocketListener, process: anyio.abc.Process) -> Wire:
