@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import anyio
 import openai
@@ -17,7 +19,7 @@ from anyio.from_thread import start_blocking_portal
 
 from llmserve.config import EngineConfig
 from llmserve.distributed.replicas import ReplicatedEngine
-from llmserve.engine import Engine, Frontend
+from llmserve.engine import BUILTIN_MODEL_DIR, Engine, Frontend
 from llmserve.engine_process import ProcessEngine
 from llmserve.server.run import serve
 
@@ -38,6 +40,17 @@ def launched(argv: list[str], env: dict | None = None) -> tuple[subprocess.Popen
             return proc, found[1], "".join(log)
     proc.wait()
     raise AssertionError(f"exited ({proc.returncode}) before serving:\n{''.join(log)}")
+
+
+def thinker(tmp_path: Path) -> Path:
+    """The built-in model under a template that renders each message's reasoning_content in
+    parentheses before its content (so a prompt's length shows whether the thinking reached it)."""
+    model = tmp_path / "thinker"
+    shutil.copytree(BUILTIN_MODEL_DIR, model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.reasoning_content %}({{ m.reasoning_content }}){% endif %}"
+        "{{ m['content'] }}\n\n{% endfor %}")
+    return model
 
 
 @dataclass

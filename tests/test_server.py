@@ -28,7 +28,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine import BUILTIN_MODEL_DIR
 from llmserve.engine_process import ProcessEngine
 from llmserve.server.run import serve
-from servers import MODEL, launched, running_server, wait_for
+from servers import MODEL, launched, running_server, thinker, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -339,11 +339,7 @@ def test_a_reasoning_parser_reports_the_thinking_apart_from_the_answer(tmp_path,
     """server.reasoning_parser "qwen3": a choice's `<think>...</think>` is its `reasoning` (and
     `reasoning_content`), the rest its content, streamed or not; include_reasoning false leaves it
     out; an assistant message's thinking sent back reaches the template."""
-    model = tmp_path / "thinker"
-    shutil.copytree(BUILTIN_MODEL_DIR, model)
-    (model / "chat_template.jinja").write_text(
-        "{% for m in messages %}{% if m.reasoning_content %}({{ m.reasoning_content }}){% endif %}"
-        "{{ m['content'] }}\n\n{% endfor %}")
+    model = thinker(tmp_path)
     with running_server(model=str(model), reasoning_parser="qwen3") as s:
         c = s.client()
         kw = dict(model=model.name, messages=[{"role": "user", "content": "A list"}], max_tokens=60, temperature=1.0,

@@ -4,16 +4,14 @@ to the unstreamed response, the length limit, text.format, function tools (and a
 continued with their calls and outputs), logprobs, cached tokens, and 400s that name the field."""
 
 import json
-import shutil
 
 import httpx
 import jsonschema
 import pydantic
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
-from servers import MODEL, running_server
+from servers import MODEL, running_server, thinker
 
-from llmserve.engine import BUILTIN_MODEL_DIR
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.protocol import APIError
 from llmserve.server.responses import ResponsesRequest, ResponseWriter
@@ -276,11 +274,7 @@ def test_a_reasoning_parser_gives_reasoning_items_and_takes_them_back(tmp_path):
     """Under deepseek_r1 the built-in model's output, which writes no </think>, is all thinking: a
     reasoning item holding chat's `reasoning` for the same messages, streamed alike; a reasoning item
     sent back reaches the template with the assistant turn after it."""
-    model = tmp_path / "thinker"
-    shutil.copytree(BUILTIN_MODEL_DIR, model)
-    (model / "chat_template.jinja").write_text(
-        "{% for m in messages %}{% if m.reasoning_content %}({{ m.reasoning_content }}){% endif %}"
-        "{{ m['content'] }}\n\n{% endfor %}")
+    model = thinker(tmp_path)
     with running_server(model=str(model), reasoning_parser="deepseek_r1") as s:
         c = s.client()
         kw = dict(model=model.name, max_output_tokens=12, temperature=0.0)

@@ -8,6 +8,7 @@ publishes each request's latest cumulative RequestOutput in its OutputSlot.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from array import array
 from collections.abc import Callable
@@ -168,23 +169,17 @@ class RequestActor:
         the garbage collector does not scan as it scans a list's items). `encoded`: the text's ids,
         tokenized already. A prompt cut to its last truncate_prompt_tokens has no text: outputs
         decode what was kept."""
-        keep = sub.params.truncate_prompt_tokens
-        if keep is not None:
-            longest = self.max_model_len - 1
-            if keep > longest:
-                raise ValueError(f"truncate_prompt_tokens is {keep}; max_model_len is {self.max_model_len}, so a "
-                                 f"prompt may keep at most {longest} tokens (-1 keeps that many)")
-            keep = longest if keep == -1 else keep
+        keep = self._kept(sub.params)
         if isinstance(sub.prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids instead")
             ids = encoded if encoded is not None else self._encode(sub)
-            if keep is not None and len(ids) > keep:
-                ids = ids[-keep:]
-                return None, ids, array("q", ids)
-            return sub.prompt, ids, array("q", ids)
+            if len(ids) <= keep:
+                return sub.prompt, ids, array("q", ids)
+            ids = ids[-keep:]
+            return None, ids, array("q", ids)
         ids = sub.prompt if type(sub.prompt) is list else list(sub.prompt)
-        if keep is not None and len(ids) > keep:
+        if len(ids) > keep:
             ids = ids[-keep:]
         # C-level passes (a Python check per token, times a batch's prompts, delays its first
         # step); bools are ints to array() but not token ids.
@@ -199,6 +194,17 @@ class RequestActor:
         if values.size and (values.min() < 0 or values.max() >= self.vocab_size):
             raise error
         return None, ids, tokens
+
+    def _kept(self, params: SamplingParams) -> float:
+        """How many of a prompt's last tokens it keeps: truncate_prompt_tokens (-1: the most a
+        prompt may have), else all."""
+        keep, longest = params.truncate_prompt_tokens, self.max_model_len - 1
+        if keep is None:
+            return math.inf
+        if keep > longest:
+            raise ValueError(f"truncate_prompt_tokens is {keep}; max_model_len is {self.max_model_len}, so a "
+                             f"prompt may keep at most {longest} tokens (-1 keeps that many)")
+        return longest if keep == -1 else keep
 
     def _validate(self, ids: list[int], params: SamplingParams, strict_length: bool) -> None:
         if not ids:

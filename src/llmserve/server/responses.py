@@ -319,7 +319,7 @@ def responses_error(error: APIError) -> APIError:
 
 # ---- the response ---------------------------------------------------------------------------------
 
-def _writing(entries: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+def _answer_logprobs(entries: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
     """Of the logprob entries of the tokens since the last text, those that wrote `text`, the
     answer's first text after the thinking: the longest run at their end whose bytes end it (the
     ones before were the closing tag's, or the thinking's)."""
@@ -459,7 +459,7 @@ class ResponseWriter:
                 events += self._reasoning(delta["reasoning"])
             if delta.get("content"):
                 if isinstance(self.open, _Reasoning):  # the answer begins after the thinking
-                    self.logprobs = _writing(self.logprobs, delta["content"])
+                    self.logprobs = _answer_logprobs(self.logprobs, delta["content"])
                 events += self._text(delta["content"])
             elif delta.get("reasoning"):
                 self.logprobs = []  # the thinking's tokens: output_text has no text of theirs
@@ -515,20 +515,22 @@ class ResponseWriter:
             return [self._event("response.function_call_arguments.done", **where, arguments=item.arguments),
                     self._event("response.output_item.done", output_index=where["output_index"], item=item.item())]
         if isinstance(item, _Reasoning):
-            return [self._event("response.reasoning_text.done", **where, content_index=0, text=item.text),
-                    self._event("response.content_part.done", **where, content_index=0, part=item.part()),
-                    self._event("response.output_item.done", output_index=where["output_index"], item=item.item())]
-        return [self._event("response.output_text.done", **where, content_index=0, text=item.text,
-                            logprobs=list(item.logprobs)),
-                self._event("response.content_part.done", **where, content_index=0, part=item.part()),
+            done = self._event("response.reasoning_text.done", **where, content_index=0, text=item.text)
+        else:
+            done = self._event("response.output_text.done", **where, content_index=0, text=item.text,
+                               logprobs=list(item.logprobs))
+        return [done, self._event("response.content_part.done", **where, content_index=0, part=item.part()),
                 self._event("response.output_item.done", output_index=where["output_index"], item=item.item())]
 
+    def _current(self, kind: type[_Message] | type[_Reasoning], prefix: str) -> tuple[Any, list[dict[str, Any]]]:
+        """The item of this kind being written, and the events that opened it (where it is new)."""
+        if isinstance(self.open, kind):
+            return self.open, []
+        item = kind(f"{prefix}_{uuid.uuid4().hex}")
+        return item, self._open(item)
+
     def _text(self, text: str) -> list[dict[str, Any]]:
-        message = self.open
-        events = []
-        if not isinstance(message, _Message):
-            message = _Message(f"msg_{uuid.uuid4().hex}")
-            events += self._open(message)
+        message, events = self._current(_Message, "msg")
         logprobs, self.logprobs = self.logprobs, []
         message.text += text
         message.logprobs += logprobs
@@ -536,11 +538,7 @@ class ResponseWriter:
                                      delta=text, logprobs=logprobs)]
 
     def _reasoning(self, text: str) -> list[dict[str, Any]]:
-        item = self.open
-        events = []
-        if not isinstance(item, _Reasoning):
-            item = _Reasoning(f"rs_{uuid.uuid4().hex}")
-            events += self._open(item)
+        item, events = self._current(_Reasoning, "rs")
         item.text += text
         return events + [self._event("response.reasoning_text.delta", **self._where(item), content_index=0,
                                      delta=text)]
