@@ -910,7 +910,7 @@ def test_a_base_checkpoint_chats_with_the_servers_chat_template(checkpoint, tmp_
 
 
 def test_a_chat_template_setting_that_is_neither_file_nor_template_stops_start_up():
-    from llmserve.server.serving import load_chat_template
+    from llmserve.server.chat_template import load_chat_template
     assert load_chat_template("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
     with pytest.raises(ValueError, match="server.chat_template: 'missing.jinja' is neither a file nor a Jinja template"):
         load_chat_template("missing.jinja")

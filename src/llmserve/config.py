@@ -288,7 +288,7 @@ class ServerConfig:
         kwargs = self.default_chat_template_kwargs
         _check(isinstance(kwargs, dict), "server", "default_chat_template_kwargs", "an object", kwargs)
         if kwargs:
-            from llmserve.server.serving import RENDER_ARGUMENTS
+            from llmserve.server.chat_template import RENDER_ARGUMENTS
             _check(not kwargs.keys() & RENDER_ARGUMENTS, "server", "default_chat_template_kwargs",
                    "template variables, not arguments of the rendering", sorted(kwargs.keys() & RENDER_ARGUMENTS))
         _check((self.ssl_certfile is None) == (self.ssl_keyfile is None), "server", "ssl_keyfile",

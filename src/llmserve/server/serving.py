@@ -8,8 +8,6 @@ prompt_index * n + sample_index, as OpenAI numbers them.
 from __future__ import annotations
 
 import dataclasses
-import os
-import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,7 +18,6 @@ from typing import Any
 
 import anyio
 import structlog
-from transformers import PreTrainedTokenizerBase
 
 from llmserve.actors.request_actor import OutputSlot, ShuttingDown, Submit
 from llmserve.beam_search import BeamSearchParams, beam_steps, step_params
@@ -28,19 +25,17 @@ from llmserve.config import ServerConfig
 from llmserve.engine import Frontend
 from llmserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from llmserve.sampling_params import REQUEST_FIELDS, SamplingParams
+from llmserve.server.chat_template import ChatTemplate
 from llmserve.server.logprobs import LogprobsFormat
 from llmserve.server.metrics import Metrics
 from llmserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest,
                                       _SamplingFields)
 from llmserve.server.reasoning import ReasoningFormat, ReasoningSplit, split_reasoning
-from llmserve.server.tool_calls import ChoiceCalls, ToolPlan, plan, template_messages, template_tools
+from llmserve.server.tool_calls import ChoiceCalls, ToolPlan, plan, template_tools
 from llmserve.tool_parsers import ToolParserFactory
 
 log = structlog.get_logger("llmserve.server")
 
-# apply_chat_template's own parameters: chat_template_kwargs holds template variables only.
-RENDER_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
-"""apply_chat_template's own arguments: not template variables (chat_template_kwargs cannot set them)."""
 
 
 @dataclass(slots=True)
@@ -162,24 +157,10 @@ def _api_error(exc: BaseException) -> APIError:
     return APIError(f"internal error: {type(exc).__name__}", status=500, type="server_error")
 
 
-def load_chat_template(value: str | None) -> str | None:
-    """server.chat_template as template text: a file's content where it names an existing file,
-    else the value itself if it is Jinja; a ValueError at start-up otherwise."""
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"server.chat_template: {value!r} is neither a file nor a Jinja template")
-
-
 class OpenAIServing:
     def __init__(self, engine: Frontend, model_names: list[str], metrics: Metrics, limits: ServerConfig,
                  tool_parser: ToolParserFactory, reasoning: ReasoningFormat | None = None) -> None:
-        self.chat_template = load_chat_template(limits.chat_template)
-        """server.chat_template's text (None: the tokenizer's own)."""
+        self.chat_template = ChatTemplate(limits)
         self.engine = engine
         self.model_names = model_names
         """The names a request may give as its model; a response reports the one its request gave
@@ -327,30 +308,7 @@ class OpenAIServing:
                     tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text of a chat request; `tools` are its tools already checked (else they are
         checked here)."""
-        if body.continue_final_message and body.add_generation_prompt:
-            raise APIError("continue_final_message needs add_generation_prompt false (the last message is "
-                           "continued, no new one begins)", param="continue_final_message")
-        variables = {**self.limits.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
-        if reserved := sorted(variables.keys() & RENDER_ARGUMENTS):
-            raise APIError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set there (arguments of the "
-                           "rendering, not template variables)", param="chat_template_kwargs")
-        if body.chat_template is not None:
-            # a template is code the server runs (a loop in one holds the event loop): not taken
-            # from a request, as vLLM does unless told to trust them
-            raise APIError("chat_template cannot be set per request: the server's is server.chat_template "
-                           "(--chat-template)", param="chat_template")
-        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise APIError("this model's tokenizer has no chat template (a base checkpoint): start the server with "
-                           "server.chat_template (--chat-template), or use /v1/completions", param="messages")
-        messages = template_messages(body.messages)
-        tools = tools if tools is not None else template_tools(body.tools)
-        try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.chat_template,
-                                                      add_generation_prompt=body.add_generation_prompt,
-                                                      continue_final_message=body.continue_final_message,
-                                                      tokenize=False, **variables)
-        except Exception as exc:  # a template error is the request's fault (roles, order...)
-            raise APIError(f"messages: the chat template rejected them: {exc}", param="messages") from None
+        return self.chat_template.render(self.tokenizer, body, tools)
 
     # ---- running -------------------------------------------------------------------------------
 
