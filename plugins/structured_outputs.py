@@ -35,7 +35,6 @@ import atexit
 import contextlib
 import functools
 import hashlib
-import itertools
 import json
 import os
 import re
@@ -95,13 +94,22 @@ def mid_anchor(regex: str) -> int | None:
 
 
 def ignored_keywords(schema: Any, path: str = "$") -> list[str]:
-    """The places where xgrammar 0.2.8 would ignore a keyword of the schema with only a warning on
-    stderr (an output could then break it): `multipleOf`; `minLength`/`maxLength` beside a `pattern`
-    or a `format`; an anchor inside a `pattern`."""
+    """The places where xgrammar 0.2.8 would ignore a keyword of the schema, with a warning on stderr
+    or without one (an output could then break it): `multipleOf`; `minLength`/`maxLength` beside a
+    `pattern` or a `format`; an anchor inside a `pattern`; `not`, `if`, `contains`, `uniqueItems`,
+    `dependentRequired`, `dependentSchemas`; an `allOf` of several schemas (the whole schema then
+    admits any JSON); a `$ref` to another document."""
     found = []
     if isinstance(schema, dict):
-        if "multipleOf" in schema:
-            found.append(f"multipleOf (at {path})")
+        for key in ("multipleOf", "not", "if", "contains", "dependentRequired", "dependentSchemas"):
+            if key in schema:
+                found.append(f"{key} (at {path})")
+        if schema.get("uniqueItems") is True:
+            found.append(f"uniqueItems (at {path})")
+        if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+            found.append(f"allOf of several schemas (at {path})")
+        if isinstance(schema.get("$ref"), str) and not schema["$ref"].startswith("#"):
+            found.append(f"$ref to another document, {schema['$ref']} (at {path})")
         lengths = [k for k in ("minLength", "maxLength") if k in schema]
         for other in ("pattern", "format"):
             if lengths and other in schema:
@@ -172,7 +180,8 @@ class PreparedGrammar:
         self.jump_forward = jump_forward and bool(self.tokenizer_dir)
 
     def __getstate__(self) -> dict:
-        return {"paths": self.files.write(self.key, self.compiled), "tokenizer_dir": self.tokenizer_dir,
+        paths = self.paths if self.paths is not None else self.files.write(self.key, self.compiled)
+        return {"paths": paths, "tokenizer_dir": self.tokenizer_dir,
                 "jump_forward": self.jump_forward}
 
     def __setstate__(self, state: dict) -> None:
@@ -184,13 +193,17 @@ class _Files:
     """The request side's folder of serialized tokenizers and grammars, one file each, removed when
     the process exits. Of the grammars no live request holds (PreparedGrammar: its request may
     still start a constraint from the file, as it first runs or resumes), the `max_grammars`
-    sent most recently are kept: a client sending ever new schemas must not fill the disk. A file
-    is named by its content, so sources that compile alike share one; it goes with the last of them."""
+    sent most recently are kept, at most `max_bytes` of them: a client sending ever new schemas
+    must not fill the disk. A file is named by its content, so sources that compile alike share
+    one; it goes with the last of them."""
 
-    def __init__(self, max_grammars: int = 512) -> None:
+    def __init__(self, max_grammars: int = 512, max_bytes: int = 1 << 30) -> None:
         self._dir: str | None = None
         self._written: OrderedDict[str, tuple[str, str]] = OrderedDict()  # key -> (tokenizer file, grammar file)
         self._sharing: Counter[str] = Counter()  # grammar file -> the keys in _written written to it
+        self._sizes: dict[str, int] = {}  # grammar file -> its bytes
+        self.bytes = 0  # of the grammar files
+        self.max_bytes = max_bytes
         self._tokenizers: dict[int, str] = {}  # id(TokenizerInfo) -> its file
         self.max_grammars = max_grammars
         self._lock = threading.Lock()
@@ -232,18 +245,24 @@ class _Files:
                 info = compiled.tokenizer_info
                 if id(info) not in self._tokenizers:
                     self._tokenizers[id(info)] = self._file(info.serialize_json())
-                self._written[key] = paths = (self._tokenizers[id(info)], self._file(compiled.serialize_json()))
+                text = compiled.serialize_json()
+                self._written[key] = paths = (self._tokenizers[id(info)], self._file(text))
+                if not self._sharing[paths[1]]:
+                    self._sizes[paths[1]] = len(text)
+                    self.bytes += len(text)
                 self._sharing[paths[1]] += 1
-            excess = len(self._written) - self.max_grammars
-            if excess > 0:  # the oldest no request holds
-                unheld = (k for k in self._written if k not in self._held and k != key)
-                for old in list(itertools.islice(unheld, excess)):
-                    path = self._written.pop(old)[1]
-                    self._sharing[path] -= 1
-                    if not self._sharing[path]:
-                        del self._sharing[path]
-                        with contextlib.suppress(FileNotFoundError):  # (removed under us: gone either way)
-                            os.remove(path)
+            # the oldest no request holds go, while there are too many or too large
+            unheld = [k for k in self._written if k not in self._held and k != key]
+            for old in unheld:
+                if len(self._written) <= self.max_grammars and self.bytes <= self.max_bytes:
+                    break
+                path = self._written.pop(old)[1]
+                self._sharing[path] -= 1
+                if not self._sharing[path]:
+                    del self._sharing[path]
+                    self.bytes -= self._sizes.pop(path)
+                    with contextlib.suppress(FileNotFoundError):  # (removed under us: gone either way)
+                        os.remove(path)
             return self._written[key]
 
 
@@ -371,6 +390,11 @@ class JumpingGrammarConstraint(GrammarConstraint):
         return ids
 
 
+MAX_SERIALIZED_BYTES = 64 << 20
+"""The largest grammar served: what handing it to the engine's side would write, estimated
+(_serialized_bytes). A wide `anyOf` grows it with the square of its branches (300 tools' calls:
+~1 GB, and several times that in memory while written); past the limit the request is a 400."""
+
 COMPILER_CACHE_BYTES = 512 << 20
 """The most the grammar compiler's cache of compiled grammars holds (per tokenizer); past it the
 least recently used go (compiled again if sent again): unbounded, a client sending ever new
@@ -422,9 +446,16 @@ class StructuredOutputs:
             self._prefix_space[id(tokenizer)] = _prefix_space(tokenizer)
         jump = (params.structured_outputs.jumps and params.logprobs is None
                 and not self._prefix_space[id(tokenizer)])
+        _check_first_tokens(compiled, params, vocab_size)
+        if (size := _serialized_bytes(compiled)) > MAX_SERIALIZED_BYTES:
+            raise ValueError(f"structured_outputs.{params.structured_outputs.kind}: the grammar is too large to serve: "
+                             f"~{size >> 20} MB compiled, over the limit of {MAX_SERIALIZED_BYTES >> 20} MB "
+                             "(it grows with the square of the alternatives: anyOf branches, enum values, tools)")
         prepared = PreparedGrammar(compiled, key, self._files, tokenizer, jump)
-        if not prepared.jump_forward and _process_wanted():  # its files, written here, off the executor
-            prepared.paths = self._files.write(key, compiled)
+        # Its files, written here (a worker thread; xgrammar lets go of the interpreter lock while it
+        # writes) for an executor in another process or the grammar process: pickled without
+        # them, the request would write them on the event loop, where a large one takes seconds.
+        prepared.paths = self._files.write(key, compiled)
         return prepared
 
     def _compile(self, params: SamplingParams, tokenizer: Any, vocab_size: int,
@@ -552,6 +583,35 @@ class StructuredOutputs:
                 log.exception("jump-forward: the tokenizer did not load; nothing jumps", path=prepared.tokenizer_dir)
                 self._tokenizers[prepared.tokenizer_dir] = None
         return self._tokenizers[prepared.tokenizer_dir]
+
+
+def _check_first_tokens(compiled: Any, params: SamplingParams, vocab_size: int) -> None:
+    """A ValueError where no output can begin: the grammar admits none (`root ::= root`), or none of
+    allowed_token_ids can begin one (each step's masks are ANDed: its first would allow nothing)."""
+    import xgrammar
+
+    from llmserve.decoding import mask_width
+
+    kind = params.structured_outputs.kind
+    mask = torch.empty(1, mask_width(vocab_size), dtype=torch.int32)
+    xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(mask, 0)
+    if not mask.any():
+        raise ValueError(f"structured_outputs.{kind}: the grammar admits no output (no token can begin one)")
+    allowed = params.allowed_token_ids
+    if allowed:
+        ids = torch.tensor([t for t in allowed if t < vocab_size], dtype=torch.int64)
+        if not ((mask[0, ids >> 5] >> (ids & 31)) & 1).any():
+            raise ValueError(f"allowed_token_ids: none of them can begin an output that structured_outputs.{kind} "
+                             "allows")
+
+
+def _serialized_bytes(compiled: Any) -> int:
+    """About what `compiled.serialize_json()` writes, without writing it (a few percent of its time):
+    xgrammar 0.2 writes each rule's automaton over the whole grammar's (~2 bytes a character of
+    the grammar's text), and its token mask cache (~2 bytes a byte in memory). An overestimate
+    by up to half on the grammars measured (JSON, schemas, 100-branch anyOfs)."""
+    text = str(compiled.grammar)
+    return 2 * text.count("::=") * len(text) + 2 * compiled.memory_size_bytes
 
 
 def _prefix_space(tokenizer: Any) -> bool:

@@ -91,6 +91,8 @@ def test_beams_share_their_prompts_kv_blocks(checkpoint):
     (dict(beam_width=0, max_tokens=4), "beam_width"), (dict(beam_width=11, max_tokens=4), "beam_width"),
     (dict(beam_width=2, max_tokens=0), "max_tokens"),
     (dict(beam_width=2, max_tokens=4, temperature=0.7), "temperature"),
+    (dict(beam_width=2, max_tokens=4, length_penalty=float("nan")), "length_penalty"),
+    (dict(beam_width=2, max_tokens=4, length_penalty=10.5), r"length_penalty.*\[-10, 10\]"),
 ])
 def test_beam_search_params_are_validated(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -130,7 +132,8 @@ def test_beam_search_over_http_gives_the_offline_beams(engine_process):
         assert chat.choices[0].message.content != chat.choices[1].message.content
         body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "use_beam_search": True}
         for extra, param in (({"stream": True}, "stream"), ({"top_p": 0.5}, "top_p"), ({"n": 11}, "n"),
-                             ({"temperature": 0.7}, "temperature"), ({"logprobs": 2}, "logprobs")):
+                             ({"temperature": 0.7}, "temperature"), ({"logprobs": 2}, "logprobs"),
+                             ({"length_penalty": 1e308}, "length_penalty"), ({"length_penalty": -11}, "length_penalty")):
             r = httpx.post(f"{server.url}/v1/completions", json={**body, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
         r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "length_penalty": 2.0})

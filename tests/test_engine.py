@@ -250,6 +250,8 @@ def test_generate_rejects_bad_input_and_keeps_serving(checkpoint):
                          SamplingParams(max_tokens=40), use_tqdm=False)
         with pytest.raises(ValueError, match="prompt must not be empty"):
             llm.generate("", use_tqdm=False)
+        with pytest.raises(ValueError, match="min_tokens is 63 but the prompt has 2 tokens .* at most 62 remain"):
+            llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=None, min_tokens=63), use_tqdm=False)
         out = llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3
         kv = llm.engine.kv

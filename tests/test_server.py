@@ -304,6 +304,7 @@ def test_chat_template_variables_and_a_continued_final_message(tmp_path):
         assert usage(add_generation_prompt=False, continue_final_message=True) < plain
         for extra, param in [({"continue_final_message": True}, "continue_final_message"),
                              ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+                             ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
                              ({"echo": True, "tool_choice": "required", "tools": [
                                  {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
                               "echo")]:
@@ -459,6 +460,11 @@ def test_malformed_requests_get_openai_errors(server):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    for part, param in (({"type": "text", "text": {"a": 1}}, "messages[1].content[0].text"),
+                        ({"type": "image_url", "image_url": {"url": "x"}}, "messages[1].content[0].type")):
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={"max_tokens": 2, "messages": [
+            {"role": "system", "content": "s"}, {"role": "user", "content": [part]}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 

@@ -5,6 +5,7 @@ structured_outputs, streaming, and 400s that name the field."""
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -83,6 +84,11 @@ def test_vllm_structured_outputs_on_completions(server):
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs",
      "send one"),
     ({"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "ignore_eos", "ignore_eos must be false"),
+    ({"structured_outputs": {"regex": "a"}, "min_tokens": 3}, "min_tokens", "min_tokens must be 0"),
+    ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs", "the grammar admits no output"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "items": {
+        "anyOf": [{"type": "object", "properties": {"name": {"const": f"f{i}"}, "x": {"type": "integer"}}}
+                  for i in range(300)]}}}}}, "response_format", r"json_schema\.schema: the grammar is too large"),
 ])
 def test_bad_structured_requests_are_400s_naming_the_field(server, body, param, match):
     with pytest.raises(openai.BadRequestError, match=match) as info:
@@ -90,6 +96,20 @@ def test_bad_structured_requests_are_400s_naming_the_field(server, body, param, 
                                                 extra_body=body)
     assert info.value.body["param"] == param
     assert server.client().completions.create(model=MODEL, prompt="ok", max_tokens=1).choices  # still serving
+
+
+def test_constraints_that_exclude_each_other_midway_are_a_400(server):
+    """allowed_token_ids that can begin the choice but not go on with it: the request fails where
+    no token is left (its own parameters' fault), and the server goes on serving."""
+    def ids(text):
+        return httpx.post(f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "allowed_token_ids": ids("y") + ids("7"),
+            "structured_outputs": {"choice": ["yes"]}}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+    assert "no token may come next" in r.json()["error"]["message"]
+    assert server.client().completions.create(model=MODEL, prompt="ok", max_tokens=1).choices
 
 
 def test_a_websocket_request_takes_the_same_fields(server):

@@ -253,6 +253,7 @@ ASSISTANT = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"
 
 @pytest.mark.parametrize("body, param, match", [
     ({"tools": []}, "tools", "must not be empty"),
+    ({"tools": [tool(f"f{i}") for i in range(129)]}, "tools", "at most 128 functions, got 129"),
     ({"tools": [{"type": "function"}]}, "tools[0].function", "required"),
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type", "function"),
     ({"tools": [tool("get weather")]}, "tools[0].function.name", "letters, digits"),

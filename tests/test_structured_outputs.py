@@ -138,11 +138,50 @@ def test_n_samples_and_preemption_keep_each_output_valid(checkpoint):
      r"not supported: multipleOf \(at \$\.items\)"),
     (dict(regex="ab$c"), r"structured_outputs\.regex: not supported: an anchor \(\$\) inside the regex, at character 2"),
     (dict(json={"type": "string", "pattern": "a^b"}), r"an anchor inside the pattern, at character 1 \(at \$\)"),
+    (dict(json={"allOf": [{"type": "integer"}, {"minimum": 3}]}), r"not supported: allOf of several schemas \(at \$\)"),
+    (dict(json={"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}, "not": {}}),
+     r"not supported: not \(at \$\); uniqueItems \(at \$\.properties\.a\)"),
+    (dict(json={"$ref": "http://example.com/s.json"}), r"\$ref to another document, http://example\.com/s\.json"),
+    (dict(json={"type": "integer", "if": {"minimum": 3}, "then": {"maximum": 5}}), r"not supported: if \(at \$\)"),
 ])
 def test_a_bad_schema_regex_or_grammar_fails_its_request_alone(llm, kind, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(["x"], SamplingParams(structured_outputs=Structured(**kind)), use_tqdm=False)
     assert len(llm.generate(["x"], structured(0.0, regex="[0-9]{2}"), use_tqdm=False)[0].outputs[0].text) == 2
+
+
+def test_outputs_the_constraints_rule_out_are_refused_naming_the_field(llm):
+    """A grammar that admits nothing, or allowed_token_ids none of which can begin it, is refused
+    before it runs; constraints that exclude each other later fail that request alone with a
+    ValueError (a 400 over HTTP), not an engine error."""
+    from llmserve.decoding import NoTokenAllowed
+
+    tok = llm.engine.tokenizer
+    with pytest.raises(ValueError, match=r"structured_outputs\.grammar: the grammar admits no output"):
+        llm.generate(["x"], structured(0.0, grammar="root ::= root"), use_tqdm=False)
+    digit = tok.convert_tokens_to_ids("7")
+    with pytest.raises(ValueError, match="allowed_token_ids: none of them can begin"):
+        llm.generate(["x"], SamplingParams(allowed_token_ids=[digit], structured_outputs=Structured(choice=["yes"])),
+                     use_tqdm=False)
+    # "y" can begin "yes"; nothing of "es" is allowed after it
+    first = [t for t in range(len(tok)) if tok.decode([t]) == "y"]
+    with pytest.raises(NoTokenAllowed, match=r"structured_outputs: no token may come next"):
+        llm.generate(["x"], SamplingParams(allowed_token_ids=first + [digit], structured_outputs=Structured(choice=["yes"])),
+                     use_tqdm=False)
+    assert len(llm.generate(["x"], structured(0.0, regex="[0-9]{2}"), use_tqdm=False)[0].outputs[0].text) == 2
+
+
+def test_a_grammar_too_large_to_serve_is_refused_before_it_is_written(llm, monkeypatch):
+    """An anyOf of many branches compiles fast but would be written (to reach the engine's side)
+    with the square of its size: ~1 GB for 300 branches of two fields."""
+    from llmserve.plugins import structured_outputs as so
+
+    monkeypatch.setattr(so._Files, "write", lambda *a: pytest.fail("written"))
+    wide = {"type": "array", "items": {"anyOf": [
+        {"type": "object", "properties": {"name": {"const": f"f{i}"}, "x": {"type": "integer"}},
+         "required": ["name", "x"]} for i in range(300)]}}
+    with pytest.raises(ValueError, match=r"structured_outputs\.json: the grammar is too large to serve: ~\d+ MB"):
+        llm.generate(["x"], structured(0.0, json=wide), use_tqdm=False)
 
 
 def test_anchors_are_told_from_escapes_and_character_classes():
@@ -157,6 +196,7 @@ def test_anchors_are_told_from_escapes_and_character_classes():
     (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "exactly one of"),
     (dict(structured_outputs={"choice": []}), r"structured_outputs\.choice"),
     (dict(structured_outputs={"regex": "a"}, ignore_eos=True), "ignore_eos"),
+    (dict(structured_outputs={"regex": "a"}, min_tokens=2), "min_tokens must be 0 with structured_outputs"),
     (dict(structured_outputs={"jsn": {}}), "structured_outputs"),
 ])
 def test_structured_outputs_params_are_validated(kwargs, match):

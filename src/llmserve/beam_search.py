@@ -28,6 +28,11 @@ from typing import Any
 from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams, _fail
 
 
+MAX_LENGTH_PENALTY = 10
+"""|length_penalty| at most: 2**20 tokens raised to it stays far inside a float's range (useful
+values are 0 to 2)."""
+
+
 @dataclass(slots=True)
 class BeamSearchParams:
     beam_width: int
@@ -49,8 +54,10 @@ class BeamSearchParams:
             _fail("max_tokens", "an integer >= 1", self.max_tokens)
         if self.temperature != 0:
             _fail("temperature", "0 (beam search ranks by the model's own log-probabilities)", self.temperature)
-        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
-            _fail("length_penalty", "a number", self.length_penalty)
+        if (not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool)
+                or not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY):
+            _fail("length_penalty", f"a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}] (a beam's length "
+                  "raised to it must stay a float)", self.length_penalty)
 
 
 @dataclass(slots=True)

@@ -96,6 +96,11 @@ class DecodingStrategy(Protocol):
     # used in steps without drafts, for each constraint's one token; without it, each accept().
 
 
+class NoTokenAllowed(ValueError):
+    """A request whose constraints together allowed no token next (a grammar and allowed_token_ids
+    or bad_words that exclude each other): it fails with this, a fault of its own parameters."""
+
+
 def mask_width(vocab_size: int) -> int:
     """int32 words of a packed mask row."""
     return -(-vocab_size // 32)

@@ -223,6 +223,9 @@ class SamplingParams:
             if self.ignore_eos:
                 _fail("ignore_eos", "false with structured_outputs (a complete output ends at its end)",
                       self.ignore_eos)
+            if self.min_tokens:
+                _fail("min_tokens", "0 with structured_outputs (the grammar says where the output ends)",
+                      self.min_tokens)
 
     @property
     def greedy(self) -> bool:

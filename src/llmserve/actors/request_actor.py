@@ -20,6 +20,7 @@ import numpy as np
 import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
+from llmserve.decoding import NoTokenAllowed
 from llmserve.detokenizer import Detokenizer
 from llmserve.messages import EngineOutputs, FinishRequests, NewRequest, NewRequests, SequenceUpdate, TokenLogprobs
 from llmserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -215,6 +216,9 @@ class RequestActor:
         if strict_length and params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens is {params.max_tokens} but the prompt has {len(ids)} tokens and "
                              f"max_model_len is {self.max_model_len}: at most {self.max_model_len - len(ids)} remain")
+        if len(ids) + params.min_tokens > self.max_model_len:  # (it could never be met)
+            raise ValueError(f"min_tokens is {params.min_tokens} but the prompt has {len(ids)} tokens and "
+                             f"max_model_len is {self.max_model_len}: at most {self.max_model_len - len(ids)} remain")
         for name, token_ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
             if bad := [t for t in token_ids if t >= self.vocab_size]:
                 raise ValueError(f"{name} token ids must be < vocab size {self.vocab_size}, got {bad}")
@@ -346,11 +350,14 @@ class RequestActor:
                 continue  # already ended by a stop string or an abort
             try:
                 if up.error is not None:
+                    kind, _, why = up.error.partition(": ")
+                    if kind == NoTokenAllowed.__name__:  # (its parameters' fault: a 400)
+                        raise NoTokenAllowed(why)
                     raise RequestFailed(f"the engine failed this request: {up.error}")
                 self._apply(req, i, up)
                 stop = _detokenize(req.detoks[i], comp, up)
             except Exception as exc:
-                if not isinstance(exc, RequestFailed):
+                if not isinstance(exc, (RequestFailed, NoTokenAllowed)):
                     log.exception("request failed on its output", request_id=req.req_id)
                 aborted += self._fail(req, exc)  # (the engine already ended a child its step failed)
                 touched.pop(req.req_id, None)

@@ -19,7 +19,7 @@ import numpy as np
 import structlog
 import torch
 
-from llmserve.decoding import Constraint, mask_width
+from llmserve.decoding import Constraint, NoTokenAllowed, mask_width
 from llmserve.kernels.sampling_reference import row_keys
 from llmserve.messages import NewSequence
 from llmserve.model.sampler import Penalties, SamplingBatch
@@ -200,7 +200,10 @@ class SamplingState:
             for row in np.flatnonzero(allowed == 0).tolist():
                 if row not in skip:
                     skip.add(row)
-                    errors[owners[row]] = f"RuntimeError: token {drawn[row]} is not allowed by its constraints' mask"
+                    errors[owners[row]] = (
+                        f"RuntimeError: token {drawn[row]} is not allowed by its constraints' mask" if host[row].any()
+                        else f"{NoTokenAllowed.__name__}: structured_outputs: no token may come next: the "
+                             "request's constraints (its grammar, allowed_token_ids, bad_words) exclude every token")
         drawn = drawn.tolist()
         for row, (i, token) in enumerate(zip(owners, drawn)):
             if not skip or row not in skip:

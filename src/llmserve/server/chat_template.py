@@ -13,8 +13,10 @@ from llmserve.config import ServerConfig
 from llmserve.server.protocol import APIError, ChatCompletionRequest, TokenizeRequest
 from llmserve.server.tool_calls import template_messages, template_tools
 
-RENDER_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
-"""apply_chat_template's own arguments: not template variables (chat_template_kwargs cannot set them)."""
+RENDER_ARGUMENTS = (frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
+                    | {"messages"})
+"""apply_chat_template's own arguments, and `messages` (the conversation as the template sees it):
+not template variables (chat_template_kwargs cannot set them)."""
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -324,15 +324,19 @@ class ChatMessage(_Request):
     its name before vLLM renamed it): the template gets it back (interleaved thinking)."""
     reasoning_content: str | None = None
 
-    def text(self) -> str:
+    def text(self, where: str = "messages") -> str:
+        """The content as one string; `where` names the message in a 400 (messages[i])."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
-        for part in self.content:
+        for j, part in enumerate(self.content):
             if part.get("type") != "text":
-                raise APIError(f"messages: content part type {part.get('type')!r} is not supported (only 'text')",
-                               param="messages")
-            parts.append(str(part.get("text", "")))
+                raise APIError(f"{where}.content[{j}]: content part type {part.get('type')!r} is not supported "
+                               "(only 'text')", param=f"{where}.content[{j}].type")
+            if not isinstance(part.get("text"), str):
+                raise APIError(f"{where}.content[{j}].text must be a string, got {part.get('text')!r}",
+                               param=f"{where}.content[{j}].text")
+            parts.append(part["text"])
         return "".join(parts)
 
 

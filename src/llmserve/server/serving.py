@@ -261,7 +261,7 @@ class OpenAIServing:
         last = body.messages[-1]
         return self._settled(_Job(
             "chat", f"chatcmpl-{body.request_id or uuid.uuid4().hex}", int(time.time()), [prompt], params, body,
-            echo_content=last.text() if body.echo and last.role == "assistant" else "",
+            echo_content=last.text(f"messages[{len(body.messages) - 1}]") if body.echo and last.role == "assistant" else "",
             reasoning=self._reasoning(params, prompt), include_reasoning=body.include_reasoning,
             add_special_tokens=body.add_special_tokens, tools=tool_plan, beam=self._beam(body, max_tokens)))
 

@@ -49,14 +49,20 @@ def tool_parser(config: EngineConfig) -> ToolParserFactory:
 
 # ---- the request ----------------------------------------------------------------------------------
 
+MAX_TOOLS = 128
+"""OpenAI's limit on a request's functions (a call constrained to any of them is a grammar that grows
+with their number squared: structured_outputs.MAX_SERIALIZED_BYTES)."""
+
 def template_tools(tools: list[ToolDefinition] | None) -> list[dict[str, Any]] | None:
     """The tools as the chat template gets them (transformers' `tools`: one JSON-schema dict per
-    function), after the checks OpenAI makes: a name of letters, digits, `_` or `-` (at most 64),
-    unique; parameters an object schema."""
+    function), after the checks OpenAI makes: at most MAX_TOOLS; a name of letters, digits, `_`
+    or `-` (at most 64), unique; parameters an object schema."""
     if tools is None:
         return None
     if not tools:
         raise APIError("tools must not be empty (leave it out for no tools)", param="tools")
+    if len(tools) > MAX_TOOLS:
+        raise APIError(f"tools: at most {MAX_TOOLS} functions, got {len(tools)}", param="tools")
     seen: dict[str, int] = {}
     for i, tool in enumerate(tools):
         fn = tool.function
@@ -95,7 +101,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     `reasoning_content` (Qwen3's template reads the latter)."""
     out = []
     for i, m in enumerate(messages):
-        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        msg: dict[str, Any] = {"role": m.role, "content": m.text(f"messages[{i}]")}
         thinking = m.reasoning if m.reasoning is not None else m.reasoning_content
         if thinking is not None and m.role == "assistant":  # (templates read either name)
             msg["reasoning"] = msg["reasoning_content"] = thinking
