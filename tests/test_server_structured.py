@@ -88,7 +88,7 @@ def test_vllm_structured_outputs_on_completions(server):
     ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs", "the grammar admits no output"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "items": {
         "anyOf": [{"type": "object", "properties": {"name": {"const": f"f{i}"}, "x": {"type": "integer"}}}
-                  for i in range(300)]}}}}}, "response_format", r"json_schema\.schema: the grammar is too large"),
+                  for i in range(600)]}}}}}, "response_format", r"json_schema\.schema: the grammar is too large"),
 ])
 def test_bad_structured_requests_are_400s_naming_the_field(server, body, param, match):
     with pytest.raises(openai.BadRequestError, match=match) as info:
