@@ -53,6 +53,7 @@ MAX_TOOLS = 128
 """OpenAI's limit on a request's functions (a call constrained to any of them is a grammar that grows
 with their number squared: structured_outputs.MAX_SERIALIZED_BYTES)."""
 
+
 def template_tools(tools: list[ToolDefinition] | None) -> list[dict[str, Any]] | None:
     """The tools as the chat template gets them (transformers' `tools`: one JSON-schema dict per
     function), after the checks OpenAI makes: at most MAX_TOOLS; a name of letters, digits, `_`
