@@ -9,8 +9,13 @@ grammar's end admits only the end-of-sequence tokens, so a complete output stops
 
 Where the executor runs in another process (the server's engine process), a compiled grammar
 crosses as two files the request side writes once each into a private temporary folder: the
-tokenizer's vocabulary (5 MB for 150k tokens) and the compiled grammar (its token masks, ~2 MB for
-JSON); the request carries their paths, and the executor's side reads each once.
+tokenizer's vocabulary (5 MB for 150k tokens) and the grammar; the request carries their paths,
+and the executor's side reads each once. The grammar goes compiled (xgrammar's serialization, its
+token masks: ~2 MB for JSON, read back in ~15 ms on a 152k vocabulary, where compiling takes 30-60
+ms) while that is small (SERIALIZED_UP_TO, estimated); past it, as its source (EBNF or regex),
+compiled again on the executor's side: xgrammar writes each rule's automaton over the whole
+grammar's, so the serialization grows with the square of a wide grammar (32 tools' calls: 16 MB
+written in 0.6 s and read in 0.23 s, compiled in 0.07 s; 128 tools': ~200 MB, 13 s to write).
 
 Where the engine drives a GPU, matchers of requests that do not jump live in the grammar process
 (grammar_process.py: a step's accepts and mask fills there, off the executor process's interpreter
@@ -163,12 +168,15 @@ def json_object_grammar() -> str:
 
 class PreparedGrammar:
     """A compiled grammar, and where to read it from in another process (written when first
-    pickled). `key` names the grammar's source (kind, text, tokenizer)."""
+    pickled). `source`: (kind, text) it was compiled from, kind "ebnf" or "regex"; `key` names
+    the source and the tokenizer."""
 
     checks_drafts = True  # its constraints advance over drafts and roll back (speculative decoding)
 
-    def __init__(self, compiled: Any, key: str, files: _Files, tokenizer: Any, jump_forward: bool) -> None:
+    def __init__(self, compiled: Any, source: tuple[str, str], key: str, files: _Files, tokenizer: Any,
+                 jump_forward: bool) -> None:
         self.compiled = compiled
+        self.source = source
         self.key = key
         self.files = files
         files.hold(key)  # its file stays while its request may still start a constraint from it
@@ -179,12 +187,12 @@ class PreparedGrammar:
         self.jump_forward = jump_forward and bool(self.tokenizer_dir)
 
     def __getstate__(self) -> dict:
-        paths = self.paths if self.paths is not None else self.files.write(self.key, self.compiled)
+        paths = self.paths if self.paths is not None else self.files.write(self.key, self.compiled, self.source)
         return {"paths": paths, "tokenizer_dir": self.tokenizer_dir,
                 "jump_forward": self.jump_forward}
 
     def __setstate__(self, state: dict) -> None:
-        self.compiled, self.files, self.tokenizer, self.key = None, None, None, None
+        self.compiled, self.source, self.files, self.tokenizer, self.key = None, None, None, None, None
         self.paths, self.tokenizer_dir, self.jump_forward = state["paths"], state["tokenizer_dir"], state["jump_forward"]
 
 
@@ -224,15 +232,15 @@ class _Files:
             if self._held[key] <= 0:
                 del self._held[key]
 
-    def _file(self, text: str) -> str:
-        path = os.path.join(self._dir, hashlib.sha256(text.encode()).hexdigest()[:32] + ".json")
+    def _file(self, text: str, suffix: str = ".json") -> str:
+        path = os.path.join(self._dir, hashlib.sha256(text.encode()).hexdigest()[:32] + suffix)
         if not os.path.exists(path):
             with open(path + ".tmp", "w") as f:
                 f.write(text)
             os.replace(path + ".tmp", path)
         return path
 
-    def write(self, key: str, compiled: Any) -> tuple[str, str]:
+    def write(self, key: str, compiled: Any, source: tuple[str, str]) -> tuple[str, str]:
         with self._lock:
             self._count_released()
             if key in self._written:
@@ -244,8 +252,12 @@ class _Files:
                 info = compiled.tokenizer_info
                 if id(info) not in self._tokenizers:
                     self._tokenizers[id(info)] = self._file(info.serialize_json())
-                text = compiled.serialize_json()
-                self._written[key] = paths = (self._tokenizers[id(info)], self._file(text))
+                if _serialized_bytes(compiled) <= SERIALIZED_UP_TO:
+                    text, suffix = compiled.serialize_json(), ".json"
+                else:
+                    kind, text = source
+                    suffix = "." + kind
+                self._written[key] = paths = (self._tokenizers[id(info)], self._file(text, suffix))
                 if not self._sharing[paths[1]]:
                     self._sizes[paths[1]] = len(text)
                     self.bytes += len(text)
@@ -266,10 +278,12 @@ class _Files:
 
 
 class _Loaded:
-    """The executor's side in another process: tokenizers and compiled grammars read from files."""
+    """The executor's side in another process: tokenizers and compiled grammars read from files
+    (a grammar's source, `.ebnf` or `.regex`, compiled here)."""
 
     def __init__(self, max_grammars: int = 64) -> None:
         self.tokenizers: dict[str, Any] = {}
+        self.compilers: dict[str, Any] = {}  # tokenizer file -> its compiler, made with its first source
         self.grammars: OrderedDict[str, Any] = OrderedDict()
         self.max_grammars = max_grammars
 
@@ -283,8 +297,17 @@ class _Loaded:
         if tokenizer_path not in self.tokenizers:
             with open(tokenizer_path) as f:
                 self.tokenizers[tokenizer_path] = xgrammar.TokenizerInfo.deserialize_json(f.read())
+        info = self.tokenizers[tokenizer_path]
         with open(grammar_path) as f:
-            compiled = xgrammar.CompiledGrammar.deserialize_json(f.read(), self.tokenizers[tokenizer_path])
+            text = f.read()
+        if grammar_path.endswith(".json"):
+            compiled = xgrammar.CompiledGrammar.deserialize_json(text, info)
+        else:
+            if tokenizer_path not in self.compilers:  # (no cache: compiled grammars are kept here)
+                self.compilers[tokenizer_path] = xgrammar.GrammarCompiler(info, cache_enabled=False)
+            compiler = self.compilers[tokenizer_path]
+            compiled = (compiler.compile_regex(text) if grammar_path.endswith(".regex")
+                        else compiler.compile_grammar(text))
         self.grammars[grammar_path] = compiled
         if len(self.grammars) > self.max_grammars:
             self.grammars.popitem(last=False)
@@ -389,11 +412,15 @@ class JumpingGrammarConstraint(GrammarConstraint):
         return ids
 
 
-MAX_SERIALIZED_BYTES = 256 << 20
-"""The largest grammar served: what handing it to the engine's side would write, estimated
-(_serialized_bytes). xgrammar writes it with the square of a grammar's size (~90 tools of five
-parameters, constrained, come near the limit) and takes ~14 times as much memory while it writes;
-past the limit the request is a 400."""
+SERIALIZED_UP_TO = 4 << 20
+"""A grammar whose serialization would write at most this (estimated: _serialized_bytes) crosses
+to another process compiled; a larger one as its source (the module's docstring says why)."""
+
+MAX_GRAMMAR_BYTES = 64 << 20
+"""The largest compiled grammar served (its token masks in memory; past it the request is a 400):
+each process that runs it holds a copy, and compiling it takes time on the engine's side too
+(linear: an anyOf of 1,000 small objects is 25 MB, compiled in 0.4 s on a 152k vocabulary; 128
+tools' calls 13 MB)."""
 
 COMPILER_CACHE_BYTES = 512 << 20
 """The most the grammar compiler's cache of compiled grammars holds (per tokenizer); past it the
@@ -442,41 +469,41 @@ class StructuredOutputs:
                 eos_token_ids: tuple[int, ...]) -> PreparedGrammar:
         compiled, source = self._compile(params, tokenizer, vocab_size, eos_token_ids)
         key = hashlib.sha256(f"{id(tokenizer)}:{vocab_size}:{eos_token_ids}:{source}".encode()).hexdigest()
+        kind = params.structured_outputs.kind
+        if compiled.memory_size_bytes > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"structured_outputs.{kind}: the grammar is too large to serve: its token masks take "
+                             f"{compiled.memory_size_bytes / 2**20:.1f} MB, over the limit of {MAX_GRAMMAR_BYTES / 2**20:.1f} MB "
+                             "(anyOf branches, enum values or tools: ~2,500 small objects)")
         if id(tokenizer) not in self._prefix_space:
             self._prefix_space[id(tokenizer)] = _prefix_space(tokenizer)
         jump = (params.structured_outputs.jumps and params.logprobs is None
                 and not self._prefix_space[id(tokenizer)])
         _check_first_tokens(compiled, params, vocab_size)
-        if (size := _serialized_bytes(compiled)) > MAX_SERIALIZED_BYTES:
-            raise ValueError(f"structured_outputs.{params.structured_outputs.kind}: the grammar is too large to serve: "
-                             f"~{size >> 20} MB to write for the engine, over the limit of {MAX_SERIALIZED_BYTES >> 20} MB "
-                             "(it grows with the square of the alternatives: anyOf branches, enum values, tools)")
-        prepared = PreparedGrammar(compiled, key, self._files, tokenizer, jump)
+        prepared = PreparedGrammar(compiled, source, key, self._files, tokenizer, jump)
         # Its files, written here (a worker thread; xgrammar lets go of the interpreter lock while it
         # writes) for an executor in another process or the grammar process: pickled without
-        # them, the request would write them on the event loop, where a large one takes seconds.
-        prepared.paths = self._files.write(key, compiled)
+        # them, the request would write them on the event loop.
+        prepared.paths = self._files.write(key, compiled, source)
         return prepared
 
     def _compile(self, params: SamplingParams, tokenizer: Any, vocab_size: int,
-                 eos_token_ids: tuple[int, ...]) -> tuple[Any, str]:
-        """(the compiled grammar, its source: the kind and text it was compiled from)."""
+                 eos_token_ids: tuple[int, ...]) -> tuple[Any, tuple[str, str]]:
+        """(the compiled grammar, its source: ("ebnf" or "regex", the text it was compiled from))."""
         if tokenizer is None:
             raise ValueError("structured_outputs: this model has no tokenizer to build a grammar's token masks from")
         spec = params.structured_outputs
         compiler = self._compiler(tokenizer, vocab_size, eos_token_ids)
         kind = spec.kind
         try:
-            if kind == "json_object":
-                return compiler.compile_grammar(json_object_grammar()), kind
             if kind == "regex":
                 if (at := mid_anchor(spec.regex)) is not None:
                     raise ValueError(f"not supported: an anchor ({spec.regex[at]}) inside the regex, at character {at}")
-                return compiler.compile_regex(spec.regex), f"regex:{spec.regex}"
-            ebnf = {"json": lambda: json_schema_grammar(spec.json),
+                return compiler.compile_regex(spec.regex), ("regex", spec.regex)
+            ebnf = {"json_object": json_object_grammar,
+                    "json": lambda: json_schema_grammar(spec.json),
                     "choice": lambda: "root ::= " + " | ".join(json.dumps(c) for c in spec.choice),
                     "grammar": lambda: spec.grammar}[kind]()
-            return compiler.compile_grammar(ebnf), f"ebnf:{ebnf}"
+            return compiler.compile_grammar(ebnf), ("ebnf", ebnf)
         except Exception as exc:  # xgrammar reports a bad schema, regex or grammar as a RuntimeError
             lines = str(exc).strip().splitlines() or [type(exc).__name__]
             reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[0])  # "[time] file.cc:line: "
@@ -552,14 +579,17 @@ class StructuredOutputs:
         self._accept(constraints, tokens)
 
     def start(self, prepared: PreparedGrammar) -> Any:
-        compiled = prepared.compiled if prepared.compiled is not None else self._loaded.get(prepared.paths)
+        def compiled() -> Any:
+            return prepared.compiled if prepared.compiled is not None else self._loaded.get(prepared.paths)
+
         if not prepared.jump_forward and prepared.paths is not None and _process_wanted():
             from llmserve.plugins.grammar_process import GrammarProcess, SharedGrammarConstraint
 
             if self._process is None:
                 self._process = GrammarProcess()
-            if not self._process.dead:
-                return SharedGrammarConstraint(self._process, prepared.paths, lambda: GrammarConstraint(compiled))
+            if not self._process.dead:  # its mirror here is read or compiled only when needed
+                return SharedGrammarConstraint(self._process, prepared.paths, lambda: GrammarConstraint(compiled()))
+        compiled = compiled()
         tokenizer = self._tokenizer(prepared) if prepared.jump_forward else None
         return GrammarConstraint(compiled) if tokenizer is None else JumpingGrammarConstraint(compiled, tokenizer)
 

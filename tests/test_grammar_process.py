@@ -110,17 +110,24 @@ def test_outputs_equal_the_in_process_engines_with_matchers_in_the_grammar_proce
             jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
 
 
-def test_masks_filled_in_the_process_equal_each_matchers_own(checkpoint, monkeypatch):
+@pytest.mark.parametrize("crosses_as", ["compiled", "source"])
+def test_masks_filled_in_the_process_equal_each_matchers_own(checkpoint, monkeypatch, crosses_as):
     """Matchers at different places of json_object's grammar (inside a key, a string, a number,
-    after the end): the process's rows are the in-process matchers' bit for bit; an unknown
-    grammar file fails its row alone, allowing every token."""
+    after the end): the process's rows are the in-process matchers' bit for bit, whether the
+    grammar crossed compiled or as its source (compiled there); an unknown grammar file fails its
+    row alone, allowing every token."""
+    from llmserve.plugins import structured_outputs as so
+
     monkeypatch.setenv("LLMSERVE_GRAMMAR_PROCESS", "1")
+    if crosses_as == "source":
+        monkeypatch.setattr(so, "SERIALIZED_UP_TO", 0)
     with LLM(checkpoint("llama"), **COMMON) as llm:
         ready(llm)
         strategy, tok = strategy_of(llm), llm.get_tokenizer()
         vocab, eos = llm.engine.spec.vocab_size, tuple(llm.engine.runner.eos_token_ids)
         params = SamplingParams(structured_outputs=Structured(json_object=True))
         prepared = strategy.prepare(params, tok, vocab, eos)
+        assert prepared.paths[1].endswith(".json" if crosses_as == "compiled" else ".ebnf")
         texts = ['{"ke', '{"key": "some te', '{"key": 12', '{"a": [true, {"b": null}', '{}']
         shared, local = [], []
         for text in texts:

@@ -171,17 +171,55 @@ def test_outputs_the_constraints_rule_out_are_refused_naming_the_field(llm):
     assert len(llm.generate(["x"], structured(0.0, regex="[0-9]{2}"), use_tqdm=False)[0].outputs[0].text) == 2
 
 
-def test_a_grammar_too_large_to_serve_is_refused_before_it_is_written(llm, monkeypatch):
-    """An anyOf of many branches compiles fast but would be written (to reach the engine's side)
-    with the square of its size: ~4 GB for 600 branches of two fields."""
+def test_a_grammar_too_large_to_serve_is_refused(llm, monkeypatch):
+    """A compiled grammar past MAX_GRAMMAR_BYTES (its token masks, held by each process that runs
+    it) is a ValueError naming the field and the limit; the engine serves on."""
     from llmserve.plugins import structured_outputs as so
 
-    monkeypatch.setattr(so._Files, "write", lambda *a: pytest.fail("written"))
-    wide = {"type": "array", "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"const": f"f{i}"}, "x": {"type": "integer"}},
-         "required": ["name", "x"]} for i in range(600)]}}
-    with pytest.raises(ValueError, match=r"structured_outputs\.json: the grammar is too large to serve: ~\d+ MB"):
-        llm.generate(["x"], structured(0.0, json=wide), use_tqdm=False)
+    monkeypatch.setattr(so, "MAX_GRAMMAR_BYTES", 1000)
+    with pytest.raises(ValueError, match=r"structured_outputs\.json: the grammar is too large to serve: its token "
+                                         r"masks take [\d.]+ MB, over the limit of 0\.0 MB"):
+        llm.generate(["x"], structured(0.0, json=SCHEMAS[0]), use_tqdm=False)
+    monkeypatch.undo()
+    assert llm.generate(["x"], structured(0.0, json=SCHEMAS[0]), use_tqdm=False)[0].outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kind, suffix", [(dict(regex="[a-c]{2}x+[0-9]"), ".regex"), (dict(json=SCHEMAS[1]), ".ebnf"),
+                                          (dict(choice=["yes", "no", "maybe"]), ".ebnf"),
+                                          (dict(json_object=True), ".ebnf")])
+def test_a_large_grammar_crosses_as_its_source_and_masks_alike_there(checkpoint, monkeypatch, kind, suffix):
+    """A grammar whose serialization would be large (it grows with the square of a wide anyOf) is
+    written as its source and compiled on the executor's side; a small one crosses compiled.
+    Either way the masks there are the request side's, token by token."""
+    import pickle
+    import random
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from llmserve.decoding import mask_width
+    from llmserve.plugins import structured_outputs as so
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint("llama"))
+    for up_to, written in ((so.SERIALIZED_UP_TO, ".json"), (0, suffix)):
+        monkeypatch.setattr(so, "SERIALIZED_UP_TO", up_to)
+        strategy = so.StructuredOutputs()
+        prepared = strategy.prepare(structured(0.0, **kind), tokenizer, 384, (2,))
+        assert prepared.paths[1].endswith(written)
+        here, there = so.GrammarConstraint(prepared.compiled), strategy.start(pickle.loads(pickle.dumps(prepared)))
+        masks = torch.empty(2, mask_width(384), dtype=torch.int32)
+        rng = random.Random(0)
+        for _ in range(40):
+            here.fill_mask(masks, 0)
+            there.fill_mask(masks, 1)
+            assert torch.equal(masks[0], masks[1])
+            allowed = [t for t in range(384) if masks[0, t >> 5] >> (t & 31) & 1]
+            token = 2 if allowed == [2] else rng.choice([t for t in allowed if t != 2])
+            here.accept(token)
+            there.accept(token)
+            if token == 2:
+                break
+        assert here.terminated() == there.terminated()
 
 
 def test_anchors_are_told_from_escapes_and_character_classes():

@@ -50,8 +50,7 @@ def tool_parser(config: EngineConfig) -> ToolParserFactory:
 # ---- the request ----------------------------------------------------------------------------------
 
 MAX_TOOLS = 128
-"""OpenAI's limit on a request's functions (a call constrained to any of them is a grammar that grows
-with their number squared: structured_outputs.MAX_SERIALIZED_BYTES)."""
+"""OpenAI's limit on a request's functions."""
 
 
 def template_tools(tools: list[ToolDefinition] | None) -> list[dict[str, Any]] | None:
