@@ -1081,3 +1081,27 @@ def test_constrained_unseeded_samples_check_drawn_drafts_against_their_grammar(c
         assert out.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.outputs[0].text), STRUCTURED_SCHEMA)
     assert spec.drafts > 5 and 0 < spec.accepted_tokens < spec.draft_tokens
+
+
+def test_a_grammar_that_dies_midway_fails_its_speculating_request_as_its_own_fault(checkpoint, monkeypatch):
+    """After six letters the grammar admits nothing: the verify step's row there allows no token,
+    and the request fails with NoTokenAllowed (a 400 over HTTP) naming the field, as in a step
+    without drafts; its neighbour is served."""
+    from llmserve import StructuredOutputsParams
+    from llmserve.decoding import NoTokenAllowed
+    from llmserve.model.sampling_state import MaskFill
+
+    found = []
+    empty_rows = MaskFill.empty_rows
+    monkeypatch.setattr(MaskFill, "empty_rows", lambda self: found.append(empty_rows(self)) or found[-1])
+    ck = checkpoint("llama")
+    grammar = "root ::= " + " ".join(["[a-z]"] * 6) + " dead\ndead ::= dead"
+    dead = SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(grammar=grammar, jump_forward=False))
+    with LLM(ck, **COMMON, speculative_config={"method": "draft", "model": ck, "num_speculative_tokens": 3}) as llm:
+        hold_speculation_on(llm)
+        with pytest.raises(NoTokenAllowed, match="structured_outputs: no token may come next: structured_outputs "
+                                                 "excludes every token"):
+            llm.generate({"prompt_token_ids": [5, 6, 7]}, dead, use_tqdm=False)
+        assert any(found), found  # it failed in a verify step
+        assert len(llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=8),
+                                use_tqdm=False)[0].outputs[0].token_ids) == 8

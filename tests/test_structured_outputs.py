@@ -171,6 +171,21 @@ def test_outputs_the_constraints_rule_out_are_refused_naming_the_field(llm):
     assert len(llm.generate(["x"], structured(0.0, regex="[0-9]{2}"), use_tqdm=False)[0].outputs[0].text) == 2
 
 
+def test_a_requests_own_constraints_that_leave_no_token_are_named(llm):
+    """The error names the fields that constrain the request: here allowed_token_ids and bad_words
+    (no grammar), or a grammar alone that admits nothing after its first token."""
+    from llmserve.decoding import NoTokenAllowed
+
+    tok = llm.engine.tokenizer
+    seven = tok.encode("7", add_special_tokens=False)
+    with pytest.raises(NoTokenAllowed, match="allowed_token_ids: no token may come next: allowed_token_ids and "
+                                             "bad_words together exclude every token"):
+        llm.generate(["x"], SamplingParams(allowed_token_ids=seven, bad_words=["7"]), use_tqdm=False)
+    with pytest.raises(NoTokenAllowed, match="structured_outputs: no token may come next: structured_outputs "
+                                             "excludes every token"):
+        llm.generate(["x"], structured(0.0, grammar='root ::= "b" dead\ndead ::= dead'), use_tqdm=False)
+
+
 def test_a_grammar_too_large_to_serve_is_refused(llm, monkeypatch):
     """A compiled grammar past MAX_GRAMMAR_BYTES (its token masks, held by each process that runs
     it) is a ValueError naming the field and the limit; the engine serves on."""

@@ -456,10 +456,12 @@ class ModelRunner:
     def _queue(self, sampling: Sampling) -> InFlight:
         """Queue a step's sampler (its masks filled) and the copy of its tokens to the host."""
         result, logits, states, batch = sampling.result, sampling.logits, sampling.states, sampling.batch
-        mask_errors = {}
+        mask_errors, empty_rows = {}, {}
         if sampling.masks is not None:
             batch.allowed = sampling.masks.send()
             mask_errors = sampling.masks.errors()
+            if sampling.drafts is not None:  # (without drafts, accept_masked checks each row drawn from)
+                empty_rows = sampling.masks.empty_rows()
         processed = process_logits(logits, batch, self.backend.apply_token_mask)
         tokens = draw(processed, batch, self.backend.sample_rows, self.backend.sample_filtered_rows)
         offsets = None if sampling.drafts is None else \
@@ -470,6 +472,7 @@ class ModelRunner:
         flight = InFlight(result, sampling.req_ids, states, tokens,
                           {r: i for i, r in enumerate(result.req_ids)} if offsets is None else dict(zip(result.req_ids, offsets)),
                           mask_errors=mask_errors, drafts=sampling.drafts, offsets=offsets, propose=sampling.propose,
+                          empty_rows=empty_rows,
                           masks=sampling.masks if sampling.drafts is None else None)
         if batch.max_logprobs >= 0:
             flight.logprob_parts = gather_logprobs(torch.log_softmax(logits, -1, dtype=torch.float32), tokens,
@@ -537,6 +540,7 @@ class ModelRunner:
                 log.error("constraint failed", request_id=req_id, error=refused[i])
                 self._fail(result, req_id, refused[i])
                 continue
+            produced = None
             try:  # harmless for a request freed meanwhile: its state is gone
                 if not (masked and state.constraints):
                     produced = result.accepted.get(req_id) if result.accepted else None
@@ -553,6 +557,9 @@ class ModelRunner:
                         result.dropped_next.add(req_id)
                         self.dropped.add(req_id)
             except Exception as exc:  # a constraint that cannot take its own token: this request fails alone
+                if flight.empty_rows.get(i, len(produced or [token])) < len(produced or [token]):
+                    self._fail(result, req_id, state.nothing_allowed())  # drawn where its mask allowed nothing
+                    continue
                 log.exception("constraint failed", request_id=req_id)
                 self._fail(result, req_id, f"{type(exc).__name__}: {exc}")
         self.drafting.finished(result, flight.propose, self.sampling.seqs)

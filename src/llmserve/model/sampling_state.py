@@ -93,6 +93,17 @@ class SeqState:
             self.output_ids[-1:] = tokens
         return tokens or None
 
+    def nothing_allowed(self) -> str:
+        """The error of a request whose mask allowed no token (its constraints exclude each other),
+        naming its fields that constrain: a fault of its parameters (NoTokenAllowed: a 400)."""
+        p = self.params
+        fields = ["structured_outputs"] if p.structured_outputs is not None else []
+        fields += [name for name in ("allowed_token_ids", "bad_words") if getattr(p, name)]
+        fields += [name for name in self.constraints if name not in ("structured_outputs", "token_masks")]
+        named = " and ".join(fields) or "its constraints"
+        return (f"{NoTokenAllowed.__name__}: {fields[0] if fields else 'constraints'}: no token may come next: "
+                f"{named} {'together exclude' if len(fields) > 1 else 'excludes'} every token")
+
     def reads_own_tokens(self) -> bool:
         """Its next draw depends on its last token on the host: penalties count the output,
         min_tokens bans stop tokens until it is reached, a constraint's mask follows the output."""
@@ -202,8 +213,7 @@ class SamplingState:
                     skip.add(row)
                     errors[owners[row]] = (
                         f"RuntimeError: token {drawn[row]} is not allowed by its constraints' mask" if host[row].any()
-                        else f"{NoTokenAllowed.__name__}: structured_outputs: no token may come next: the "
-                             "request's constraints (its grammar, allowed_token_ids, bad_words) exclude every token")
+                        else states[owners[row]].nothing_allowed())
         drawn = drawn.tolist()
         for row, (i, token) in enumerate(zip(owners, drawn)):
             if not skip or row not in skip:
@@ -402,6 +412,17 @@ class MaskFill:
     def errors(self) -> dict[int, str]:
         """Sampling request -> the error its constraint raised filling a mask (after send())."""
         return {self.layout.owners[row]: error for row, error in self.failed.items()}
+
+    def empty_rows(self) -> dict[int, int]:
+        """Sampling request -> the first of its rows (0: the one before its drafts, j: after j of
+        them) that allows no token (after send())."""
+        owners, first = self.layout.owners, {}
+        for row, owner in enumerate(owners):
+            first.setdefault(owner, row)
+        empty: dict[int, int] = {}
+        for row in np.flatnonzero(~self.host.numpy().any(axis=1)).tolist():
+            empty.setdefault(owners[row], row - first[owners[row]])
+        return empty
 
 
 @torch.inference_mode()  # on the mask thread too: `host` was made in inference mode
