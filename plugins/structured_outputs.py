@@ -279,15 +279,21 @@ class _Files:
 
 class _Loaded:
     """The executor's side in another process: tokenizers and compiled grammars read from files
-    (a grammar's source, `.ebnf` or `.regex`, compiled here)."""
+    (a grammar's source, `.ebnf` or `.regex`, compiled here). Thread-safe: a grammar-process
+    constraint's mirror is made where it is first needed, the mask thread among them."""
 
     def __init__(self, max_grammars: int = 64) -> None:
         self.tokenizers: dict[str, Any] = {}
         self.compilers: dict[str, Any] = {}  # tokenizer file -> its compiler, made with its first source
         self.grammars: OrderedDict[str, Any] = OrderedDict()
         self.max_grammars = max_grammars
+        self._lock = threading.Lock()
 
     def get(self, paths: tuple[str, str]) -> Any:
+        with self._lock:
+            return self._get(paths)
+
+    def _get(self, paths: tuple[str, str]) -> Any:
         import xgrammar
 
         tokenizer_path, grammar_path = paths
