@@ -167,32 +167,26 @@ def json_object_grammar() -> str:
 
 
 class PreparedGrammar:
-    """A compiled grammar, and where to read it from in another process (written when first
-    pickled). `source`: (kind, text) it was compiled from, kind "ebnf" or "regex"; `key` names
-    the source and the tokenizer."""
+    """A compiled grammar, and `paths`, its files for another process (_Files.write). `key` names
+    its source and tokenizer."""
 
     checks_drafts = True  # its constraints advance over drafts and roll back (speculative decoding)
 
-    def __init__(self, compiled: Any, source: tuple[str, str], key: str, files: _Files, tokenizer: Any,
+    def __init__(self, compiled: Any, key: str, paths: tuple[str, str], files: _Files, tokenizer: Any,
                  jump_forward: bool) -> None:
         self.compiled = compiled
-        self.source = source
         self.key = key
-        self.files = files
-        files.hold(key)  # its file stays while its request may still start a constraint from it
-        weakref.finalize(self, files.release, key)
-        self.paths: tuple[str, str] | None = None
+        self.paths = paths
+        weakref.finalize(self, files.release, key)  # (write() held it: its request may start a constraint from it)
         self.tokenizer = tokenizer if jump_forward else None  # this process's: for jump-forward
         self.tokenizer_dir = getattr(tokenizer, "name_or_path", None) if jump_forward else None
         self.jump_forward = jump_forward and bool(self.tokenizer_dir)
 
     def __getstate__(self) -> dict:
-        paths = self.paths if self.paths is not None else self.files.write(self.key, self.compiled, self.source)
-        return {"paths": paths, "tokenizer_dir": self.tokenizer_dir,
-                "jump_forward": self.jump_forward}
+        return {"paths": self.paths, "tokenizer_dir": self.tokenizer_dir, "jump_forward": self.jump_forward}
 
     def __setstate__(self, state: dict) -> None:
-        self.compiled, self.source, self.files, self.tokenizer, self.key = None, None, None, None, None
+        self.compiled, self.tokenizer, self.key = None, None, None
         self.paths, self.tokenizer_dir, self.jump_forward = state["paths"], state["tokenizer_dir"], state["jump_forward"]
 
 
@@ -211,16 +205,11 @@ class _Files:
         self._sizes: dict[str, int] = {}  # grammar file -> its bytes
         self.bytes = 0  # of the grammar files
         self.max_bytes = max_bytes
-        self._tokenizers: dict[int, str] = {}  # id(TokenizerInfo) -> its file
+        self._tokenizers: dict[str, str] = {}  # the compiler's key (tokenizer, vocabulary size, end ids) -> its file
         self.max_grammars = max_grammars
         self._lock = threading.Lock()
         self._held: Counter[str] = Counter()  # key -> its live PreparedGrammars
         self._released: deque[str] = deque()  # keys let go of, by finalizers (on any thread: no lock)
-
-    def hold(self, key: str) -> None:
-        with self._lock:
-            self._count_released()
-            self._held[key] += 1
 
     def release(self, key: str) -> None:
         self._released.append(key)  # counted at the next hold or write
@@ -232,15 +221,18 @@ class _Files:
             if self._held[key] <= 0:
                 del self._held[key]
 
-    def _file(self, text: str, suffix: str = ".json") -> str:
-        path = os.path.join(self._dir, hashlib.sha256(text.encode()).hexdigest()[:32] + suffix)
+    def _file(self, data: bytes, suffix: str = ".json") -> str:
+        path = os.path.join(self._dir, hashlib.sha256(data).hexdigest()[:32] + suffix)
         if not os.path.exists(path):
-            with open(path + ".tmp", "w") as f:
-                f.write(text)
+            with open(path + ".tmp", "wb") as f:  # (bytes: text mode would turn a regex's \r into \n)
+                f.write(data)
             os.replace(path + ".tmp", path)
         return path
 
-    def write(self, key: str, compiled: Any, source: tuple[str, str]) -> tuple[str, str]:
+    def write(self, key: str, compiled: Any, source: tuple[str, str], tokenizer_key: str) -> tuple[str, str]:
+        """The files of `compiled` (compiled from `source`, ("ebnf" or "regex", text)) and of its
+        tokenizer, named by `tokenizer_key` (a new TokenizerInfo wrapper comes with each access);
+        `key` is held until release(key)."""
         with self._lock:
             self._count_released()
             if key in self._written:
@@ -249,18 +241,17 @@ class _Files:
                 if self._dir is None:
                     self._dir = tempfile.mkdtemp(prefix="llmserve-grammars-")
                     atexit.register(shutil.rmtree, self._dir, True)
-                info = compiled.tokenizer_info
-                if id(info) not in self._tokenizers:
-                    self._tokenizers[id(info)] = self._file(info.serialize_json())
+                if tokenizer_key not in self._tokenizers:
+                    self._tokenizers[tokenizer_key] = self._file(compiled.tokenizer_info.serialize_json().encode())
                 if _serialized_bytes(compiled) <= SERIALIZED_UP_TO:
-                    text, suffix = compiled.serialize_json(), ".json"
+                    data, suffix = compiled.serialize_json().encode(), ".json"
                 else:
                     kind, text = source
-                    suffix = "." + kind
-                self._written[key] = paths = (self._tokenizers[id(info)], self._file(text, suffix))
+                    data, suffix = text.encode(), "." + kind
+                self._written[key] = paths = (self._tokenizers[tokenizer_key], self._file(data, suffix))
                 if not self._sharing[paths[1]]:
-                    self._sizes[paths[1]] = len(text)
-                    self.bytes += len(text)
+                    self._sizes[paths[1]] = len(data)
+                    self.bytes += len(data)
                 self._sharing[paths[1]] += 1
             # the oldest no request holds go, while there are too many or too large
             unheld = [k for k in self._written if k not in self._held and k != key]
@@ -274,6 +265,7 @@ class _Files:
                     self.bytes -= self._sizes.pop(path)
                     with contextlib.suppress(FileNotFoundError):  # (removed under us: gone either way)
                         os.remove(path)
+            self._held[key] += 1
             return self._written[key]
 
 
@@ -282,11 +274,12 @@ class _Loaded:
     (a grammar's source, `.ebnf` or `.regex`, compiled here). Thread-safe: a grammar-process
     constraint's mirror is made where it is first needed, the mask thread among them."""
 
-    def __init__(self, max_grammars: int = 64) -> None:
+    def __init__(self, max_grammars: int = 64, max_bytes: int | None = None) -> None:
         self.tokenizers: dict[str, Any] = {}
         self.compilers: dict[str, Any] = {}  # tokenizer file -> its compiler, made with its first source
-        self.grammars: OrderedDict[str, Any] = OrderedDict()
-        self.max_grammars = max_grammars
+        self.grammars: OrderedDict[tuple[str, str], Any] = OrderedDict()  # paths -> compiled
+        self.bytes = 0  # of the grammars' token masks in memory
+        self.max_grammars, self.max_bytes = max_grammars, COMPILER_CACHE_BYTES if max_bytes is None else max_bytes
         self._lock = threading.Lock()
 
     def get(self, paths: tuple[str, str]) -> Any:
@@ -296,16 +289,16 @@ class _Loaded:
     def _get(self, paths: tuple[str, str]) -> Any:
         import xgrammar
 
-        tokenizer_path, grammar_path = paths
-        if grammar_path in self.grammars:
-            self.grammars.move_to_end(grammar_path)
-            return self.grammars[grammar_path]
+        tokenizer_path, grammar_path = paths = tuple(paths)  # (a source file may serve several tokenizers)
+        if paths in self.grammars:
+            self.grammars.move_to_end(paths)
+            return self.grammars[paths]
         if tokenizer_path not in self.tokenizers:
-            with open(tokenizer_path) as f:
-                self.tokenizers[tokenizer_path] = xgrammar.TokenizerInfo.deserialize_json(f.read())
+            with open(tokenizer_path, "rb") as f:
+                self.tokenizers[tokenizer_path] = xgrammar.TokenizerInfo.deserialize_json(f.read().decode())
         info = self.tokenizers[tokenizer_path]
-        with open(grammar_path) as f:
-            text = f.read()
+        with open(grammar_path, "rb") as f:
+            text = f.read().decode()
         if grammar_path.endswith(".json"):
             compiled = xgrammar.CompiledGrammar.deserialize_json(text, info)
         else:
@@ -314,9 +307,10 @@ class _Loaded:
             compiler = self.compilers[tokenizer_path]
             compiled = (compiler.compile_regex(text) if grammar_path.endswith(".regex")
                         else compiler.compile_grammar(text))
-        self.grammars[grammar_path] = compiled
-        if len(self.grammars) > self.max_grammars:
-            self.grammars.popitem(last=False)
+        self.grammars[paths] = compiled
+        self.bytes += compiled.memory_size_bytes
+        while len(self.grammars) > 1 and (len(self.grammars) > self.max_grammars or self.bytes > self.max_bytes):
+            self.bytes -= self.grammars.popitem(last=False)[1].memory_size_bytes
         return compiled
 
 
@@ -429,9 +423,10 @@ each process that runs it holds a copy, and compiling it takes time on the engin
 tools' calls 13 MB)."""
 
 COMPILER_CACHE_BYTES = 512 << 20
-"""The most the grammar compiler's cache of compiled grammars holds (per tokenizer); past it the
-least recently used go (compiled again if sent again): unbounded, a client sending ever new
-schemas would grow the server's memory without end."""
+"""The most the grammar compiler's cache of compiled grammars holds (per tokenizer), and the
+executor's side's of grammars read from files; past it the least recently used go (compiled or
+read again if sent again): unbounded, a client sending ever new schemas would grow the server's
+memory without end."""
 
 
 def _process_wanted() -> bool:
@@ -474,7 +469,8 @@ class StructuredOutputs:
     def prepare(self, params: SamplingParams, tokenizer: Any, vocab_size: int,
                 eos_token_ids: tuple[int, ...]) -> PreparedGrammar:
         compiled, source = self._compile(params, tokenizer, vocab_size, eos_token_ids)
-        key = hashlib.sha256(f"{id(tokenizer)}:{vocab_size}:{eos_token_ids}:{source}".encode()).hexdigest()
+        tokenizer_key = f"{id(tokenizer)}:{vocab_size}:{eos_token_ids}"  # (the compiler keeps the tokenizer alive)
+        key = hashlib.sha256(f"{tokenizer_key}:{source}".encode()).hexdigest()
         kind = params.structured_outputs.kind
         if compiled.memory_size_bytes > MAX_GRAMMAR_BYTES:
             raise ValueError(f"structured_outputs.{kind}: the grammar is too large to serve: its token masks take "
@@ -485,12 +481,11 @@ class StructuredOutputs:
         jump = (params.structured_outputs.jumps and params.logprobs is None
                 and not self._prefix_space[id(tokenizer)])
         _check_first_tokens(compiled, params, vocab_size)
-        prepared = PreparedGrammar(compiled, source, key, self._files, tokenizer, jump)
         # Its files, written here (a worker thread; xgrammar lets go of the interpreter lock while it
-        # writes) for an executor in another process or the grammar process: pickled without
-        # them, the request would write them on the event loop.
-        prepared.paths = self._files.write(key, compiled, source)
-        return prepared
+        # writes) for an executor in another process or the grammar process, not on the event
+        # loop as the request is pickled.
+        paths = self._files.write(key, compiled, source, tokenizer_key)
+        return PreparedGrammar(compiled, key, paths, self._files, tokenizer, jump)
 
     def _compile(self, params: SamplingParams, tokenizer: Any, vocab_size: int,
                  eos_token_ids: tuple[int, ...]) -> tuple[Any, tuple[str, str]]:
@@ -585,17 +580,17 @@ class StructuredOutputs:
         self._accept(constraints, tokens)
 
     def start(self, prepared: PreparedGrammar) -> Any:
-        def compiled() -> Any:
+        def load() -> Any:
             return prepared.compiled if prepared.compiled is not None else self._loaded.get(prepared.paths)
 
-        if not prepared.jump_forward and prepared.paths is not None and _process_wanted():
+        if not prepared.jump_forward and _process_wanted():
             from llmserve.plugins.grammar_process import GrammarProcess, SharedGrammarConstraint
 
             if self._process is None:
                 self._process = GrammarProcess()
             if not self._process.dead:  # its mirror here is read or compiled only when needed
-                return SharedGrammarConstraint(self._process, prepared.paths, lambda: GrammarConstraint(compiled()))
-        compiled = compiled()
+                return SharedGrammarConstraint(self._process, prepared.paths, lambda: GrammarConstraint(load()))
+        compiled = load()
         tokenizer = self._tokenizer(prepared) if prepared.jump_forward else None
         return GrammarConstraint(compiled) if tokenizer is None else JumpingGrammarConstraint(compiled, tokenizer)
 

@@ -199,7 +199,8 @@ def test_a_grammar_too_large_to_serve_is_refused(llm, monkeypatch):
     assert llm.generate(["x"], structured(0.0, json=SCHEMAS[0]), use_tqdm=False)[0].outputs[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("kind, suffix", [(dict(regex="[a-c]{2}x+[0-9]"), ".regex"), (dict(json=SCHEMAS[1]), ".ebnf"),
+@pytest.mark.parametrize("kind, suffix", [(dict(regex="[a-c]{2}x+[0-9]"), ".regex"), (dict(regex="a\r[0-9]"), ".regex"),
+                                          (dict(json=SCHEMAS[1]), ".ebnf"),
                                           (dict(choice=["yes", "no", "maybe"]), ".ebnf"),
                                           (dict(json_object=True), ".ebnf")])
 def test_a_large_grammar_crosses_as_its_source_and_masks_alike_there(checkpoint, monkeypatch, kind, suffix):
@@ -235,6 +236,37 @@ def test_a_large_grammar_crosses_as_its_source_and_masks_alike_there(checkpoint,
             if token == 2:
                 break
         assert here.terminated() == there.terminated()
+
+
+def test_each_tokenizer_and_its_end_ids_get_their_own_file_and_grammar_on_the_engines_side(checkpoint, monkeypatch):
+    """One regex for two end-id sets (the end token allowed where the output ends): one source file,
+    two tokenizer files, each read back with its own; a tokenizer's file is written once."""
+    import os
+    import pickle
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from llmserve.decoding import mask_width
+    from llmserve.plugins import structured_outputs as so
+
+    monkeypatch.setattr(so, "SERIALIZED_UP_TO", 0)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint("llama"))
+    strategy = so.StructuredOutputs()
+    one = strategy.prepare(structured(0.0, regex="[0-9]"), tokenizer, 384, (2,))
+    two = strategy.prepare(structured(0.0, regex="[0-9]"), tokenizer, 384, (2, 7))
+    assert one.paths[1] == two.paths[1] and one.paths[0] != two.paths[0]
+    for regex in ("[a-z]", "x+", "y+"):
+        strategy.prepare(structured(0.0, regex=regex), tokenizer, 384, (2,))
+    assert len([f for f in os.listdir(strategy._files._dir) if f.endswith(".json")]) == 2  # the tokenizers
+    digit = tokenizer.convert_tokens_to_ids("5")
+    masks = torch.empty(2, mask_width(384), dtype=torch.int32)
+    for row, prepared in enumerate((one, two)):
+        constraint = strategy.start(pickle.loads(pickle.dumps(prepared)))
+        constraint.accept(digit)
+        constraint.fill_mask(masks, row)
+    allowed = [[t for t in range(384) if masks[row, t >> 5] >> (t & 31) & 1] for row in range(2)]
+    assert allowed == [[2], [2, 7]]
 
 
 def test_anchors_are_told_from_escapes_and_character_classes():

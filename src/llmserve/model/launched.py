@@ -29,7 +29,7 @@ class InFlight:
     masks: MaskFill | None = None  # without drafts: the masks its tokens were drawn under
     drafts: list[list[int]] | None = None  # per sampling request, the drafts it checks (speculative decoding)
     offsets: list[int] | None = None  # with drafts: each sampling request's first row of `tokens`
-    empty_rows: dict[int, int] = field(default_factory=dict)  # with drafts: MaskFill.empty_rows()
+    draft_masks: MaskFill | None = None  # with drafts: the masks its tokens were drawn under
     propose: dict[str, int] = field(default_factory=dict)  # StepPlan.propose
 
 

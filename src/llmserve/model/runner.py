@@ -456,12 +456,10 @@ class ModelRunner:
     def _queue(self, sampling: Sampling) -> InFlight:
         """Queue a step's sampler (its masks filled) and the copy of its tokens to the host."""
         result, logits, states, batch = sampling.result, sampling.logits, sampling.states, sampling.batch
-        mask_errors, empty_rows = {}, {}
+        mask_errors = {}
         if sampling.masks is not None:
             batch.allowed = sampling.masks.send()
             mask_errors = sampling.masks.errors()
-            if sampling.drafts is not None:  # (without drafts, accept_masked checks each row drawn from)
-                empty_rows = sampling.masks.empty_rows()
         processed = process_logits(logits, batch, self.backend.apply_token_mask)
         tokens = draw(processed, batch, self.backend.sample_rows, self.backend.sample_filtered_rows)
         offsets = None if sampling.drafts is None else \
@@ -472,7 +470,7 @@ class ModelRunner:
         flight = InFlight(result, sampling.req_ids, states, tokens,
                           {r: i for i, r in enumerate(result.req_ids)} if offsets is None else dict(zip(result.req_ids, offsets)),
                           mask_errors=mask_errors, drafts=sampling.drafts, offsets=offsets, propose=sampling.propose,
-                          empty_rows=empty_rows,
+                          draft_masks=sampling.masks if sampling.drafts is not None else None,
                           masks=sampling.masks if sampling.drafts is None else None)
         if batch.max_logprobs >= 0:
             flight.logprob_parts = gather_logprobs(torch.log_softmax(logits, -1, dtype=torch.float32), tokens,
@@ -557,7 +555,8 @@ class ModelRunner:
                         result.dropped_next.add(req_id)
                         self.dropped.add(req_id)
             except Exception as exc:  # a constraint that cannot take its own token: this request fails alone
-                if flight.empty_rows.get(i, len(produced or [token])) < len(produced or [token]):
+                drawn_under = len(produced or [token])  # its rows whose draws it kept
+                if flight.draft_masks is not None and flight.draft_masks.empty_rows().get(i, drawn_under) < drawn_under:
                     self._fail(result, req_id, state.nothing_allowed())  # drawn where its mask allowed nothing
                     continue
                 log.exception("constraint failed", request_id=req_id)

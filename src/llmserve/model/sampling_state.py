@@ -100,9 +100,10 @@ class SeqState:
         fields = ["structured_outputs"] if p.structured_outputs is not None else []
         fields += [name for name in ("allowed_token_ids", "bad_words") if getattr(p, name)]
         fields += [name for name in self.constraints if name not in ("structured_outputs", "token_masks")]
-        named = " and ".join(fields) or "its constraints"
+        named = f"{' and '.join(fields)} {'together exclude' if len(fields) > 1 else 'excludes'}" if fields \
+            else "its constraints exclude"
         return (f"{NoTokenAllowed.__name__}: {fields[0] if fields else 'constraints'}: no token may come next: "
-                f"{named} {'together exclude' if len(fields) > 1 else 'excludes'} every token")
+                f"{named} every token")
 
     def reads_own_tokens(self) -> bool:
         """Its next draw depends on its last token on the host: penalties count the output,
@@ -415,7 +416,7 @@ class MaskFill:
 
     def empty_rows(self) -> dict[int, int]:
         """Sampling request -> the first of its rows (0: the one before its drafts, j: after j of
-        them) that allows no token (after send())."""
+        them) that allows no token (after send(), until the step has finished)."""
         owners, first = self.layout.owners, {}
         for row, owner in enumerate(owners):
             first.setdefault(owner, row)
