@@ -4,6 +4,7 @@ a real WebSocket client, raw HTTP for malformed input, and the `llmserve` comman
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import re
@@ -257,6 +258,9 @@ def test_requests_leaving_sampling_unset_take_the_checkpoints_generation_config(
         assert texts() == greedy
         assert texts(temperature=1.0) == greedy  # top_k 1 still from the file
         assert texts(extra_body={"top_k": -1}) != greedy  # temperature 0.8 from the file, no filter
+        nulls = dict.fromkeys(("temperature", "top_k", "top_p", "n", "stream", "echo", "logprobs", "presence_penalty",
+                               "frequency_penalty", "seed"))
+        assert texts(extra_body=nulls) == greedy  # null: unset, as OpenAI's API takes it (the file's top_k applies)
     # vLLM's --override-generation-config: its keys over the file's (top_k 1 lifted, the file's temperature kept)
     with running_server(model=str(model), model_opts={"override_generation_config": {"top_k": -1, "top_p": 0.9}}) as s:
         assert s.engine.sampling_defaults == {"temperature": 0.8, "top_k": -1, "top_p": 0.9}
@@ -415,6 +419,21 @@ def test_errors_are_typed_exceptions_naming_the_field(server, kwargs, error, par
     assert server.client().completions.create(model=MODEL, prompt="ok", max_tokens=1).choices  # still serving
 
 
+def test_nullable_fields_sent_as_null_are_left_unset(server):
+    """Clients in other languages send OpenAI's nullable fields as null: each takes its default."""
+    nulls = dict.fromkeys(("stream", "stream_options", "n", "temperature", "top_p", "logprobs", "top_logprobs",
+                           "presence_penalty", "frequency_penalty", "max_tokens", "seed", "stop", "user"))
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3, **nulls})
+    assert chat.status_code == 200 and len(chat.json()["choices"]) == 1, chat.text
+    nulls.pop("top_logprobs")  # (chat's)
+    text = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "A list", "echo": None,
+                                                            "best_of": None, "suffix": None, **nulls, "max_tokens": 3})
+    assert text.status_code == 200 and text.json()["choices"][0]["logprobs"] is None, text.text
+    assert httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "A", "messages": None}
+                      ).status_code == 400  # (an unknown field stays one, null or not)
+
+
 def test_chat_takes_a_text_response_format(server):
     c = server.client()
     msgs = [{"role": "user", "content": "hi"}]
@@ -454,8 +473,22 @@ def test_malformed_requests_get_openai_errors(server):
     assert r.status_code == 400 and "list of token ids (integers)" in r.json()["error"]["message"]
     r = post(b"[1, 2]")
     assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+    for options, param in (({"stream": True, "stream_options": {"include_usage": True, "foo": 1}}, "stream_options.foo"),
+                           ({"response_format": {"type": "json_object", "strict": True}}, "response_format.strict")):
+        r = post(json.dumps({"prompt": "x", "max_tokens": 2, **options}).encode())  # (options: not echoed, not lenient)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = post(json.dumps({"prompt": "x", "max_tokens": 2, "bad_words": ["w"] * 1025}).encode())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words" and "max_bad_words is 1024" in r.text
     r = post(json.dumps({"prompt": "x" * 70000}).encode())
     assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"]
+    body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+    for encoding, sent in (("gzip", gzip.compress(body)), ("br", body)):  # (not decoded: refused, not misread)
+        r = httpx.post(f"{server.url}/v1/completions", content=sent,
+                       headers={"Content-Type": "application/json", "Content-Encoding": encoding})
+        assert r.status_code == 415 and r.json()["error"]["param"] == "Content-Encoding", r.text
+    r = httpx.post(f"{server.url}/v1/completions", content=body,
+                   headers={"Content-Type": "application/json", "Content-Encoding": "identity"})
+    assert r.status_code == 200, r.text
     r = httpx.get(f"{server.url}/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": []})
@@ -478,6 +511,10 @@ def test_operational_endpoints(server):
     with pytest.raises(openai.NotFoundError) as missing:
         server.client().models.retrieve("org/other-model")
     assert missing.value.body["code"] == "model_not_found" and "org/other-model" in missing.value.body["message"]
+    for path, body in (("/tokenize", {"prompt": "Hello"}), ("/detokenize", {"tokens": [5]})):
+        r = httpx.post(f"{server.url}{path}", json={**body, "model": "org/other-model"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        assert httpx.post(f"{server.url}{path}", json={**body, "model": MODEL}).status_code == 200
     tok = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "Hello world"
@@ -539,6 +576,8 @@ def test_openapi_document_matches_routes_and_bodies(server):
     check("/v1/completions", {"prompt": "hi", "stop": ["a"] * 64})
     check("/v1/completions", {"prompt": "hi", "stop": ["a"] * 65}, valid=False)
     check("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1025)}}, valid=False)
+    check("/v1/completions", {"prompt": "hi", "bad_words": ["a"] * 1024})
+    check("/v1/completions", {"prompt": "hi", "bad_words": ["a"] * 1025}, valid=False)
     check("/v1/completions", {"prompt": ["hi"] * 257}, valid=False)
     check("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, valid=False)
 

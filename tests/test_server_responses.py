@@ -77,6 +77,13 @@ def test_text_input_gives_a_message_and_counts_its_tokens(server):
     assert 0 < r.usage.output_tokens <= 12 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     assert r.status == ("incomplete" if r.usage.output_tokens == 12 else "completed")
     assert r.temperature == 0.0 and r.max_output_tokens == 12 and r.tools == [] and r.text.format.type == "text"
+    nulls = dict.fromkeys(("stream", "temperature", "top_p", "instructions", "tools", "text", "store"))
+    r = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 3, **nulls})
+    assert r.status_code == 200 and r.json()["object"] == "response", r.text  # null: unset
+    for text, param in (({"format": {"type": "text"}, "foo": 1}, "text.foo"),
+                        ({"format": {"type": "json_object", "foo": 1}}, "text.format.foo")):
+        r = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "hi", "text": text})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_instructions_and_input_items_are_the_chat_messages_they_name(server):

@@ -275,7 +275,15 @@ ASSISTANT = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"
     ({"tools": [tool("f")], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
     ({"messages": MSGS + [ASSISTANT, {"role": "tool", "content": "x"}]}, "messages[2].tool_call_id", "needs"),
     ({"messages": MSGS + [{**ASSISTANT, "tool_calls": [{**ASSISTANT["tool_calls"][0], "function": {
-        "name": "f", "arguments": "{oops"}}]}]}, "messages[1].tool_calls[0].function.arguments", "not JSON"),
+        "name": "f", "arguments": "{oops"}}]}]}, "messages[1].tool_calls[0].function.arguments", "not valid JSON"),
+    *[({"messages": MSGS + [{**ASSISTANT, "tool_calls": [{**ASSISTANT["tool_calls"][0], "function": {
+        "name": "f", "arguments": arguments}}]}]}, "messages[1].tool_calls[0].function.arguments", match)
+      for arguments, match in (('{"a": ' + "[" * 5000 + "]" * 5000 + "}", "nested more than 64 levels"),
+                               ('{"a": ' + "[" * 100 + "]" * 100 + "}", "nested more than 64 levels"),
+                               ('{"a": 1' + "0" * 10000 + "}", "not acceptable JSON"),
+                               ('{"a": NaN}', "NaN is not a JSON number"),
+                               ('{"a": "\\ud800"}', "lone UTF-16 surrogate"),
+                               ('{"\\udfff": 1}', "lone UTF-16 surrogate"))],
     ({"messages": MSGS + [{**ASSISTANT, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
      "messages[1].tool_calls[0].id", "required"),
     ({"messages": [{**MSGS[0], "tool_calls": ASSISTANT["tool_calls"]}]}, "messages[0].tool_calls", "only assistant"),

@@ -84,7 +84,8 @@ def test_the_required_array_parser_streams_each_calls_parameters():
     for cut in range(len(text) + 1):
         parser = _CallArray()
         assert collect(parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.finish()) == whole
-    assert parse_whole(_CallArray(), '[{"name": "now", "para') == Parsed()  # cut before a call began
+    assert parse_whole(_CallArray(), '[{"name": "no') == Parsed()  # cut before a call began
+    assert parse_whole(_CallArray(), '[{"name": "now", "para') == Parsed("", [call("now", "")])  # named: begun
     assert parse_whole(_Arguments("f"), "") == Parsed("", [call("f", "")])
 
 
@@ -113,6 +114,9 @@ def test_choice_deltas_add_up_to_the_message_and_send_each_id_once():
     single = ChoiceCalls(HermesToolParser(), single=True)
     assert [c["function"]["name"] for c in single.message(text)["tool_calls"]] == ["get_weather"]
     assert ChoiceCalls(HermesToolParser(), single=False).message("plain") == {"role": "assistant", "content": "plain"}
+    empty = ChoiceCalls(_CallArray(), single=False)
+    assert empty.deltas('[{"na', final=True) == [{}]  # (the stream opened with content null)
+    assert empty.message('[{"na') == {"role": "assistant", "content": None}
 
 
 def test_json_scanner_and_tag_prefixes():

@@ -232,6 +232,8 @@ class ServerConfig:
     """Characters of one request's stop strings together."""
     max_logit_bias: int = 1024
     """Tokens one request's logit_bias may name."""
+    max_bad_words: int = 1024
+    """Entries in one request's bad_words (each is checked at every step the request samples)."""
     max_ws_requests: int = 16
     """Requests in flight on one WebSocket."""
     max_ws_per_client: int = 32
@@ -276,8 +278,8 @@ class ServerConfig:
                self.metrics_prefix)
         _check(self.max_body_bytes >= 1024, "server", "max_body_bytes", ">= 1024", self.max_body_bytes)
         _check(self.max_waiting_requests >= 1, "server", "max_waiting_requests", ">= 1", self.max_waiting_requests)
-        for name in ("max_choices", "max_stop_sequences", "max_stop_chars", "max_logit_bias", "max_ws_requests",
-                     "max_ws_per_client"):
+        for name in ("max_choices", "max_stop_sequences", "max_stop_chars", "max_logit_bias", "max_bad_words",
+                     "max_ws_requests", "max_ws_per_client"):
             _check(getattr(self, name) >= 1, "server", name, ">= 1", getattr(self, name))
         _check(self.ws_idle_timeout_s > 0, "server", "ws_idle_timeout_s", "> 0", self.ws_idle_timeout_s)
         _check(self.shutdown_grace_s >= 0, "server", "shutdown_grace_s", ">= 0", self.shutdown_grace_s)

@@ -148,7 +148,7 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
         if request.method == "POST":
             if draining.is_set():
                 raise APIError("the server is shutting down", status=503, type="server_error", code="shutdown")
-            gate.check_json(request.mimetype)
+            gate.check_json(request.mimetype, request.headers.get("Content-Encoding"))
 
     @app.before_websocket
     async def check_websocket():
@@ -298,6 +298,7 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
     @app.post("/tokenize")
     async def tokenize():
         body = parse(TokenizeRequest, await body_json())
+        serving.check_model(body)
         if engine.tokenizer is None:
             raise APIError("this model has no tokenizer")
         if (body.prompt is None) == (body.messages is None):
@@ -314,6 +315,7 @@ def create_app(engine: Frontend, config: EngineConfig, draining: anyio.Event | N
     @app.post("/detokenize")
     async def detokenize():
         body = parse(DetokenizeRequest, await body_json())
+        serving.check_model(body)
         if engine.tokenizer is None:
             raise APIError("this model has no tokenizer")
         vocab = engine.spec.vocab_size

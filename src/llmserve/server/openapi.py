@@ -72,6 +72,8 @@ def _state_limits(schemas: dict[str, Any], cfg: ServerConfig) -> None:
         for m in _members(props["stop"], "string"):
             m["maxLength"] = cfg.max_stop_chars
         props["stop_token_ids"]["maxItems"] = cfg.max_stop_sequences
+        for m in _members(props["bad_words"], "array"):
+            m["maxItems"] = cfg.max_bad_words
     for m in _members(schemas["CompletionRequest"]["properties"]["prompt"], "array"):
         m["maxItems"] = cfg.max_choices
     _bound(schemas["ChatCompletionRequest"]["properties"]["top_logprobs"], RANGES["logprobs"])

@@ -11,7 +11,7 @@ import re
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, create_model, model_validator
 
 from llmserve.sampling_params import MAX_LOGPROBS, REQUEST_FIELDS, SamplingParams
 
@@ -79,34 +79,39 @@ def decode_body(raw: bytes | str) -> Any:
     return data
 
 
-def parse_json(raw: bytes | str) -> tuple[Any, bool]:
+def parse_json(raw: bytes | str, where: str | None = None) -> tuple[Any, bool]:
     """(value, suspect): the JSON value, and whether it may hold a lone surrogate or nesting too deep
     for `check_value` to pass (only a \\uD800-\\uDFFF escape can put a surrogate in a string, and
-    only many brackets can nest: the common body needs no walk)."""
+    only many brackets can nest: the common body needs no walk). `where`: the field whose text it
+    is (JSON inside a string: a call's arguments), named by the errors; the body where None."""
+    what = where or "request body"
     if isinstance(raw, bytes):
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
-            raise APIError("request body is not valid UTF-8") from None
+            raise APIError(f"{what} is not valid UTF-8", param=where) from None
     else:
         text, raw = raw, raw.encode("utf-8", "surrogatepass")
     try:
         data = json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as exc:
-        raise APIError(f"request body is not valid JSON: {exc.msg} at position {exc.pos}") from None
+        raise APIError(f"{what} is not valid JSON: {exc.msg} at position {exc.pos}", param=where) from None
     except RecursionError:
-        raise APIError(f"request body is nested more than {MAX_DEPTH} levels deep") from None
+        raise APIError(f"{what} is nested more than {MAX_DEPTH} levels deep", param=where) from None
+    except APIError as exc:  # NaN, Infinity
+        raise APIError(exc.message.replace("request body", what), param=where) from None
     except ValueError as exc:  # an integer past the interpreter's digit limit
-        raise APIError(f"request body is not acceptable JSON: {exc}") from None
+        raise APIError(f"{what} is not acceptable JSON: {exc}", param=where) from None
     return data, bool(_SURROGATE_ESCAPE.search(raw)) or text.count("[") + text.count("{") > MAX_DEPTH
 
 
-def check_value(data: Any) -> None:
-    """Raise an APIError naming the first string with a lone surrogate, or a nesting too deep."""
-    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+def check_value(data: Any, where: str | None = None) -> None:
+    """Raise an APIError naming the first string with a lone surrogate, or a nesting too deep;
+    `where`: the field `data` was parsed from (parse_json), the `param` of either."""
+    stack: list[tuple[Any, str, int]] = [(data, where or "", 0)]
     while stack:
         value, path, depth = stack.pop()
-        field = path.split(".")[0].split("[")[0] or None  # the top-level field, for `param`
+        field = where or path.split(".")[0].split("[")[0] or None  # the top-level field, for `param`
         if depth > MAX_DEPTH:
             raise APIError(f"{field or 'body'}: nested more than {MAX_DEPTH} levels deep", param=field)
         if isinstance(value, str):
@@ -126,6 +131,17 @@ def check_value(data: Any) -> None:
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """A null for a field that has a default other than null leaves the field unset, as OpenAI's
+        API takes it (clients send its nullable fields as null: stream, n, temperature, echo...)."""
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].is_required() or fields[key].default is None}
+
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 """A request body's own fields: an unknown one is a 400 naming it, as OpenAI's API answers, never a
@@ -134,6 +150,7 @@ send back the assistant messages they received, with fields such as `refusal` or
 
 
 class StreamOptions(_Request):
+    model_config = _STRICT  # (options, not an object clients echo back: an unknown one is refused)
     include_usage: bool = False
     continuous_usage_stats: bool = False
     """vLLM's: with include_usage, every chunk carries the usage so far."""
@@ -155,6 +172,7 @@ _SamplingParamsFields = create_model(
 
 
 class JsonSchemaFormat(_Request):
+    model_config = _STRICT
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
@@ -162,6 +180,7 @@ class JsonSchemaFormat(_Request):
 
 
 class ResponseFormat(_Request):
+    model_config = _STRICT
     type: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: JsonSchemaFormat | None = None
 

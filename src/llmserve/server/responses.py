@@ -55,6 +55,7 @@ accepted, and there is nothing for them to add."""
 # ---- the request ----------------------------------------------------------------------------------
 
 class TextFormat(_Request):
+    model_config = _STRICT
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -63,6 +64,7 @@ class TextFormat(_Request):
 
 
 class TextConfig(_Request):
+    model_config = _STRICT
     format: TextFormat | None = None
     verbosity: Any = None
     """OpenAI's: refused when set (as chat's verbosity is)."""

@@ -86,10 +86,15 @@ class Gate:
                            type="permission_error", code="origin_not_allowed")
 
     @staticmethod
-    def check_json(mimetype: str) -> None:
+    def check_json(mimetype: str, encoding: str | None = None) -> None:
+        """A body the server reads: JSON, not compressed (it is not decoded: a gzip body would be
+        refused as bad UTF-8, a plain one sent as gzip read as if it were not)."""
         if mimetype != "application/json":
             raise APIError(f"Content-Type must be application/json, got {mimetype or 'none'!r}", status=415,
                            code="unsupported_media_type")
+        if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+            raise APIError(f"Content-Encoding {encoding!r} is not supported: send the body uncompressed", status=415,
+                           param="Content-Encoding", code="unsupported_media_type")
 
     def host_allowed(self, name: str) -> bool:
         return self.any_host or name in self.hosts or (self.any_address and _is_address(name))

@@ -183,7 +183,8 @@ class OpenAIServing:
 
     # ---- preparing a request -------------------------------------------------------------------
 
-    def _check_model(self, body: _SamplingFields) -> None:
+    def check_model(self, body: Any) -> None:
+        """A 404 for a model this server does not serve (`body.model`; unset: the first name)."""
         if body.model is not None and body.model not in self.model_names:
             raise APIError(f"The model `{body.model}` does not exist.", status=404, param="model",
                            code="model_not_found")
@@ -208,6 +209,9 @@ class OpenAIServing:
         if body.logit_bias and len(body.logit_bias) > lim.max_logit_bias:
             raise APIError(f"logit_bias: {len(body.logit_bias)} tokens; server.max_logit_bias is {lim.max_logit_bias}",
                            param="logit_bias")
+        if body.bad_words and len(body.bad_words) > lim.max_bad_words:
+            raise APIError(f"bad_words: {len(body.bad_words)} words; server.max_bad_words is {lim.max_bad_words}",
+                           param="bad_words")
 
     def _params(self, body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
                 prompt_logprobs: int | None = None, constraint: dict[str, Any] | None = None) -> SamplingParams:
@@ -218,7 +222,7 @@ class OpenAIServing:
             raise APIError.from_value_error(exc) from None
 
     def completion_job(self, body: CompletionRequest) -> _Job:
-        self._check_model(body)
+        self.check_model(body)
         if body.suffix:
             raise APIError("suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
@@ -241,7 +245,7 @@ class OpenAIServing:
                                   beam=self._beam(body, body.max_tokens)))
 
     def chat_job(self, body: ChatCompletionRequest) -> _Job:
-        self._check_model(body)
+        self.check_model(body)
         body.unsupported()
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer, so it cannot render chat messages", param="messages")

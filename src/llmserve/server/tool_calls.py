@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from llmserve.config import EngineConfig
-from llmserve.server.protocol import APIError, ChatCompletionRequest, ChatMessage, ToolDefinition
+from llmserve.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, ToolDefinition, check_value,
+                                      parse_json)
 from llmserve.tool_parsers import (ArgumentsPiece, CallStart, Event, JsonScanner, Parsed, ToolParser,
                                    ToolParserFactory, collect)
 
@@ -130,13 +131,13 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def json_arguments(arguments: str | dict[str, Any], param: str) -> dict[str, Any]:
     """A call's arguments as a chat template takes them, a JSON object; a 400 naming `param` (the
-    field's path) if they are not one."""
-    if isinstance(arguments, dict):
+    field's path) if they are not one, or not JSON a body may hold (decode_body's limits: the
+    template renders them)."""
+    if isinstance(arguments, dict):  # (part of the body: checked with it)
         return arguments
-    try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError as exc:
-        raise APIError(f"{param} is not JSON: {exc.msg} at position {exc.pos}", param=param) from None
+    value, suspect = parse_json(arguments, param)
+    if suspect:
+        check_value(value, param)
     if not isinstance(value, dict):
         raise APIError(f"{param} must be a JSON object, got {arguments!r}", param=param)
     return value
@@ -270,10 +271,11 @@ class ChoiceCalls:
         return out
 
     def message(self, text: str) -> dict[str, Any]:
-        """The whole choice's message: content null when it made calls and wrote nothing else."""
+        """The whole choice's message: content null where it wrote none (calls or not: the stream's
+        deltas, which open with content null, then add up to it)."""
         parsed: Parsed = collect(self._kept(self.parser.feed(text) + self.parser.finish()))
         if not parsed.calls:
-            return {"role": "assistant", "content": parsed.content}
+            return {"role": "assistant", "content": parsed.content or None}
         return {"role": "assistant", "content": parsed.content or None,
                 "tool_calls": [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                                 "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.calls]}
@@ -302,17 +304,20 @@ class _Arguments:
         return self._start()
 
 
-_ITEM = re.compile(r'[^{]*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*(?=\{)')
+_ITEM_NAME = re.compile(r'[^{]*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ITEM_PARAMETERS = re.compile(r'\s*,\s*"parameters"\s*:\s*(?=\{)')
 
 
 class _CallArray:
     """tool_choice required: the output is `[{"name": NAME, "parameters": ARGS}, ...]` (the
     constraint's schema fixes the keys' order); each item's call starts once its name is written
-    and its parameters stream as its arguments. An output cut short keeps the calls begun."""
+    and its parameters stream as its arguments. An output cut short keeps the calls begun (a call
+    cut before its parameters has arguments "")."""
 
     def __init__(self) -> None:
         self.buf = ""
         self.calls = 0
+        self.named = False  # an item's name is read, its parameters not yet begun
         self.scanner: JsonScanner | None = None  # set while inside an item's parameters
 
     def feed(self, text: str) -> list[Event]:
@@ -320,12 +325,16 @@ class _CallArray:
         events: list[Event] = []
         while self.buf:
             if self.scanner is None:
-                m = _ITEM.match(self.buf)
+                m = (_ITEM_PARAMETERS if self.named else _ITEM_NAME).match(self.buf)
                 if m is None:
                     break
-                events.append(CallStart(self.calls, json.loads(f'"{m.group(1)}"')))
-                self.calls += 1
-                self.buf, self.scanner = self.buf[m.end():], JsonScanner()
+                self.buf = self.buf[m.end():]
+                if not self.named:
+                    events.append(CallStart(self.calls, json.loads(f'"{m.group(1)}"')))
+                    self.calls += 1
+                    self.named = True
+                    continue
+                self.named, self.scanner = False, JsonScanner()
             consumed, ended = self.scanner.advance(self.buf)
             events.append(ArgumentsPiece(self.calls - 1, self.buf[:consumed]))
             self.buf = self.buf[consumed:]
