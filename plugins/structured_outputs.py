@@ -289,7 +289,7 @@ class _Loaded:
     def _get(self, paths: tuple[str, str]) -> Any:
         import xgrammar
 
-        tokenizer_path, grammar_path = paths = tuple(paths)  # (a source file may serve several tokenizers)
+        tokenizer_path, grammar_path = paths  # (keyed by both: a source file may serve several tokenizers)
         if paths in self.grammars:
             self.grammars.move_to_end(paths)
             return self.grammars[paths]

@@ -26,10 +26,9 @@ class InFlight:
     ready: torch.cuda.Event | None = None
     logprob_parts: tuple[torch.Tensor, ...] | None = None
     mask_errors: dict[int, str] = field(default_factory=dict)  # row -> why its constraint filled no mask
-    masks: MaskFill | None = None  # without drafts: the masks its tokens were drawn under
+    masks: MaskFill | None = None  # the masks its tokens were drawn under
     drafts: list[list[int]] | None = None  # per sampling request, the drafts it checks (speculative decoding)
     offsets: list[int] | None = None  # with drafts: each sampling request's first row of `tokens`
-    draft_masks: MaskFill | None = None  # with drafts: the masks its tokens were drawn under
     propose: dict[str, int] = field(default_factory=dict)  # StepPlan.propose
 
 

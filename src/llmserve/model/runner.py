@@ -470,8 +470,7 @@ class ModelRunner:
         flight = InFlight(result, sampling.req_ids, states, tokens,
                           {r: i for i, r in enumerate(result.req_ids)} if offsets is None else dict(zip(result.req_ids, offsets)),
                           mask_errors=mask_errors, drafts=sampling.drafts, offsets=offsets, propose=sampling.propose,
-                          draft_masks=sampling.masks if sampling.drafts is not None else None,
-                          masks=sampling.masks if sampling.drafts is None else None)
+                          masks=sampling.masks)
         if batch.max_logprobs >= 0:
             flight.logprob_parts = gather_logprobs(torch.log_softmax(logits, -1, dtype=torch.float32), tokens,
                                                    batch.max_logprobs)
@@ -527,7 +526,7 @@ class ModelRunner:
                 result.logprobs[result.req_ids[i]] = [next(lps) for _ in tokens]
         eos = frozenset(self.sampling.eos_token_ids) if self.sampling.host_sampled else ()
         # a step without drafts: its masked requests' tokens checked and accepted at once
-        masked = flight.masks is not None
+        masked = flight.masks is not None and flight.drafts is None
         refused = self.sampling.accept_masked(flight.states, result.token_ids, flight.masks) if masked else {}
         for i, (req_id, state, token) in enumerate(zip(result.req_ids, flight.states, result.token_ids)):
             if i in flight.mask_errors:  # its constraint filled no mask: sampled from all, it fails alone
@@ -556,7 +555,7 @@ class ModelRunner:
                         self.dropped.add(req_id)
             except Exception as exc:  # a constraint that cannot take its own token: this request fails alone
                 drawn_under = len(produced or [token])  # its rows whose draws it kept
-                if flight.draft_masks is not None and flight.draft_masks.empty_rows().get(i, drawn_under) < drawn_under:
+                if flight.masks is not None and flight.masks.empty_rows().get(i, drawn_under) < drawn_under:
                     self._fail(result, req_id, state.nothing_allowed())  # drawn where its mask allowed nothing
                     continue
                 log.exception("constraint failed", request_id=req_id)

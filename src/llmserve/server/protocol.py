@@ -65,8 +65,12 @@ MAX_DEPTH = 64
 """Nesting levels a body may have (json's own limit is the interpreter's recursion limit)."""
 
 
+class _NotANumber(ValueError):
+    """NaN, Infinity or -Infinity, which Python's json takes and JSON does not."""
+
+
 def _refuse_constant(name: str) -> None:
-    raise APIError(f"request body is not valid JSON: {name} is not a JSON number")
+    raise _NotANumber(name)
 
 
 def decode_body(raw: bytes | str) -> Any:
@@ -98,8 +102,8 @@ def parse_json(raw: bytes | str, where: str | None = None) -> tuple[Any, bool]:
         raise APIError(f"{what} is not valid JSON: {exc.msg} at position {exc.pos}", param=where) from None
     except RecursionError:
         raise APIError(f"{what} is nested more than {MAX_DEPTH} levels deep", param=where) from None
-    except APIError as exc:  # NaN, Infinity
-        raise APIError(exc.message.replace("request body", what), param=where) from None
+    except _NotANumber as exc:
+        raise APIError(f"{what} is not valid JSON: {exc} is not a JSON number", param=where) from None
     except ValueError as exc:  # an integer past the interpreter's digit limit
         raise APIError(f"{what} is not acceptable JSON: {exc}", param=where) from None
     return data, bool(_SURROGATE_ESCAPE.search(raw)) or text.count("[") + text.count("{") > MAX_DEPTH
